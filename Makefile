@@ -1,0 +1,33 @@
+# Two entry points that work on a fresh clone: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint bench golden clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/v4parity demo --out out/demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+
+bench: $(STAMP)
+	$(VENV)/bin/v4parity bench --out out/bench
+
+golden: $(STAMP)
+	$(VENV)/bin/v4parity golden --out traces
+
+clean:
+	rm -rf $(VENV) out build *.egg-info
