@@ -1,0 +1,58 @@
+"""Checkpoint and sub-op names shared by every engine (spec v4-residual-ffn-gguf §12).
+
+Per position there are L + 2 carrier checkpoints (45 for V4-Flash): `embed`, `blk.0` ... `blk.{L-1}`
+(carrier after each layer's FFN HC_post) and `final_norm`. `blk.{l}.attn` is the optional
+half-layer carrier after the attention HC_post.
+"""
+
+from __future__ import annotations
+
+EMBED = "embed"
+FINAL_NORM = "final_norm"
+LOGITS = "logits"
+
+# Sub-ops of one layer in execution order; the drill-down names the first one that drifts.
+# Each maps to the capture names an engine fills when asked to (`forward_layer(..., capture=True)`).
+SUBOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("hc_attn_pre", ("hc_attn_pre",)),          # u = sum_h pre_h X[h]            [T, D]
+    ("attn_norm", ("attn_norm",)),              # x = RMSNorm(u; attn_norm)       [T, D]
+    ("q_path", ("q_path",)),                    # per-head-normed q, before RoPE  [T, nh, hd]
+    ("kv_latent", ("kv_latent",)),              # kv_norm(W_kv x), before RoPE    [T, hd]
+    ("rope", ("rope_q", "rope_kv")),            # q after RoPE; raw KV row after RoPE+FP8  [T,nh,hd], [T,hd]
+    ("compressor_rows", ("comp_rows", "index_rows")),  # emitted rows after post-processing [n, hd], [n, d_I]
+    ("indexer_selection", ("index_sel",)),      # selected compressed rows per position [T, top_k] (-1 pad)
+    ("attention", ("attn_heads",)),             # sink attention output per head, before inverse RoPE [T, nh, hd]
+    ("output_proj", ("attn_out",)),             # inverse RoPE + grouped output projection  [T, D]
+    ("hc_attn_post", ("hc_attn_post",)),        # Y = post*a + C^T X              [T, H, D]
+    ("hc_ffn_pre", ("hc_ffn_pre",)),            # v                                [T, D]
+    ("ffn_norm", ("ffn_norm",)),                # RMSNorm(v; ffn_norm)             [T, D]
+    ("router", ("expert_ids", "expert_weights")),  # selected ids [T, K] and final weights [T, K]
+    ("routed_experts", ("routed_out",)),        # sum_k y_k                        [T, D]
+    ("shared_expert", ("shared_out",)),         # shared expert output             [T, D]
+    ("hc_ffn_post", ("hc_ffn_post",)),          # X' = post*f + C^T Y              [T, H, D]
+)
+SUBOP_NAMES: tuple[str, ...] = tuple(name for name, _ in SUBOPS)
+
+
+def block(layer: int) -> str:
+    return f"blk.{layer}"
+
+
+def block_attn(layer: int) -> str:
+    return f"blk.{layer}.attn"
+
+
+def checkpoint_names(n_layers: int) -> tuple[str, ...]:
+    """The L + 2 carrier checkpoints in depth order."""
+    return (EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM)
+
+
+def checkpoint_depth(name: str) -> int:
+    """Depth index for plotting: embed 0, blk.l l+1 (blk.l.attn l+0.5 rounds to l+1), final_norm L+1."""
+    if name == EMBED:
+        return 0
+    if name.startswith("blk."):
+        return int(name.split(".")[1]) + 1
+    if name == FINAL_NORM:
+        return -1  # caller places it after the last layer
+    raise ValueError(f"unknown checkpoint name {name!r}")

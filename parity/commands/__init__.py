@@ -1,0 +1,1 @@
+"""One module per command noun; each exposes `COMMANDS`, a list of click commands."""

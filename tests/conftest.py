@@ -1,0 +1,34 @@
+"""Shared fixtures: synthetic tiny models written once per test session (never downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity.synth import synthesize
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _model(model_dir, quant: str, preset: str = "tiny"):
+    path = model_dir / f"{preset}-{quant}.gguf"
+    if not path.exists():
+        synthesize(path, preset, quant, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(model_dir):
+    return _model(model_dir, "f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_realmix(model_dir):
+    return _model(model_dir, "real-mix")
+
+
+@pytest.fixture(scope="session")
+def tiny_mxfp4(model_dir):
+    return _model(model_dir, "mxfp4")
