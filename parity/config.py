@@ -294,6 +294,11 @@ def config_from_metadata(kv: dict[str, Value], source: str,
         eos_token_id=m.int("tokenizer.ggml.eos_token_id", 0, vocab - 1),
         derived=derived,
     )
+    if p + "embedding_length_out" in kv:  # optional (llama.cpp writes it); when present it must agree
+        hd_out = m.int(p + "embedding_length_out", 1, 1 << 30)
+        if hd_out != cfg.hc_mult * cfg.dim:
+            raise m.fail(p + "embedding_length_out", f"hc count x embedding_length = {cfg.hc_mult * cfg.dim}",
+                         str(hd_out))
     if cfg.index_head_dim & (cfg.index_head_dim - 1):
         raise m.fail(p + "attention.indexer.key_length", "a power of two (Hadamard size)", str(cfg.index_head_dim))
     if "tokenizer.ggml.tokens" in kv:

@@ -62,7 +62,8 @@ PRESETS = {
 }
 
 # Fixed V4 constants the presets share with the real model.
-HC_MULT, SINKHORN_ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+# epsilons as the F32 the file stores, so reading the file back gives exactly the preset's config
+HC_MULT, SINKHORN_ITERS, HC_EPS, NORM_EPS = 4, 20, float(np.float32(1e-6)), float(np.float32(1e-6))
 ROPE_THETA, COMPRESS_ROPE_THETA = 10000.0, 160000.0
 YARN_FACTOR, YARN_ORIG_CTX, YARN_BETA_FAST, YARN_BETA_SLOW = 16.0, 65536, 32.0, 1.0
 ROUTE_SCALE, CONTEXT_LENGTH = 1.5, 1048576

@@ -1,0 +1,247 @@
+"""The GGUF container: writer/reader round trip, bad input, corruption fuzzing, shards, inventory."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parity.config import config_from_metadata
+from parity.errors import GGUFError, ParityError
+from parity.gguf_io import VT, GGUFFile, TensorData, Value, write_gguf
+from parity.inventory import REAL_RELEASE_TYPES, expected_tensors, layout_bytes, validate
+from parity.quant_blocks import random_blocks
+from parity.synth import init_weight, metadata, preset_config, synthesize, tensor_type
+from parity.vocab import synthetic_vocab
+from parity.weights import Weights
+
+V4_FLASH = preset_config("tiny", 129280).__class__(
+    dim=4096, n_layers=43, vocab_size=129280, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024,
+    o_groups=8, o_lora_rank=1024, window_size=128,
+    compress_ratios=(0, 0, *(4 if l % 2 == 0 else 128 for l in range(2, 43))),
+    rope_theta=10000.0, compress_rope_theta=160000.0, yarn=True, rope_factor=16.0, original_seq_len=65536,
+    beta_fast=32.0, beta_slow=1.0, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6, n_routed_experts=256, n_activated_experts=6,
+    n_shared_experts=1, moe_inter_dim=2048, route_scale=1.5, expert_weights_norm=True, score_func="sqrtsoftplus",
+    n_hash_layers=3, swiglu_limit=(10.0,) * 43, swiglu_limit_shexp=(10.0,) * 43, context_length=1048576,
+    bos_token_id=0, eos_token_id=1)
+
+
+def test_v4_flash_inventory_reproduces_the_spec_figures():
+    specs = expected_tensors(V4_FLASH)
+    required = [s for s in specs if s.required]
+    assert len(required) == 1328  # spec §2: 6 + 43*23 + 41*4 + 21*6 + 3 + 40
+    assert layout_bytes(specs, REAL_RELEASE_TYPES) == 86_714_775_900
+    assert sum(1 for s in specs if not s.required) == 3  # optional exp_probs_b on the 3 hash layers
+
+
+def small_file(tmp_path, kv=None, tensors=None, alignment=32):
+    """A small valid GGUF (tiny metadata, two tensors) for container tests."""
+    kv = kv if kv is not None else metadata(preset_config("tiny", len(synthetic_vocab().tokens)), "tiny")
+    rng = np.random.default_rng(0)
+    if tensors is None:
+        tensors = [
+            TensorData("a.weight", (32, 3), int(Q.F32), rng.standard_normal((3, 32)).astype("<f4").tobytes()),
+            TensorData("b.weight", (64, 2), int(Q.Q8_0),
+                       quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), Q.Q8_0).tobytes()),
+        ]
+    path = tmp_path / "small.gguf"
+    write_gguf(path, kv, tensors, alignment)
+    return path
+
+
+def test_writer_reader_round_trip(tmp_path):
+    path = small_file(tmp_path)
+    f = GGUFFile(path)
+    kv = metadata(preset_config("tiny", len(synthetic_vocab().tokens)), "tiny")
+    assert set(f.kv) == set(kv)
+    for k, v in kv.items():
+        got = f.kv[k]
+        assert (got.type, got.elem_type) == (v.type, v.elem_type), k
+        if v.type == VT.F32 or v.elem_type == VT.F32:
+            np.testing.assert_array_equal(np.float32(got.value), np.float32(v.value))
+        else:
+            assert got.value == (list(v.value) if isinstance(v.value, list | tuple) else v.value), k
+    assert f.tensors["a.weight"].shape == (3, 32) and f.tensors["b.weight"].nbytes == 2 * 2 * 34
+    assert f.tensors["a.weight"].offset % 32 == 0 and f.tensors["b.weight"].offset % 32 == 0
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 64, 4096])
+def test_custom_alignment_is_honoured(tmp_path, alignment):
+    kv = {"general.alignment": Value(VT.U32, alignment)}
+    path = small_file(tmp_path, kv=kv, alignment=alignment)
+    f = GGUFFile(path)
+    assert f.data_start % alignment == 0
+    assert np.frombuffer(f.data("a.weight"), "<f4").shape == (96,)
+
+
+def _header(n_tensors=0, n_kv=0, version=3):
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
+
+
+@pytest.mark.parametrize("blob,message", [
+    (b"", "truncated"),
+    (b"GGU", "truncated"),
+    (b"GGML" + bytes(20), "bad magic"),
+    (_header(version=1), "unsupported GGUF version 1"),
+    (_header(version=99), "unsupported GGUF version 99"),
+    (_header(n_kv=2**62), "truncated or corrupt"),
+    (_header(n_tensors=2**40), "truncated or corrupt"),
+    (_header(n_kv=1) + struct.pack("<Q", 2**60) + b"k", "truncated or corrupt"),  # huge key length
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 2**61), "truncated or corrupt"),
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**61), "truncated or corrupt"),
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 77), "unknown value type 77"),
+    (_header(n_kv=1) + struct.pack("<Q", 1) + b"\xff" + struct.pack("<I", 4) + bytes(4), "not valid UTF-8"),
+])
+def test_malformed_headers_raise_gguf_error(tmp_path, blob, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(blob + bytes(64) if blob.startswith(b"GGUF") and len(blob) < 24 else blob)
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(path)
+
+
+def _one_tensor_file(tmp_path, ne, ggml_type, offset, data_len):
+    name = b"t"
+    info = struct.pack("<Q", 1) + name + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+    info += struct.pack("<IQ", ggml_type, offset)
+    head = _header(n_tensors=1) + info
+    head += bytes(-len(head) % 32)
+    path = tmp_path / "t.gguf"
+    path.write_bytes(head + bytes(data_len))
+    return path
+
+
+@pytest.mark.parametrize("ne,qtype,offset,data_len,message", [
+    ((32,), 0, 0, 64, "runs past the end"),
+    ((32,), 0, 8, 256, "not aligned"),
+    ((33,), 8, 0, 64, "not a multiple"),
+    ((32,), 999, 0, 128, "unknown ggml type"),
+    ((0,), 0, 0, 128, "impossible dimension"),
+    ((2**41, 2), 0, 0, 128, "impossible dimension"),
+    ((2**40, 2**20), 0, 0, 128, "runs past the end"),
+    ((4, 4, 4, 4, 4), 0, 0, 4096, "n_dims=5"),
+])
+def test_bad_tensor_table_raises_gguf_error(tmp_path, ne, qtype, offset, data_len, message):
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(_one_tensor_file(tmp_path, ne, qtype, offset, data_len))
+
+
+@pytest.fixture(scope="module")
+def valid_bytes(tmp_path_factory):
+    return small_file(tmp_path_factory.mktemp("fuzz")).read_bytes()
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_corruption_raises_only_project_errors(tmp_path_factory, valid_bytes, data):
+    blob = bytearray(valid_bytes)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(blob))))
+    path = tmp_path_factory.getbasetemp() / "corrupt.gguf"
+    path.write_bytes(bytes(blob[:cut] if cut is not None else blob))
+    try:
+        f = GGUFFile(path)
+        config_from_metadata(f.kv, f.path, {n: t.shape for n, t in f.tensors.items()})
+    except ParityError:
+        pass
+
+
+def test_synth_same_seed_gives_identical_bytes_and_other_seed_differs(tmp_path):
+    a = synthesize(tmp_path / "a.gguf", "tiny", "real-mix", seed=3).read_bytes()
+    b = synthesize(tmp_path / "b.gguf", "tiny", "real-mix", seed=3).read_bytes()
+    c = synthesize(tmp_path / "c.gguf", "tiny", "real-mix", seed=4).read_bytes()
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("fixture", ["tiny_f32", "tiny_realmix", "tiny_mxfp4"])
+def test_synthetic_models_validate_and_read_back(fixture, request):
+    w = Weights(request.getfixturevalue(fixture))
+    assert validate(w.files[0], w.config).ok
+    assert w.config == preset_config("tiny", len(synthetic_vocab().tokens))
+    for name in w.names:
+        arr = w.tensor(name)
+        assert arr.shape == w.info(name).shape
+
+
+def test_real_mix_uses_the_release_types_and_random_blocks_hit_the_intended_scale(tiny_realmix):
+    w = Weights(tiny_realmix)
+    cfg = w.config
+    for spec in expected_tensors(cfg):
+        if not spec.required:
+            continue
+        assert w.info(spec.name).ggml_type == tensor_type(spec, "real-mix"), spec.name
+        if w.info(spec.name).ggml_type in (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS):
+            _, std = init_weight(spec, cfg, np.random.default_rng(0))
+            got = w.tensor(spec.name)
+            assert np.isfinite(got).all()
+            assert abs(got.std() / std - 1) < 0.10, (spec.name, got.std(), std)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K, Q.IQ2_XXS])
+@pytest.mark.parametrize("std", [1e-3, 0.05, 2.0])
+def test_random_blocks_scale_and_finiteness(qtype, std):
+    blocks = random_blocks(qtype, (16, 512), std, np.random.default_rng(1))
+    vals = quants.dequantize(blocks, qtype)
+    assert vals.shape == (16, 512) and np.isfinite(vals).all()
+    assert abs(vals.std() / std - 1) < 0.10
+    assert abs(vals.mean()) < 0.1 * std
+
+
+def test_quantized_types_are_quantized_from_the_float_weights(tiny_mxfp4, tiny_f32):
+    mx, f = Weights(tiny_mxfp4), Weights(tiny_f32)
+    name = "blk.3.ffn_up_exps.weight"
+    a, b = mx.expert(name, 5), f.expert(name, 5)
+    assert mx.info(name).type_name == "MXFP4"
+    rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert 0 < rel < 0.2  # 4-bit quantization error of the same weights, not unrelated values
+
+
+def test_expert_slice_equals_the_whole_tensor_slice(tiny_realmix):
+    w = Weights(tiny_realmix)
+    for name in ("blk.4.ffn_gate_exps.weight", "blk.4.ffn_down_exps.weight"):
+        whole = w.tensor(name)
+        for e in (0, 7):
+            np.testing.assert_array_equal(w.expert(name, e), whole[e])
+
+
+def test_split_shards_read_like_one_file(tmp_path, tiny_f32):
+    src = GGUFFile(tiny_f32)
+    names = list(src.tensors)
+    half = len(names) // 2
+    for i, part in enumerate((names[:half], names[half:]), start=1):
+        kv = dict(src.kv) if i == 1 else {}
+        tensors = [TensorData(n, src.tensors[n].ne, src.tensors[n].ggml_type, bytes(src.data(n))) for n in part]
+        write_gguf(tmp_path / f"m-{i:05d}-of-00002.gguf", kv, tensors)
+    w = Weights(tmp_path / "m-00002-of-00002.gguf")
+    assert w.config == Weights(tiny_f32).config
+    np.testing.assert_array_equal(w.tensor(names[-1]), Weights(tiny_f32).tensor(names[-1]))
+    (tmp_path / "m-00001-of-00002.gguf").unlink()
+    with pytest.raises(GGUFError, match="missing shard"):
+        Weights(tmp_path / "m-00002-of-00002.gguf")
+
+
+def test_nan_weights_are_an_error_naming_the_tensor(tmp_path):
+    kv = metadata(preset_config("tiny", len(synthetic_vocab().tokens)), "tiny")
+    arr = np.ones((4, 32), np.float32)
+    arr[2, 5] = np.nan
+    path = small_file(tmp_path, kv=kv, tensors=[TensorData("output_norm.weight", (32, 4), 0, arr.tobytes())])
+    w = Weights(path)
+    with pytest.raises(ParityError, match="output_norm.weight.*non-finite"):
+        w.tensor("output_norm.weight")
+    with pytest.raises(ParityError, match="'token_embd.weight' is missing"):
+        w.tensor("token_embd.weight")
+
+
+def test_importing_parity_and_cli_help_do_not_import_torch():
+    code = "import sys, parity, parity.cli; parity.cli.cli(['--help'], standalone_mode=False); " \
+           "sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
