@@ -1,0 +1,109 @@
+"""`ReferenceEngine`: the pure-NumPy reference behind the `parity.engine.Engine` protocol.
+
+    engine = ReferenceEngine("model.gguf", RunOptions(fp8_kv=True, fp4_indexer=True, dtype="float64"))
+    state = engine.new_state()
+    X = engine.embed(tokens); out = engine.forward_layer(state, 0, X, tokens, start_pos=0); ...
+
+Any chunk size at any start position runs through the same caches (prefill, chunked prefill, decode).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parity.config import ModelConfig
+from parity.engine import LayerOutput, RunOptions
+from parity.errors import ParityError
+from parity.weights import Weights
+from reference_cpu import __version__
+from reference_cpu.hc import hc_head, hc_init
+from reference_cpu.model import Numerics, block_forward
+from reference_cpu.norms import rms_norm
+from reference_cpu.rope import rope_frequencies
+from reference_cpu.state import SequenceState
+from reference_cpu.weights_cache import WeightStore
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+def check_options(options: RunOptions, cfg: ModelConfig) -> None:
+    """Refuse options the reference cannot honour, naming the option (no silent fallback)."""
+    if options.inject:
+        raise ParityError(f"the reference engine does not inject faults (got {list(options.inject)}); "
+                          "faults live in the torch engine")
+    if options.dtype not in DTYPES:
+        raise ParityError(f"reference dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.fp8_kv and cfg.nope_dim % 64:
+        raise ParityError(f"--fp8-kv needs head_dim - rope_head_dim = {cfg.nope_dim} to be a multiple of 64 "
+                          "(FP8 blocks of 64); run with --no-fp8-kv")
+    if options.fp4_indexer and cfg.index_head_dim % 32:
+        raise ParityError(f"--fp4-indexer needs the indexer head dim {cfg.index_head_dim} to be a multiple of 32 "
+                          "(FP4 blocks of 32); run with --no-fp4-indexer")
+
+
+def layer_frequencies(cfg: ModelConfig, layer: int) -> np.ndarray:
+    """RoPE table of a layer: plain rope_theta when ratio = 0, compress_rope_theta (+ YaRN if the file says so) else.
+
+    -> [rope_head_dim / 2] float64.
+    """
+    if cfg.ratio(layer) == 0:
+        return rope_frequencies(cfg.rope_head_dim, cfg.rope_theta)
+    return rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn, cfg.rope_factor,
+                            cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+
+
+class ReferenceEngine:
+    """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `cache_gb`."""
+
+    name = "reference"
+
+    def __init__(self, model_path: str, options: RunOptions, cache_gb: float = 4.0) -> None:
+        self.weights = Weights(model_path)
+        self.config: ModelConfig = self.weights.config
+        check_options(options, self.config)
+        self.options = options
+        self.dtype = np.dtype(DTYPES[options.dtype])
+        self.version = f"reference_cpu {__version__} (numpy {np.__version__})"
+        self.store = WeightStore(self.weights, self.dtype, cache_gb)
+        self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override)
+        self.freqs = [layer_frequencies(self.config, l).astype(self.dtype) for l in range(self.config.n_layers)]
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.config, self.dtype)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [n] -> carrier [n, H, D]: H copies of the embedding row, no scaling (spec residual-ffn §6)."""
+        tokens = np.asarray(tokens)
+        V = self.config.vocab_size
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise ParityError(f"embed expects a non-empty 1-D token array, got shape {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ParityError(f"token id outside [0, {V}): {tokens.min()}..{tokens.max()}")
+        return hc_init(self.store.rows("token_embd.weight", tokens), self.config.hc_mult)
+
+    def forward_layer(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
+                      start_pos: int, capture: bool = False) -> LayerOutput:
+        """Layer `layer` on positions start_pos..start_pos+n-1 through `state` (any n >= 1)."""
+        cfg = self.config
+        if not 0 <= layer < cfg.n_layers:
+            raise ParityError(f"layer {layer} out of range [0, {cfg.n_layers})")
+        carrier = np.asarray(carrier)
+        n = carrier.shape[0] if carrier.ndim == 3 else -1
+        if carrier.shape != (n, cfg.hc_mult, cfg.dim) or n < 1:
+            raise ParityError(f"layer {layer}: carrier shape {carrier.shape}, expected (n, {cfg.hc_mult}, {cfg.dim})")
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.shape != (n,):
+            raise ParityError(f"layer {layer}: {len(tokens)} tokens for a carrier of {n} positions")
+        if not np.isfinite(carrier).all():
+            raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
+        return block_forward(self.store, cfg, layer, state.layers[layer], carrier.astype(self.dtype, copy=False),
+                             tokens, int(start_pos), self.freqs[layer], self.numerics, capture)
+
+    def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """carrier [n, H, D] -> (final_norm [n, D], logits [n, V]): HC head, output_norm, output (§8.3)."""
+        s, cfg = self.store, self.config
+        z = hc_head(np.asarray(carrier).astype(self.dtype, copy=False), s.dense("output_hc_fn.weight"),
+                    float(s.dense("output_hc_scale.weight")[0]), s.dense("output_hc_base.weight"), cfg.norm_eps,
+                    cfg.hc_eps)
+        final = rms_norm(z, s.dense("output_norm.weight"), cfg.norm_eps)
+        return final, final @ s.dense("output.weight").T

@@ -1,0 +1,66 @@
+"""Lightning indexer of CSA layers: which compressed rows each query attends to (spec attention §8).
+
+score_t(j) = Σ_h ω_h · ReLU(qI_h · kI_j) over visible rows j < ⌊(t+1)/m⌋; the top-k (lowest index wins
+ties) is shared by all heads. With at most k visible rows every visible row is selected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
+from reference_cpu.rope import apply_rope
+
+
+def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, freqs: np.ndarray, n_heads: int,
+                    fp4: bool) -> np.ndarray:
+    """qI_h = FP4SIM(Had(RoPE((W_Iqb qr)_h, t))), no per-head norm; Had+FP4 only with the simulation on (§8.2).
+
+    qr [n, q_lora_rank], wq_b [n_heads·d_I, q_lora_rank], pos [n] -> [n, n_heads, d_I].
+    """
+    q = (qr @ wq_b.T).reshape(qr.shape[0], n_heads, -1)
+    q = apply_rope(q, pos, freqs)
+    return fp4_e2m1_roundtrip(hadamard(q)) if fp4 else q
+
+
+def indexer_weights(x: np.ndarray, w_proj: np.ndarray, head_dim: int) -> np.ndarray:
+    """ω = (W_Iw x) / √(d_I · n_heads): signed head weights, never ReLU'd (§8.2).
+
+    x [n, D], w_proj [n_heads, D], head_dim d_I -> [n, n_heads].
+    """
+    return (x @ w_proj.T) * (1.0 / math.sqrt(head_dim * w_proj.shape[0]))
+
+
+def indexer_scores(q: np.ndarray, w: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """score(j) = Σ_h ω_h · ReLU(q_h · kI_j): ReLU per head before the weighted sum (§8.3).
+
+    q [n_heads, d_I], w [n_heads] (already scaled), rows [N, d_I] -> [N].
+    """
+    return w @ np.maximum(q @ rows.T, 0)
+
+
+def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores, equal scores ordered by lowest index first, returned ascending.
+
+    scores [N] -> int [min(k, N)].
+    """
+    order = np.argsort(-scores, kind="stable")
+    return np.sort(order[:k])
+
+
+def select_rows(q: np.ndarray, w: np.ndarray, rows: np.ndarray, pos: np.ndarray, ratio: int,
+                topk: int) -> np.ndarray:
+    """Sel_t = all j < n_t if n_t ≤ k else top-k of score_t over j < n_t, n_t = ⌊(t+1)/m⌋ (§8.3, §9).
+
+    q [n, n_heads, d_I], w [n, n_heads] scaled, rows [N, d_I], pos [n] -> int [n, topk] ascending, -1 padded.
+    """
+    sel = np.full((len(pos), topk), -1, dtype=np.int64)
+    for i, t in enumerate(pos):
+        n_t = (int(t) + 1) // ratio
+        if n_t <= topk:
+            sel[i, :n_t] = np.arange(n_t)
+        else:
+            sel[i] = topk_lowest_index(indexer_scores(q[i], w[i], rows[:n_t]), topk)
+    return sel

@@ -1,0 +1,116 @@
+"""Weight access for the reference: lazy dequantization through ONE function, a bounded LRU cache.
+
+Every byte -> float conversion goes through `dequantize` (the fast bit-exact NumPy dequantizers can be
+swapped in there). Dense tensors and routed-expert slices are cached under one byte budget (`cache_gb`);
+the least recently used entry is evicted first and an entry larger than the whole budget is used
+without being cached, so memory never grows without bound. Embedding rows are dequantized per token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from parity.errors import TensorError
+from parity.weights import Weights, dequantize_bytes
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 (int32 for I32) array of numpy `shape` from raw tensor bytes of `ggml_type`.
+
+    raw uint8 [nbytes] -> [*shape].
+    """
+    return dequantize_bytes(raw, ggml_type, shape)
+
+
+class LRUCache:
+    """Arrays by key under a byte budget; least recently used first out."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.items: OrderedDict[object, np.ndarray] = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
+        if key in self.items:
+            self.hits += 1
+            self.items.move_to_end(key)
+            return self.items[key]
+        self.misses += 1
+        value = make()
+        if value.nbytes > self.budget:
+            return value
+        while self.nbytes + value.nbytes > self.budget:
+            _, old = self.items.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.evictions += 1
+        self.items[key] = value
+        self.nbytes += value.nbytes
+        return value
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self.items), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions}
+
+
+class WeightStore:
+    """Tensors of one model in the working dtype (float32, or float64 for the oracle), dequantized on demand."""
+
+    def __init__(self, weights: Weights, dtype: np.dtype, cache_gb: float) -> None:
+        if not cache_gb > 0:
+            raise TensorError(f"cache_gb must be > 0, got {cache_gb}")
+        self.weights = weights
+        self.dtype = np.dtype(dtype)
+        self.cache = LRUCache(int(cache_gb * 2**30))
+
+    def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
+        if not np.isfinite(arr).all():
+            bad = int(np.flatnonzero(~np.isfinite(arr.ravel()))[0])
+            raise TensorError(f"tensor {what}: non-finite value {arr.ravel()[bad]} at flat index {bad}")
+        return arr.astype(self.dtype)
+
+    def dense(self, name: str) -> np.ndarray:
+        """A whole float tensor, numpy shape reversed(ne)."""
+        def make() -> np.ndarray:
+            info = self.weights.info(name)
+            return self._convert(dequantize(self.weights.raw(name), info.ggml_type, info.shape), name)
+
+        return self.cache.get(name, make)
+
+    def table(self, name: str) -> np.ndarray:
+        """An I32 tensor (e.g. ffn_gate_tid2eid) as int64."""
+        def make() -> np.ndarray:
+            info = self.weights.info(name)
+            arr = dequantize(self.weights.raw(name), info.ggml_type, info.shape)
+            if arr.dtype.kind != "i":
+                raise TensorError(f"tensor {name}: expected an integer (I32) tensor, found {info.type_name}")
+            return arr.astype(np.int64)
+
+        return self.cache.get(name, make)
+
+    def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of a 2-D tensor (the embedding), dequantized row by row: [len(ids), ne0]."""
+        info = self.weights.info(name)
+        n_rows, width = info.shape
+        per = info.nbytes // n_rows
+        raw = self.weights.raw(name)
+        picked = np.concatenate([raw[int(r) * per : (int(r) + 1) * per] for r in ids])
+        return self._convert(dequantize(picked, info.ggml_type, (len(ids), width)), f"{name} rows {list(ids)}")
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e's (out, in) slice of a 3-D expert tensor (E, out, in), cached as (name, e)."""
+        def make() -> np.ndarray:
+            info = self.weights.info(name)
+            if len(info.shape) != 3:
+                raise TensorError(f"tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
+            n_exp, rows, cols = info.shape
+            if not 0 <= e < n_exp:
+                raise TensorError(f"tensor {name!r}: expert {e} out of range [0, {n_exp})")
+            per = info.nbytes // n_exp
+            raw = self.weights.raw(name)[e * per : (e + 1) * per]
+            return self._convert(dequantize(raw, info.ggml_type, (rows, cols)), f"{name}[expert {e}]")
+
+        return self.cache.get((name, e), make)
