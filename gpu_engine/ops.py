@@ -1,0 +1,120 @@
+"""Elementwise building blocks in torch: RMSNorm, interleaved partial RoPE (+YaRN), QAT round trips.
+
+Shapes follow the engine: a batch axis n first (positions), the feature axis last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3_MAX, E4M3_AMAX_FLOOR = 448.0, 1e-4
+E2M1_MAX, E2M1_AMAX_FLOOR = 6.0, 6.0 * 2.0**-126
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) (* w when weighted).
+    x [..., n], weight [n] or None -> [..., n]."""
+    y = x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def rope_frequencies(rope_dim: int, base: float, yarn: bool, factor: float, original_seq_len: int,
+                     beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """f_i = B^(-2i/r), YaRN-blended f_i = g_i·keep_i + g_i/factor·(1-keep_i) when `yarn` (no mscale).
+    -> float64 [r/2] on the CPU."""
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    g = base ** (-2.0 * i / rope_dim)
+    if not yarn:
+        return g
+
+    def corr(beta: float) -> float:
+        return rope_dim * math.log(original_seq_len / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
+    ramp = torch.clamp((i - low) / ((high - low) if high != low else 0.001), 0.0, 1.0)
+    keep = 1.0 - ramp
+    return g * keep + (g / factor) * (1.0 - keep)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
+         split_halves: bool = False) -> torch.Tensor:
+    """Rotate the trailing r dims of x in pairs by φ_i = p·f_i (interleaved pairs (2i, 2i+1); φ -> -φ when inverse).
+    x [n, ..., d], pos [n] int, freqs [r/2] (x's dtype/device) -> new tensor [n, ..., d].
+    `split_halves` is the rope-split-halves fault: pairs (i, i + r/2) (NeoX layout)."""
+    r = 2 * freqs.shape[0]
+    angle = pos.to(x.dtype)[:, None] * freqs[None, :]
+    angle = angle.reshape(angle.shape[0], *([1] * (x.dim() - 2)), angle.shape[1])
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if inverse:
+        sin = -sin
+    tail = x[..., -r:]
+    if split_halves:
+        a, b = tail[..., : r // 2], tail[..., r // 2 :]
+        rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    else:
+        a, b = tail[..., 0::2], tail[..., 1::2]
+        rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], rotated], dim=-1)
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """⌈log2 x⌉ exactly for x > 0 (x = m·2^e, m in [0.5, 1)).  [...] -> int32 [...]"""
+    m, e = torch.frexp(x)
+    return torch.where(m == 0.5, e - 1, e)
+
+
+def _pow2(k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones((), dtype=like.dtype, device=like.device), k.to(like.dtype))
+
+
+def e4m3_round(v: torch.Tensor) -> torch.Tensor:
+    """Nearest float8-e4m3fn value, ties to even (step 2^-9 below 2^-6, else 2^(⌊log2|v|⌋-3)).  |v| <= 448."""
+    a = v.abs()
+    _, e = torch.frexp(a)
+    step = torch.where(a < 2.0**-6, torch.full_like(a, 2.0**-9), _pow2(e - 4, a))
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """Nearest of ±{0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even code (step .5 / 1 / 2 below 2 / 4 / above).  |v| <= 6."""
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(a.dtype)
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def fp8_nope(kv: torch.Tensor, nope_dim: int, block: int = 64) -> torch.Tensor:
+    """FP8SIM_nope: per 64-block of dims [0, nope) b <- E4M3(clamp(b/s, ±448))·s, s = 2^⌈log2(amax·fl(1/448))⌉.
+    kv [..., hd] -> new tensor [..., hd]; the rope tail is untouched."""
+    b = kv[..., :nope_dim].reshape(*kv.shape[:-1], nope_dim // block, block)
+    amax = torch.clamp(b.abs().amax(dim=-1, keepdim=True), min=E4M3_AMAX_FLOOR)
+    s = _pow2(_ceil_log2(amax * torch.tensor(1.0 / E4M3_MAX, dtype=kv.dtype)), b)
+    q = e4m3_round(torch.clamp(b / s, -E4M3_MAX, E4M3_MAX)) * s
+    return torch.cat([q.reshape(*kv.shape[:-1], nope_dim), kv[..., nope_dim:]], dim=-1)
+
+
+def fp4_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4SIM: per 32-block b <- E2M1(clamp(b/s, ±6))·s, s = 2^⌈log2(max(amax, 6·2^-126)/6)⌉.
+    x [..., k·32] -> [..., k·32]."""
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = torch.clamp(b.abs().amax(dim=-1, keepdim=True), min=E2M1_AMAX_FLOOR)
+    s = _pow2(_ceil_log2(amax / E2M1_MAX), b)
+    return (e2m1_round(torch.clamp(b / s, -E2M1_MAX, E2M1_MAX)) * s).reshape(x.shape)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """H_n / √n (Sylvester order), symmetric orthonormal.  -> [n, n]"""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < n:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return (H / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, symmetric_gate: bool = False) -> torch.Tensor:
+    """h = silu(min(g, c)) · clip(u, -c, c) (clamp off when c <= 0).
+    [..., F] x2 -> [..., F]. `symmetric_gate` is the swiglu-symmetric-clamp fault (gate clipped to [-c, c])."""
+    if limit > 0:
+        gate = torch.clamp(gate, -limit, limit) if symmetric_gate else torch.clamp(gate, max=limit)
+        up = torch.clamp(up, -limit, limit)
+    return torch.nn.functional.silu(gate) * up
