@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from parity.errors import TensorError
-from parity.weights import Weights, dequantize_bytes
+from parity.weights import Weights
+from reference_cpu.dequant import dequantize as fast_dequantize
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -22,7 +23,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 
     raw uint8 [nbytes] -> [*shape].
     """
-    return dequantize_bytes(raw, ggml_type, shape)
+    return fast_dequantize(raw, ggml_type, shape)  # bit-identical to gguf.quants (tests/test_dequant.py)
 
 
 class LRUCache:
