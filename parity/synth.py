@@ -24,7 +24,7 @@ from parity.config import ModelConfig
 from parity.gguf_io import VT, TensorData, Value, write_gguf
 from parity.inventory import REAL_RELEASE_TYPES, TensorSpec, expected_tensors
 from parity.quant_blocks import RANDOM_BLOCK_TYPES, random_blocks
-from parity.vocab import synthetic_vocab
+from parity.vocab import CHAT_TEMPLATE, synthetic_vocab
 
 QUANTS = ("f32", "real-mix", "mxfp4")
 
@@ -147,6 +147,7 @@ def metadata(cfg: ModelConfig, name: str) -> dict[str, Value]:
         "tokenizer.ggml.eos_token_id": u32(vocab.eos_id),
         "tokenizer.ggml.add_bos_token": Value(VT.BOOL, True),
         "tokenizer.ggml.add_eos_token": Value(VT.BOOL, False),
+        "tokenizer.chat_template": Value(VT.STRING, CHAT_TEMPLATE),
     }
 
 

@@ -15,7 +15,38 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
+DSML = "｜DSML｜"
 SPECIAL_TOKENS = (USER, ASSISTANT, THINK, END_THINK)
+# The only specials ds4 recognises inside an already-rendered prompt (`tokenize_rendered_chat_vocab`).
+RENDERED_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML)
+# The official API spells EOS with doubled bars (33 bytes); the vocabulary has single bars (27 bytes).
+API_EOS = "<｜｜end▁of▁sentence｜｜>"
+LITERAL_MARK = "｜"  # U+FF5C: vocab strings containing it are literal text, not byte-level encoded
+
+# The synthetic model's own chat template (written for v4parity, not copied): the DeepSeek-V4 prompt
+# layout of spec §11 -- BOS, system text, <｜User｜> turns (consecutive user turns joined by a blank
+# line), completed assistant turns as <｜Assistant｜></think>answer<EOS>, and the generation prompt
+# <｜Assistant｜> followed by <think> (thinking) or </think> (non-thinking).
+CHAT_TEMPLATE = r"""{%- set ns = namespace(system='', in_user=false) -%}
+{%- for m in messages if m['role'] == 'system' -%}
+  {%- set ns.system = ns.system ~ ('' if loop.first else '\n\n') ~ m['content'] -%}
+{%- endfor -%}
+{{- bos_token ~ ns.system -}}
+{%- for m in messages -%}
+  {%- if m['role'] == 'user' -%}
+    {{- ('\n\n' if ns.in_user else '<｜User｜>') ~ m['content'] -}}
+    {%- set ns.in_user = true -%}
+  {%- elif m['role'] == 'assistant' -%}
+    {{- '<｜Assistant｜></think>' ~ m['content'] ~ '<｜end▁of▁sentence｜>' -}}
+    {%- set ns.in_user = false -%}
+  {%- elif m['role'] != 'system' -%}
+    {{- raise_exception('unsupported chat role: ' ~ m['role']) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<｜Assistant｜>' ~ ('<think>' if thinking else '</think>') -}}
+{%- endif -%}
+"""
 
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
@@ -69,6 +100,23 @@ def _learn_merges(corpus: str, n_merges: int) -> list[tuple[str, str]]:
                     j += 1
             words[i] = out
     return merges
+
+
+def byte_decoder() -> dict[str, int]:
+    """Inverse of `bytes_to_unicode`: printable character -> byte."""
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(token: str, decoder: dict[str, int] | None = None) -> bytes:
+    """The raw bytes a vocab string stands for, as ds4's `ds4_token_text` computes them.
+
+    Strings containing U+FF5C (the chat specials) are literal UTF-8; all others are GPT-2 byte-level
+    encoded and map back char by char. ds4 drops characters outside the byte map; so does this.
+    """
+    if LITERAL_MARK in token:
+        return token.encode()
+    table = decoder if decoder is not None else byte_decoder()
+    return bytes(table[c] for c in token if c in table)
 
 
 @dataclass(frozen=True)
