@@ -39,7 +39,7 @@ class LayerCache:
 @dataclass
 class AttnResult:
     out: torch.Tensor                          # [n, D]
-    n_comp_visible: torch.Tensor               # int [n]
+    n_comp_visible: torch.Tensor               # int [n] rows visible by the causal rule (before selection)
     index_sel: torch.Tensor | None             # int [n, top_k], -1 padded; None off CSA layers
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -207,6 +207,7 @@ class AttentionLayer:
         comp = torch.zeros(0, hd, device=dev, dtype=x.dtype)
         comp_mask = torch.zeros(n, 0, dtype=torch.bool, device=dev)
         index_sel = None
+        n_vis = torch.zeros(n, dtype=torch.int64, device=dev)
         if m > 0:
             rows, j = self._compressor(cache.main, "attn_compressor", x, start_pos, hd, m, emit)
             rows = self._fp8(self._rope(rows, j * m))
@@ -231,7 +232,7 @@ class AttentionLayer:
         keep = cfg.window_size - 1
         cache.raw = raw[raw.shape[0] - min(keep, raw.shape[0]) :] if keep > 0 else raw[:0]
         cache.pos = start_pos + n
-        return AttnResult(out, comp_mask.sum(dim=1), index_sel, cap)
+        return AttnResult(out, n_vis, index_sel, cap)
 
     def _indexer(self, cache: LayerCache, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, start_pos: int,
                  n_vis: torch.Tensor, emit: bool, cap: dict | None) -> torch.Tensor:

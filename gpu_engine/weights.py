@@ -25,11 +25,14 @@ class QTensor:
         self.name, self.qtype, self.shape = name, Q(qtype), tuple(shape)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         self.raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1).copy()).to(device)
+        self._checked: set[str] = set()  # parts already proven finite (checked once, on first use)
 
     def _deq(self, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
         out = dequantize(raw, self.qtype).reshape(shape)
-        if not torch.isfinite(out).all():
-            raise TensorError(f"tensor {what}: non-finite values after dequantization")
+        if what not in self._checked:
+            if not torch.isfinite(out).all():
+                raise TensorError(f"tensor {what}: non-finite values after dequantization")
+            self._checked.add(what)
         return out.to(dtype)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +47,10 @@ class QTensor:
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Selected rows of a 2-D tensor.  idx [n] -> [n, in]"""
-        return self._deq(self.raw[idx], (idx.shape[0], self.shape[-1]), dtype, self.name)
+        out = dequantize(self.raw[idx], self.qtype).reshape(idx.shape[0], self.shape[-1])
+        if not torch.isfinite(out).all():
+            raise TensorError(f"tensor {self.name}: non-finite values in rows {idx.tolist()}")
+        return out.to(dtype)
 
 
 class DeviceWeights:
