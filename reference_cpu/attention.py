@@ -49,6 +49,8 @@ def key_set(t: int, raw: np.ndarray, raw_start: int, window: int, comp: np.ndarr
     raw [nr, hd] holds positions raw_start.., comp [N, hd], sel [top_k] (-1 padded) or None -> [nk, hd].
     """
     lo = max(0, t - window + 1)
+    if lo < raw_start or t - raw_start >= len(raw):
+        raise ValueError(f"raw rows cover positions {raw_start}..{raw_start + len(raw) - 1}, query {t} needs {lo}..{t}")
     keys = raw[lo - raw_start : t - raw_start + 1]
     if ratio == 0:
         return keys
