@@ -1,0 +1,123 @@
+"""The Python API mirroring the CLI: `trace`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`.
+
+Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult); the CLI
+commands only parse options, call one of these and print. Importing this module does not import
+torch; engines are loaded through `parity.engine.load_engine` only when a trace is run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.engine import Engine, RunOptions, load_engine
+from parity.errors import TraceError
+from parity.runner import ChunkResult, chunk_schedule, run_sequence
+from parity.trace import Recorder, Trace, TraceHeader, resolve_full, resolve_positions, trace_checkpoints
+from parity.trace_io import read_trace, write_trace
+
+TraceLike = Trace | str | os.PathLike
+
+
+def load_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
+    """Read a trace in either form (text or .npz), with its full vectors when it has a side file."""
+    return read_trace(path, load_vectors)
+
+
+def save_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) -> Path:
+    """Write a trace atomically: text unless `form='npz'` or the path ends in .npz."""
+    return write_trace(trace, path, form)
+
+
+def _as_trace(t: TraceLike) -> Trace:
+    return t if isinstance(t, Trace) else read_trace(t)
+
+
+def model_identity(model: str | os.PathLike) -> dict[str, Any]:
+    """Size + header hash of a GGUF (all shards), as stored in trace headers."""
+    from parity.weights import Weights
+
+    return Weights(model).identity()
+
+
+def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int], *,
+          positions: str | Sequence[int] = "last",
+          full: str | Sequence[str] | None = None, decode: int = 0, chunk: int | None = None, top_k: int = 20,
+          options: RunOptions | None = None, on_chunk: Callable[[ChunkResult], None] | None = None) -> Trace:
+    """Run `engine` (a registered name or an Engine instance) on `tokens` (+ `decode` greedy steps) and record.
+
+    positions: 'last' | 'all' | list of positions of the whole run; full: 'all' | list of checkpoints
+    (and 'logits') whose full vectors go to the side file; `on_chunk` sees every chunk result as it
+    comes (progress bars, logit dumps).
+    """
+    options = options or RunOptions()
+    eng = load_engine(engine, str(model), options) if isinstance(engine, str) else engine
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise TraceError("no tokens to trace")
+    vocab = eng.config.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise TraceError(f"token id(s) {bad[:5]} out of range [0, {vocab}) for this model")
+    if decode < 0:
+        raise TraceError(f"decode must be >= 0, got {decode}")
+    n_total = len(tokens) + decode
+    pos = resolve_positions(positions, n_total)
+    full_names = resolve_full(full, eng.config.n_layers)
+    rec = Recorder(trace_checkpoints(eng.config.n_layers), pos, full_names, top_k, eng.config.hc_mult)
+
+    def each(r: ChunkResult) -> None:
+        rec.add(r)
+        if on_chunk:
+            on_chunk(r)
+
+    results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, on_chunk=each)
+    all_tokens = np.concatenate([r.tokens for r in results]).tolist()
+    header = TraceHeader(
+        engine=eng.name, engine_version=eng.version, model=model_identity(model), dtype=eng.options.dtype,
+        n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
+        chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
+        checkpoints=trace_checkpoints(eng.config.n_layers), full=full_names,
+        flags=eng.options.flags(),
+    )
+    return Trace(header, **rec.tables(), vectors=rec.vectors())
+
+
+def n_chunks(n_prompt: int, decode: int, chunk: int | None) -> int:
+    """How many forward chunks a run takes (for progress bars)."""
+    return len(chunk_schedule(n_prompt, chunk)) + decode
+
+
+def diff(a: TraceLike, b: TraceLike, *, force: bool = False, rel_tol: float | None = None,
+         norm_tol: float | None = None) -> Any:
+    """Compare trace `a` (reference) with `b` (candidate): preflight, metrics, first drift -> DiffReport."""
+    from parity.diff import Thresholds, diff_traces
+
+    th = Thresholds().with_overrides(rel_tol=rel_tol, norm_tol=norm_tol)
+    return diff_traces(_as_trace(a), _as_trace(b), thresholds=th, force=force)
+
+
+def gate(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike | dict | None = None,
+         force: bool = False) -> Any:
+    """CI gate of `candidate` against `golden` with a tolerance table -> GateResult (bool = passed)."""
+    from parity.gate import run_gate
+
+    return run_gate(_as_trace(golden), _as_trace(candidate), tolerances, force=force)
+
+
+def export(t: TraceLike, out: str | os.PathLike) -> Path:
+    """Write every full vector of a trace as plain arrays named by checkpoint to an .npz."""
+    from parity.export import export_npz
+
+    return export_npz(_as_trace(t), out)
+
+
+def plot(report: Any, out: str | os.PathLike) -> Path:
+    """Drift-profile figure of a DiffReport to `out` (PNG/PDF/SVG by extension)."""
+    from parity.plot import plot_drift
+
+    return plot_drift(report, out)

@@ -1,0 +1,84 @@
+"""The comparison metrics, defined once (docs/metrics.md). `a` is the reference, `b` the candidate.
+
+All functions work row-wise on [n, ...] arrays (one row per position) in float64 and return [n].
+NMSE, SQNR and relative L2 are one quantity in three units:
+    rel_l2 = ||b - a|| / ||a||,   nmse = rel_l2^2,   sqnr_db = -10 log10(nmse) = -20 log10(rel_l2).
+For vectors of equal norm, rel_l2^2 = 2 (1 - cosine).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x.reshape(len(x), -1)
+
+
+def l2(x: np.ndarray) -> np.ndarray:
+    """||x|| per row.  x: [n, ...] -> [n]"""
+    r = _rows(x)
+    return np.sqrt(np.einsum("ni,ni->n", r, r))
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """||b - a|| / ||a|| per row (0 when both are zero, inf when only a is).  [n, ...] x 2 -> [n]"""
+    num, den = l2(_rows(b) - _rows(a)), l2(a)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(num == 0, 0.0, num / den)
+
+
+def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum((b - a)^2) / sum(a^2) per row (ggml's NMSE; not llama.cpp check-nmse's variance form)."""
+    return rel_l2(a, b) ** 2
+
+
+def sqnr_db(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """20 log10(||a|| / ||b - a||) per row (inf for identical rows)."""
+    return sqnr_from_rel_l2(rel_l2(a, b))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """<a, b> / (||a|| ||b||) per row, clipped to [-1, 1] (1 for identical rows, nan if either is zero)."""
+    ra, rb = _rows(a), _rows(b)
+    den = l2(ra) * l2(rb)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.einsum("ni,ni->n", ra, rb) / den
+    same = np.all(ra == rb, axis=1) & (den > 0)
+    return np.where(same, 1.0, np.clip(c, -1.0, 1.0))
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """max |b - a| per row (ds4's hc_max)."""
+    return np.abs(_rows(b) - _rows(a)).max(axis=1)
+
+
+def rms_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sqrt(mean((b - a)^2)) per row (ds4's hc_rms)."""
+    d = _rows(b) - _rows(a)
+    return np.sqrt(np.einsum("ni,ni->n", d, d) / d.shape[1])
+
+
+def rel_diff_sglang(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """||a - b||^2 / (||a||^2 + ||b||^2) per row (SGLang/DeepGEMM `calc_rel_diff`; symmetric NMSE)."""
+    d = l2(_rows(b) - _rows(a)) ** 2
+    return d / (l2(a) ** 2 + l2(b) ** 2)
+
+
+# Conversions ---------------------------------------------------------------------------------
+
+def sqnr_from_rel_l2(r: np.ndarray | float) -> np.ndarray:
+    """SQNR dB = -20 log10(rel_l2)."""
+    with np.errstate(divide="ignore"):
+        return -20.0 * np.log10(np.asarray(r, dtype=np.float64))
+
+
+def rel_l2_from_sqnr(db: np.ndarray | float) -> np.ndarray:
+    """rel_l2 = 10^(-SQNR/20)."""
+    return 10.0 ** (-np.asarray(db, dtype=np.float64) / 20.0)
+
+
+def cosine_at_rel_l2(r: np.ndarray | float) -> np.ndarray:
+    """The cosine two equal-norm vectors at relative L2 distance r have: 1 - r^2 / 2."""
+    return 1.0 - np.asarray(r, dtype=np.float64) ** 2 / 2.0
