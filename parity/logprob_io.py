@@ -30,6 +30,7 @@ from parity.vocab import API_EOS, EOS, byte_decoder, token_bytes
 PLACEHOLDER_LOGPROB = -1000.0   # ds4's fetch script drops official entries at or below this
 MAX_TOP_K = 128                 # ds4 clamps --logprobs-top-k to this
 LOGPROB_SLACK = 1e-6            # a float32 logprob may round a hair above 0
+MASS_SLACK = 1e-4               # float32 rounding of up to 128 listed probabilities
 OFFICIAL_SCHEMA = "ds4-official-logprobs-v1"
 VEC_MAGIC = "# ds4-official-logprob-vectors-v1"
 
@@ -131,7 +132,18 @@ def _token(w: _Where, obj: Any, step: int, fld: str, with_id: bool) -> Tok:
         raise w.fail(step, fld + ".bytes", "expected integers 0..255")
     text = w.get(obj, "text", "str", step, fld + ".text")
     tid = w.get(obj, "id", "int", step, fld + ".id") if with_id else None
+    if with_id and text != ds4_text(bytes(raw)):  # ds4 dumps: text is a function of the bytes
+        raise w.fail(step, fld + ".text", f"{json.dumps(text)} does not match its bytes (expected "
+                     f"{json.dumps(ds4_text(bytes(raw)))}, ds4's escaping)")
     return Tok(normalise_bytes(bytes(raw)), tid, text)
+
+
+def ds4_text(data: bytes) -> str:
+    """What a ds4 dump's `text` decodes to: the UTF-8 text, or Latin-1 mojibake for a byte fragment."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
 
 
 def _logprob(w: _Where, obj: Any, step: int, fld: str) -> float:
@@ -141,7 +153,11 @@ def _logprob(w: _Where, obj: Any, step: int, fld: str) -> float:
     return lp
 
 
-def _check_order(w: _Where, step: int, top: list[tuple[Tok, float]]) -> None:
+def _check_top(w: _Where, step: int, top: list[tuple[Tok, float]]) -> None:
+    """Entries descending, and their probabilities (logprobs over the whole vocabulary) sum to <= 1."""
+    mass = sum(math.exp(lp) for _, lp in top)
+    if mass > 1.0 + MASS_SLACK:
+        raise w.fail(step, "top_logprobs", f"listed probabilities sum to {mass:.6g} > 1")
     for r in range(1, len(top)):
         if top[r][1] > top[r - 1][1]:
             raise w.fail(step, f"top_logprobs[{r}].logprob", f"{top[r][1]} ranks below {top[r - 1][1]}: "
@@ -178,7 +194,7 @@ def read_ds4_dump(path: str | os.PathLike) -> LogprobRun:
             top.append((_token(w, w.get(e, "token", "obj", i, fld + ".token"), i, fld + ".token", True),
                         _logprob(w, e, i, fld + ".logprob")))
             logits.append(float(w.get(e, "logit", "num", i, fld + ".logit")))
-        _check_order(w, i, top)
+        _check_top(w, i, top)
         steps.append(Step(i, sel, top, logits))
     return LogprobRun(path, "ds4-dump", source, steps, False, meta["top_k"], meta)
 
@@ -195,7 +211,7 @@ def read_official_json(path: str | os.PathLike) -> LogprobRun:
         entries = w.get(s, "top_logprobs", "list", i, "top_logprobs")
         top = [(_token(w, w.get(e, "token", "obj", i, f"top_logprobs[{r}].token"), i, f"top_logprobs[{r}].token",
                        False), _logprob(w, e, i, f"top_logprobs[{r}].logprob")) for r, e in enumerate(entries)]
-        _check_order(w, i, top)
+        _check_top(w, i, top)
         kept = [(t, lp) for t, lp in top if lp > PLACEHOLDER_LOGPROB]
         if sel_lp > PLACEHOLDER_LOGPROB and sel not in {t for t, _ in kept}:
             raise w.fail(i, "token", "the selected token is not among top_logprobs")
