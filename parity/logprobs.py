@@ -166,9 +166,11 @@ def truncated_divergence(ref: dict[bytes, float], cand: dict[bytes, float]) -> D
     rest_q = max(0.0, 1.0 - sum(q[t] for t in shared))
     kl_s = sum(_xlogy(p[t], q[t]) for t in shared)
     js_s = sum(_js_term(p[t], q[t]) for t in shared)
-    kl_upper = kl_s if rest_p <= TAIL_EPS else math.inf
-    return Divergence(kl_s + _xlogy(rest_p, rest_q), kl_upper, js_s + _js_term(rest_p, rest_q),
-                      min(math.log(2.0), js_s + 0.5 * math.log(2.0) * (rest_p + rest_q)), tail_p, tail_q)
+    # A's listed mass is all of it when rest_p is within rounding; otherwise pad Q by TAIL_EPS, since
+    # rounding may under-state B's unlisted mass and a larger Q only lowers the bound
+    kl_rest, kl_upper = (0.0, kl_s) if rest_p <= TAIL_EPS else (_xlogy(rest_p, rest_q + TAIL_EPS), math.inf)
+    js_upper = min(math.log(2.0), js_s + 0.5 * math.log(2.0) * (rest_p + rest_q))
+    return Divergence(kl_s + kl_rest, kl_upper, js_s + _js_term(rest_p, rest_q), js_upper, tail_p, tail_q)
 
 
 def ds4_test_check(ref: Step, cand: Step) -> tuple[bool, str]:
