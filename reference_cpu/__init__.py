@@ -4,5 +4,3 @@ Modules follow the order of DeepSeek's official `inference/model.py`: norms, hyp
 RoPE, the QAT round trips (quant_sim), compressor, indexer, attention, MoE, the layer (model), the
 per-sequence caches (state), weight access (weights_cache) and the `Engine` implementation (engine).
 """
-
-__version__ = "0.1.0"

@@ -15,7 +15,6 @@ from parity.config import ModelConfig
 from parity.engine import LayerOutput, RunOptions
 from parity.errors import ParityError
 from parity.weights import Weights
-from reference_cpu import __version__
 from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.model import Numerics, block_forward
 from reference_cpu.norms import rms_norm
@@ -23,6 +22,7 @@ from reference_cpu.rope import rope_frequencies
 from reference_cpu.state import SequenceState
 from reference_cpu.weights_cache import WeightStore
 
+VERSION = "0.1.0"
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
@@ -63,7 +63,7 @@ class ReferenceEngine:
         check_options(options, self.config)
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
-        self.version = f"reference_cpu {__version__} (numpy {np.__version__})"
+        self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
         self.store = WeightStore(self.weights, self.dtype, cache_gb)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override)
         self.freqs = [layer_frequencies(self.config, l).astype(self.dtype) for l in range(self.config.n_layers)]

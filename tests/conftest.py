@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Tiny test matrices: multi-threaded BLAS only spins on a shared 2-core box (measured 60x slower under load).
+# Set before anything imports numpy; an explicit user setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 
 from parity.synth import synthesize

@@ -1,0 +1,250 @@
+"""Whole-model checks of the reference engine on the synthetic tiny models (f32 and real-mix layouts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from parity.checkpoints import SUBOPS
+from parity.engine import Engine, RunOptions, load_engine
+from parity.errors import ParityError
+from parity.runner import run_sequence, stack
+from parity.weights import Weights
+from reference_cpu.engine import ReferenceEngine, check_options
+from reference_cpu.quant_sim import count_code_flips, e2m1_codes, e4m3_codes
+
+SIMS_OFF = RunOptions(fp8_kv=False, fp4_indexer=False)
+# Prefill vs chunked/decode with the simulations off, float32: batched (gemm) and single-row (gemv) BLAS calls sum in
+# different orders, so the runs differ by float32 round-off that grows layer by layer: measured up to 1.02e-6
+# relative L2 at blk.5 of the tiny models (the float32-vs-float64 floor is 9e-7 there). The bound keeps 2x headroom
+# over that noise; a real chunking bug (window off by one, a row emitted one step late) moves checkpoints by >1e-2.
+CHUNK_TOL = 2e-6
+PROMPT = np.random.default_rng(7).integers(2, 290, 48)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm((a - b).astype(np.float64)) / np.linalg.norm(b.astype(np.float64)))
+
+
+def checkpoints(engine) -> list[str]:
+    return list(engine.config.checkpoint_names) + [f"blk.{l}.attn" for l in range(engine.config.n_layers)]
+
+
+@pytest.fixture(params=["f32", "realmix"])
+def model(request, tiny_f32, tiny_realmix):
+    return {"f32": tiny_f32, "realmix": tiny_realmix}[request.param]
+
+
+def test_engine_protocol_and_entry_point(tiny_f32):
+    eng = load_engine("reference", str(tiny_f32), RunOptions())
+    assert isinstance(eng, ReferenceEngine) and isinstance(eng, Engine)
+    assert eng.name == "reference" and "reference_cpu" in eng.version
+
+
+def test_forward_is_finite_non_degenerate_and_logits_not_flat(model):
+    eng = ReferenceEngine(str(model), RunOptions())
+    res = run_sequence(eng, PROMPT)
+    emb_rms = np.sqrt(np.mean(stack(res, "embed") ** 2))
+    for name in checkpoints(eng):
+        x = stack(res, name)
+        assert np.isfinite(x).all(), name
+        rms = np.sqrt(np.mean(x**2, axis=tuple(range(1, x.ndim))))
+        assert (rms > 0.05 * emb_rms).all() and (rms < 50 * emb_rms).all(), (name, rms.min(), rms.max())
+        if x.ndim == 3:  # the four streams must not collapse onto each other past the embedding
+            spread = np.linalg.norm(x - x.mean(axis=1, keepdims=True), axis=(1, 2)) / np.linalg.norm(x, axis=(1, 2))
+            assert name == "embed" or (spread > 1e-3).all(), name
+    logits = stack(res, "logits")
+    assert np.isfinite(logits).all()
+    assert (logits.std(axis=-1) > 0.1).all()
+    assert len(np.unique(logits.argmax(axis=-1))) > 1  # positions do not all predict the same token
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_prefill_equals_chunked_and_decode_with_sims_off(model, chunk):
+    """Float32 arithmetic noise between batched and single-row BLAS calls is the only allowed difference."""
+    eng = ReferenceEngine(str(model), SIMS_OFF)
+    full = run_sequence(eng, PROMPT)
+    part = run_sequence(eng, PROMPT, chunk=chunk)
+    for name in [*checkpoints(eng)]:
+        assert rel(stack(part, name), stack(full, name)) <= CHUNK_TOL, name
+    for l in range(eng.config.n_layers):
+        ids = np.concatenate([r.diags[l].expert_ids for r in part])
+        np.testing.assert_array_equal(ids, full[0].diags[l].expert_ids)
+
+
+def test_deterministic(tiny_realmix):
+    a = run_sequence(ReferenceEngine(str(tiny_realmix), RunOptions()), PROMPT, decode_steps=3)
+    b = run_sequence(ReferenceEngine(str(tiny_realmix), RunOptions()), PROMPT, decode_steps=3)
+    for name in ["logits", *checkpoints(ReferenceEngine(str(tiny_realmix), RunOptions()))]:
+        np.testing.assert_array_equal(stack(a, name), stack(b, name))
+
+
+def test_float32_agrees_with_float64_oracle(model):
+    r32 = run_sequence(ReferenceEngine(str(model), SIMS_OFF), PROMPT)
+    r64 = run_sequence(ReferenceEngine(str(model), dataclasses.replace(SIMS_OFF, dtype="float64")), PROMPT)
+    assert stack(r64, "blk.0").dtype == np.float64 and stack(r32, "blk.0").dtype == np.float32
+    for name in ["logits", "final_norm", "blk.5", "blk.2.attn"]:
+        assert rel(stack(r32, name), stack(r64, name)) < 1e-5, name
+
+
+def quantized_row_flips(a, b, cfg) -> tuple[int, int]:
+    """FP8 flips (raw + main compressed rows, nope dims) and FP4 flips (indexer rows) between two runs."""
+    fp8 = fp4 = 0
+    nope = cfg.nope_dim
+    for l in range(cfg.n_layers):
+        raw_a = np.concatenate([r.captures[l]["rope_kv"] for r in a])
+        raw_b = np.concatenate([r.captures[l]["rope_kv"] for r in b])
+        fp8 += count_code_flips(e4m3_codes(raw_a[:, :nope]), e4m3_codes(raw_b[:, :nope]))
+        ca, cb = a[-1].captures[l]["comp_rows"], b[-1].captures[l]["comp_rows"]
+        if len(ca):
+            fp8 += count_code_flips(e4m3_codes(ca[:, :nope]), e4m3_codes(cb[:, :nope]))
+        ia, ib = a[-1].captures[l]["index_rows"], b[-1].captures[l]["index_rows"]
+        if len(ia):
+            fp4 += count_code_flips(e2m1_codes(ia), e2m1_codes(ib))
+    return fp8, fp4
+
+
+def test_sims_on_prefill_vs_decode_flips_counted_and_equal_rows_give_equal_results(tiny_f32):
+    """With the QAT round trips on, batched vs single-token noise may flip codes (float32); in float64 the
+    noise is ~1e-16, no code flips, so both runs see the same quantized rows and agree to round-off."""
+    for dtype, max_flip_fraction in (("float32", 0.01), ("float64", 0.0)):
+        eng = ReferenceEngine(str(tiny_f32), RunOptions(dtype=dtype))
+        full = run_sequence(eng, PROMPT, capture=True)
+        dec = run_sequence(eng, PROMPT, chunk=1, capture=True)
+        fp8, fp4 = quantized_row_flips(full, dec, eng.config)
+        n_fp8 = eng.config.n_layers * len(PROMPT) * eng.config.nope_dim
+        assert fp8 <= max_flip_fraction * n_fp8 and fp4 <= max_flip_fraction * n_fp8, (dtype, fp8, fp4)
+        if dtype == "float64":
+            for name in checkpoints(eng):
+                assert rel(stack(dec, name), stack(full, name)) < 1e-12, name
+
+
+def test_sims_change_the_numbers(tiny_f32):
+    on = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions()), PROMPT), "logits")
+    fp8_off = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp8_kv=False)), PROMPT), "logits")
+    fp4_off = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp4_indexer=False)), PROMPT), "logits")
+    assert rel(fp8_off, on) > 1e-4   # FP8 round trip of every raw/compressed row is a visible perturbation
+    assert rel(fp4_off, on) > 0      # the indexer selects a strict subset after 20 tokens (top-k 4)
+
+
+def test_long_decode_past_window_and_compressor_boundaries(tiny_f32):
+    """Prefill 200 then decode 60 (teacher-forced) = one 260-token prefill: HCA rows 0 and 1 emitted at t = 127 and
+    255 during prefill/decode respectively, CSA rows every 4 tokens, window 8 long passed."""
+    tokens = np.random.default_rng(3).integers(2, 290, 260)
+    eng = ReferenceEngine(str(tiny_f32), SIMS_OFF)
+    full = run_sequence(eng, tokens, capture=True)
+    mixed = run_sequence(eng, tokens[:200], decode_steps=60, forced=tokens[200:], capture=True)
+    for name in checkpoints(eng):
+        assert rel(stack(mixed, name), stack(full, name)) <= CHUNK_TOL, name
+    cfg = eng.config
+    for l in range(cfg.n_layers):
+        m = cfg.ratio(l)
+        vis = np.concatenate([r.diags[l].n_comp_visible for r in mixed])
+        want = (np.arange(260) + 1) // m if m else np.zeros(260)
+        np.testing.assert_array_equal(vis, want)
+        rows = mixed[-1].captures[l]["comp_rows"]
+        assert len(rows) == (260 // m if m else 0)
+        if m:
+            np.testing.assert_allclose(rows, full[0].captures[l]["comp_rows"], rtol=0, atol=1e-5)
+    # the HCA row of block 1 appears exactly at the decode step of t = 255
+    hca = next(l for l in range(cfg.n_layers) if cfg.ratio(l) == 128)
+    step_254, step_255 = mixed[1 + 254 - 200], mixed[1 + 255 - 200]
+    assert len(step_254.captures[hca]["comp_rows"]) == 1 and len(step_255.captures[hca]["comp_rows"]) == 2
+
+
+def test_captures_and_diagnostics_complete(tiny_f32):
+    eng = ReferenceEngine(str(tiny_f32), RunOptions())
+    cfg = eng.config
+    n, K, T = 30, cfg.n_activated_experts, cfg.index_topk
+    res = run_sequence(eng, PROMPT[:n], capture=True)[0]
+    shapes = {
+        "hc_attn_pre": (n, cfg.dim), "attn_norm": (n, cfg.dim), "q_path": (n, cfg.n_heads, cfg.head_dim),
+        "kv_latent": (n, cfg.head_dim), "rope_q": (n, cfg.n_heads, cfg.head_dim), "rope_kv": (n, cfg.head_dim),
+        "index_sel": (n, T), "attn_heads": (n, cfg.n_heads, cfg.head_dim), "attn_out": (n, cfg.dim),
+        "hc_attn_post": (n, cfg.hc_mult, cfg.dim), "hc_ffn_pre": (n, cfg.dim), "ffn_norm": (n, cfg.dim),
+        "expert_ids": (n, K), "expert_weights": (n, K), "routed_out": (n, cfg.dim), "shared_out": (n, cfg.dim),
+        "hc_ffn_post": (n, cfg.hc_mult, cfg.dim),
+    }
+    names = {c for _, caps in SUBOPS for c in caps}
+    weights = Weights(tiny_f32)
+    for l in range(cfg.n_layers):
+        cap, diag, m = res.captures[l], res.diags[l], cfg.ratio(l)
+        assert set(cap) == names, names ^ set(cap)
+        for name, shape in shapes.items():
+            assert cap[name].shape == shape, (l, name, cap[name].shape)
+        assert cap["comp_rows"].shape == (n // m if m else 0, cfg.head_dim)
+        assert cap["index_rows"].shape == (n // 4 if cfg.has_indexer(l) else 0, cfg.index_head_dim)
+        np.testing.assert_array_equal(cap["hc_ffn_post"], res.checkpoints[f"blk.{l}"])
+        pre, post, comb = diag.hc_attn
+        assert pre.shape == post.shape == (n, cfg.hc_mult) and comb.shape == (n, cfg.hc_mult, cfg.hc_mult)
+        np.testing.assert_allclose(diag.expert_weights.sum(-1), cfg.route_scale, rtol=1e-5)
+        if cfg.is_hash_layer(l):
+            assert np.isnan(diag.router_margin).all()
+            table = weights.tensor(f"blk.{l}.ffn_gate_tid2eid.weight")
+            np.testing.assert_array_equal(diag.expert_ids, table[PROMPT[:n]])  # hash routing ignores scores
+        else:
+            assert (diag.router_margin >= 0).all()
+        if cfg.has_indexer(l):
+            sel = diag.index_sel
+            assert sel.shape == (n, T)
+            for t in range(n):
+                n_t = (t + 1) // 4
+                picked = sel[t][sel[t] >= 0]
+                assert len(picked) == min(n_t, T) and (picked < n_t).all()
+        else:
+            assert diag.index_sel is None and (cap["index_sel"] == -1).all()
+
+
+def test_expert_override_replays_routing(tiny_f32):
+    cfg = ReferenceEngine(str(tiny_f32), RunOptions()).config
+    calls = []
+
+    def override(layer, start_pos, n):
+        calls.append((layer, start_pos, n))
+        return np.tile(np.arange(cfg.n_activated_experts)[::-1], (n, 1))
+
+    eng = ReferenceEngine(str(tiny_f32), RunOptions(expert_override=override))
+    res = run_sequence(eng, PROMPT[:10], capture=True)[0]
+    assert calls == [(l, 0, 10) for l in range(cfg.n_layers)]
+    for l in range(cfg.n_layers):
+        np.testing.assert_array_equal(res.diags[l].expert_ids[0], np.arange(cfg.n_activated_experts)[::-1])
+        np.testing.assert_allclose(res.diags[l].expert_weights.sum(-1), cfg.route_scale, rtol=1e-5)
+
+    def bad(layer, start_pos, n):
+        return np.zeros((n, cfg.n_activated_experts), np.int64)
+
+    with pytest.raises(ParityError, match="repeated expert id"):
+        run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(expert_override=bad)), PROMPT[:3])
+
+
+def test_bounded_expert_cache_evicts_and_gives_same_result(tiny_realmix):
+    big = ReferenceEngine(str(tiny_realmix), RunOptions())
+    small = ReferenceEngine(str(tiny_realmix), RunOptions(), cache_gb=600e3 / 2**30)
+    a, b = run_sequence(big, PROMPT), run_sequence(small, PROMPT)
+    np.testing.assert_array_equal(stack(a, "logits"), stack(b, "logits"))
+    st = small.store.cache.stats()
+    assert st["evictions"] > 0 and st["bytes"] <= st["budget"]
+    assert big.store.cache.stats()["evictions"] == 0
+
+
+def test_options_are_refused_with_clear_errors(tiny_f32):
+    with pytest.raises(ParityError, match="does not inject faults"):
+        ReferenceEngine(str(tiny_f32), RunOptions(inject=("sink-dropped",)))
+    with pytest.raises(ParityError, match="dtype"):
+        ReferenceEngine(str(tiny_f32), RunOptions(dtype="bfloat16"))
+    cfg = ReferenceEngine(str(tiny_f32), RunOptions()).config
+    odd = dataclasses.replace(cfg, head_dim=80)  # nope = 48, not a multiple of 64
+    with pytest.raises(ParityError, match="fp8-kv"):
+        check_options(RunOptions(), odd)
+    check_options(RunOptions(fp8_kv=False), odd)
+    eng = ReferenceEngine(str(tiny_f32), RunOptions())
+    st = eng.new_state()
+    X = eng.embed(PROMPT[:4])
+    with pytest.raises(ParityError, match="expects 0"):
+        eng.forward_layer(st, 0, X, PROMPT[:4], start_pos=5)
+    with pytest.raises(ParityError, match="token id"):
+        eng.embed(np.array([0, cfg.vocab_size]))
+    with pytest.raises(ParityError, match="non-finite"):
+        eng.forward_layer(st, 0, X * np.nan, PROMPT[:4], start_pos=0)
