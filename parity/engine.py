@@ -39,6 +39,7 @@ class RunOptions:
     device: str = "cpu"          # torch engine: auto | cuda | cpu
     inject: tuple[str, ...] = ()  # fault names from FAULTS (torch engine only)
     expert_override: Any = None  # routing replay: callable (layer, start_pos, n) -> int [n, K] ids, or None
+    cache_gb: float = 4.0        # reference engine: budget of its dequantized-weight cache (GiB); no effect on results
 
     def flags(self) -> dict[str, Any]:
         return {"fp8_kv": self.fp8_kv, "fp4_indexer": self.fp4_indexer, "dtype": self.dtype,

@@ -57,14 +57,14 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def __init__(self, model_path: str, options: RunOptions, cache_gb: float = 4.0) -> None:
+    def __init__(self, model_path: str, options: RunOptions, cache_gb: float | None = None) -> None:
         self.weights = Weights(model_path)
         self.config: ModelConfig = self.weights.config
         check_options(options, self.config)
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
-        self.store = WeightStore(self.weights, self.dtype, cache_gb)
+        self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override)
         self.freqs = [layer_frequencies(self.config, l).astype(self.dtype) for l in range(self.config.n_layers)]
 

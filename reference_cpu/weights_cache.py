@@ -8,6 +8,7 @@ without being cached, so memory never grows without bound. Embedding rows are de
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -34,22 +35,27 @@ class LRUCache:
         self.items: OrderedDict[object, np.ndarray] = OrderedDict()
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self.lock = threading.Lock()  # bookkeeping only; `make` runs unlocked so experts dequantize in parallel
 
     def get(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
-        if key in self.items:
-            self.hits += 1
-            self.items.move_to_end(key)
-            return self.items[key]
-        self.misses += 1
+        with self.lock:
+            if key in self.items:
+                self.hits += 1
+                self.items.move_to_end(key)
+                return self.items[key]
+            self.misses += 1
         value = make()
         if value.nbytes > self.budget:
             return value
-        while self.nbytes + value.nbytes > self.budget:
-            _, old = self.items.popitem(last=False)
-            self.nbytes -= old.nbytes
-            self.evictions += 1
-        self.items[key] = value
-        self.nbytes += value.nbytes
+        with self.lock:
+            if key in self.items:
+                return self.items[key]
+            while self.nbytes + value.nbytes > self.budget:
+                _, old = self.items.popitem(last=False)
+                self.nbytes -= old.nbytes
+                self.evictions += 1
+            self.items[key] = value
+            self.nbytes += value.nbytes
         return value
 
     def stats(self) -> dict[str, int]:
@@ -68,10 +74,11 @@ class WeightStore:
         self.cache = LRUCache(int(cache_gb * 2**30))
 
     def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
-        if not np.isfinite(arr).all():
+        # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary
+        if not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
             bad = int(np.flatnonzero(~np.isfinite(arr.ravel()))[0])
             raise TensorError(f"tensor {what}: non-finite value {arr.ravel()[bad]} at flat index {bad}")
-        return arr.astype(self.dtype)
+        return arr.astype(self.dtype, copy=False)  # float32 dequantizer output is used as is (no second copy)
 
     def dense(self, name: str) -> np.ndarray:
         """A whole float tensor, numpy shape reversed(ne)."""
