@@ -170,7 +170,7 @@ def truncated_divergence(ref: dict[bytes, float], cand: dict[bytes, float]) -> D
     # rounding may under-state B's unlisted mass and a larger Q only lowers the bound
     kl_rest, kl_upper = (0.0, kl_s) if rest_p <= TAIL_EPS else (_xlogy(rest_p, rest_q + TAIL_EPS), math.inf)
     js_upper = min(math.log(2.0), js_s + 0.5 * math.log(2.0) * (rest_p + rest_q))
-    return Divergence(kl_s + kl_rest, kl_upper, js_s + _js_term(rest_p, rest_q), js_upper, tail_p, tail_q)
+    return Divergence(max(0.0, kl_s + kl_rest), kl_upper, js_s + _js_term(rest_p, rest_q), js_upper, tail_p, tail_q)
 
 
 def ds4_test_check(ref: Step, cand: Step) -> tuple[bool, str]:
