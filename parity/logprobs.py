@@ -210,9 +210,11 @@ def compare_step(ref: Step, cand: Step, *, greedy_only: bool, cand_has_logprobs:
         return keys.setdefault(t.data, len(keys))
 
     sc = StepCompare(ref.index, ref.selected.label(), cand.selected.label(), ref.selected == cand.selected)
-    if greedy_only:  # no usable scores: the verdict rests on the tokens alone
+    if greedy_only or not ref.top or not cand.top:  # no usable scores: the verdict rests on the tokens alone
         verdict, margin = classify_step([(key(ref.selected), 0.0)], [(key(cand.selected), 0.0)], 0.0, 0.0)
         margin = None
+        if not greedy_only:
+            sc.note = "a side lists no scored entry at this step: tokens compared only"
     else:
         verdict, margin = classify_step([(key(t), lp) for t, lp in ref.top], [(key(t), lp) for t, lp in cand.top],
                                         tie_margin, drift_tol)
