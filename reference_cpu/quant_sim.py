@@ -84,16 +84,14 @@ def fp8_sim_nope(kv: np.ndarray, nope_dim: int, block: int = 64) -> np.ndarray:
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
-    """Had = H_n / √n with Sylvester H_1 = [1], H_2k = [[H_k, H_k], [H_k, -H_k]]: symmetric and orthonormal (§6.2).
+    """Had = H_n / √n, Sylvester/natural order: H[i, j] = (-1)^popcount(i & j); symmetric, orthonormal (§6.2).
 
     -> [n, n] float64 (n a power of two).
     """
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    H = np.ones((1, 1))
-    while H.shape[0] < n:
-        H = np.block([[H, H], [H, -H]])
-    return H / np.sqrt(n)
+    i = np.arange(n)
+    return (1.0 - 2.0 * (np.bitwise_count(np.bitwise_and.outer(i, i)) & 1)) / np.sqrt(n)
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
