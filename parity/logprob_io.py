@@ -100,7 +100,8 @@ class _Where:
 
     def get(self, obj: Any, key: str, kind: str, step: int | None, fld: str) -> Any:
         if not isinstance(obj, dict):
-            raise self.fail(step, fld.rsplit(".", 1)[0] or fld, f"expected an object, got {type(obj).__name__}")
+            parent = fld.rsplit(".", 1)[0] if "." in fld else "(the step entry)" if step is not None else "(top level)"
+            raise self.fail(step, parent, f"expected an object, got {type(obj).__name__}")
         if key not in obj:
             raise self.fail(step, fld, "missing")
         v = obj[key]
