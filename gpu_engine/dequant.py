@@ -19,7 +19,9 @@ from parity.errors import TensorError
 QK_K = 256
 quants.IQ2_XXS.init_grid()
 _IQ2XXS_GRID = np.ascontiguousarray(quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32))
-_IQ2XXS_SIGNS = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+_KSIGNS = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
+# sign table expanded once: row i = the 8 factors (+1 / -1) that ksigns[i]'s bits select
+_IQ2XXS_SIGNS = np.where((_KSIGNS[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1)).astype(np.float32)
 _MXFP4_VALUES = np.array(quants.MXFP4.kvalues, dtype=np.float32)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -121,9 +123,7 @@ def dequant_iq2_xxs(raw: torch.Tensor) -> torch.Tensor:
     db = (d * (0.5 + (hi >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
     shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int64, device=b.device)
     sign_idx = (hi.unsqueeze(-1) >> shifts) & 0x7F                                   # [n, 8, 4]
-    sign_bytes = _table("signs", b.device)[sign_idx].to(torch.int64)
-    bits = (sign_bytes.unsqueeze(-1) >> torch.arange(8, device=b.device)) & 1        # [n, 8, 4, 8]
-    signs = torch.where(bits == 0, 1.0, -1.0).to(torch.float32)
+    signs = _table("signs", b.device)[sign_idx]                                      # [n, 8, 4, 8]
     grid_idx = b[:, 2:].reshape(n, 8, 8)[..., :4].to(torch.int64)                   # bytes of word a
     grid = _table("grid", b.device)[grid_idx]                                        # [n, 8, 4, 8]
     return (db * grid * signs).reshape(*lead, -1)

@@ -7,6 +7,7 @@ import os
 # Tiny test matrices: multi-threaded BLAS only spins on a shared 2-core box (measured 60x slower under load).
 # Set before anything imports numpy; an explicit user setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch CPU intra-op threads: same spinning (measured 20x)
 
 import pytest
 
