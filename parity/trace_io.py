@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import TraceError
-from parity.trace import (
+from parity.records import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FP_DIM,
@@ -54,6 +54,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -63,6 +64,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], N
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], extra: dict[str, bytes] | None = None) -> Path:

@@ -16,7 +16,7 @@ norm_opt = click.option("--norm-tol", type=float, default=None, help="|RMS ratio
 
 def _diff(traces, force, rel_tol, norm_tol):
     from parity import api
-    from parity.diff import PreflightError
+    from parity.differ import PreflightError
 
     try:
         return api.diff(*traces, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
@@ -39,7 +39,7 @@ def diff(traces, force, rel_tol, norm_tol, as_json, as_md, fail_on_drift) -> Non
     Preflight refuses (exit 2) when token ids, model identity, checkpoint sets or positions differ.
     Example: v4parity diff ref.trace torch.trace --markdown
     """
-    from parity.diff import print_report, to_markdown
+    from parity.differ import print_report, to_markdown
 
     report = _diff(traces, force, rel_tol, norm_tol)
     if as_json:
@@ -64,7 +64,7 @@ def plot(traces, output, force, rel_tol, norm_tol) -> None:
     Example: v4parity plot ref.trace torch.trace -o drift.png
     """
     from parity import api
-    from parity.diff import verdict_line
+    from parity.differ import verdict_line
 
     report = _diff(traces, force, rel_tol, norm_tol)
     path = api.plot(report, output)
@@ -84,9 +84,9 @@ def gate(golden, candidate, tolerances, junit, md_path, as_json, force) -> None:
 
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --junit gate.xml
     """
-    from parity import gate as g
+    from parity import ci_gate as g
     from parity.api import load_trace
-    from parity.diff import PreflightError
+    from parity.differ import PreflightError
 
     try:
         result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
@@ -126,7 +126,7 @@ def export(trace, output) -> None:
               help="Directory for the golden traces.")
 def golden(out) -> None:
     """Regenerate the golden traces of the built-in tiny models (reference engine, fingerprints only)."""
-    from parity.golden import regenerate
+    from parity.api import golden as regenerate
 
     for path in regenerate(out, echo=click.echo):
         click.echo(f"wrote {path}")

@@ -44,6 +44,8 @@ def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prom
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), help="File of token ids.")
 @click.option("--prompt", help="User text, rendered with the model's chat template (non-thinking).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="File of user text.")
+@click.option("--follow", type=click.Path(exists=True, dir_okay=False),
+              help="Replay another trace's run: its prompt, decode tokens (teacher-forced), positions and chunking.")
 @click.option("--positions", default="last", show_default=True, help="last | all | comma list of positions.")
 @click.option("--full", default=None, help="Also store full vectors: 'all' or e.g. blk.2,blk.2.attn,final_norm,logits.")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0), help="Greedy decode steps.")
@@ -57,31 +59,40 @@ def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prom
 @click.option("--dump-logprobs", type=click.Path(dir_okay=False), help="Also write a ds4 --dump-logprobs JSON.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Trace file (text; .npz for the binary form). Full vectors go to <stem>.vectors.npz.")
-def trace(engine, model, tokens, tokens_file, prompt, prompt_file, positions, full, decode, chunk, no_fp8_kv,
-          no_fp4_indexer, dtype, device, inject, top_k, dump_logprobs, output) -> None:
+def trace(engine, model, tokens, tokens_file, prompt, prompt_file, follow, positions, full, decode, chunk,
+          no_fp8_kv, no_fp4_indexer, dtype, device, inject, top_k, dump_logprobs, output) -> None:
     """Run an engine on a prompt and record every checkpoint (stats + fingerprints) to a trace.
 
+    \b
     Example: v4parity trace --engine reference --model tiny.gguf --tokens 0,5,7 --decode 4 -o ref.trace
+             v4parity trace --engine torch --model tiny.gguf --follow ref.trace -o torch.trace
     """
     from rich.progress import Progress
 
     from parity import api
     from parity.engine import RunOptions
 
-    ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file)
+    if follow:
+        if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
+            raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
+        run = api.follow(follow)
+    else:
+        ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file)
+        run = {"tokens": ids, "decode": decode, "forced": None, "positions": positions, "chunk": chunk}
+    ids, decode = run["tokens"], run["decode"]
     options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
                          inject=tuple(inject))
     rows = []
     with Progress(transient=True) as bar:
-        task = bar.add_task(f"{engine}: {len(ids)} tokens + {decode} decode", total=api.n_chunks(len(ids), decode, chunk))
+        task = bar.add_task(f"{engine}: {len(ids)} tokens + {decode} decode",
+                            total=api.n_chunks(len(ids), decode, run["chunk"]))
 
         def on_chunk(r) -> None:
             if dump_logprobs:
                 rows.extend(r.logits[max(0, len(ids) - 1 - r.start_pos):])
             bar.advance(task)
 
-        t = api.trace(engine, model, ids, positions=positions, full=full, decode=decode, chunk=chunk, top_k=top_k,
-                      options=options, on_chunk=on_chunk)
+        t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, **run)
     path = api.save_trace(t, output)
     click.echo(f"wrote {path} ({len(t.ckpt)} checkpoint records, {len(t.header.positions)} position(s), "
                f"tokens {len(t.header.tokens)})")
@@ -109,7 +120,8 @@ def _dump_logprobs(path: str, model: str, rows: list, n_prompt: int, top_k: int)
               help="The GGUF the engine ran (dimensions + identity).")
 @click.option("--tokens", help="Token ids of the run, e.g. 0,17,42.")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), help="File of token ids.")
-@click.option("--start-pos", default=0, show_default=True, type=click.IntRange(0), help="llama.cpp: first row's position.")
+@click.option("--start-pos", default=0, show_default=True, type=click.IntRange(0),
+              help="llama.cpp: position of the first row.")
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(1, 100))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
 def import_(kind, source, model, tokens, tokens_file, start_pos, top_k, output) -> None:

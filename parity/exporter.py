@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import TraceError
-from parity.trace import Trace
+from parity.records import Trace
 from parity.trace_io import write_npz
 
 

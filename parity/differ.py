@@ -19,7 +19,7 @@ import pandas as pd
 
 from parity import metrics
 from parity.errors import ParityError
-from parity.trace import Trace, checkpoint_depth, checkpoint_layer
+from parity.records import Trace, checkpoint_depth, checkpoint_layer
 
 
 class PreflightError(ParityError):
@@ -53,7 +53,7 @@ def preflight(a: Trace, b: Trace) -> list[str]:
         at = lambda t: t[i] if i < len(t) else "end"  # noqa: E731
         problems.append(f"token ids differ at position {i} (A: {at(ha.tokens)}, B: {at(hb.tokens)}; "
                         f"A has {len(ha.tokens)} tokens, B {len(hb.tokens)})")
-    if ha.model != hb.model:
+    if _model_key(ha.model) != _model_key(hb.model):
         problems.append(f"model identity differs: A {_model_str(ha.model)} vs B {_model_str(hb.model)}")
     if ha.checkpoints != hb.checkpoints:
         only_a = [c for c in ha.checkpoints if c not in hb.checkpoints]
@@ -64,6 +64,11 @@ def preflight(a: Trace, b: Trace) -> list[str]:
     if ha.n_hc != hb.n_hc:
         problems.append(f"stream counts differ: A {ha.n_hc} vs B {hb.n_hc}")
     return problems
+
+
+def _model_key(m: dict) -> tuple:
+    """What identifies a model: size + header hash (the file name is informational)."""
+    return m.get("size"), m.get("header_sha256")
 
 
 def _model_str(m: dict) -> str:

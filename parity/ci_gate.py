@@ -21,9 +21,9 @@ from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
 
-from parity.diff import DiffReport, Thresholds, diff_traces
+from parity.differ import DiffReport, Thresholds, diff_traces
 from parity.errors import ParityError
-from parity.trace import Trace
+from parity.records import Trace
 
 TOP_KEYS = {"default", "checkpoints", "require_top1"}
 TOL_KEYS = {"rel_tol", "norm_tol"}

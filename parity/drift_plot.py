@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.diff import DiffReport
+from parity.differ import DiffReport
 
 FLOOR = 1e-12  # where exact zeros sit on the log axes
 

@@ -1,0 +1,24 @@
+"""v4parity: layer-bisection reference parity for DeepSeek-V4 (deepseek4 GGUF) engines.
+
+The Python API (`parity.trace`, `parity.load_trace`, `parity.save_trace`, `parity.diff`, `parity.gate`,
+`parity.export`, `parity.plot`) lives in `parity.api` and is loaded on first use, so `import parity`
+stays light (no torch, no pandas).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+API = ("trace", "load_trace", "save_trace", "diff", "gate", "export", "plot", "follow")
+
+
+def __getattr__(name: str) -> Any:
+    if name in API:
+        from parity import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'parity' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *API])
