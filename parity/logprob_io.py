@@ -221,6 +221,8 @@ def read_official_json(path: str | os.PathLike) -> LogprobRun:
     meta = {k: doc[k] for k in ("id", "model", "finish_reason", "created_at") if isinstance(doc.get(k), str)}
     if isinstance(doc.get("request"), dict) and isinstance(doc["request"].get("top_logprobs"), int):
         meta["top_k"] = doc["request"]["top_logprobs"]
+    if isinstance(doc.get("usage"), dict) and isinstance(doc["usage"].get("prompt_tokens"), int):
+        meta["prompt_tokens"] = doc["usage"]["prompt_tokens"]
     source = doc["source"] if isinstance(doc.get("source"), str) else "official"
     return LogprobRun(path, "official-json", source, steps, not any_alternative, meta.get("top_k"), meta)
 

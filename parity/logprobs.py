@@ -253,6 +253,9 @@ def compare_runs(ref: LogprobRun, cand: LogprobRun, tie_margin: float = TIE_MARG
             out.steps.append(sc)
             if not sc.same_token:
                 diverged_at = i
+    n_a, n_b = ref.meta.get("prompt_tokens"), cand.meta.get("prompt_tokens")
+    if n_a is not None and n_b is not None and n_a != n_b:
+        out.notes.append(f"prompt lengths differ (A {n_a} tokens, B {n_b}): check that both rendered the same prompt")
     for name, run in (("A", ref), ("B", cand)):
         if run.meta.get("finish_reason"):
             out.notes.append(f"{name} finish_reason: {run.meta['finish_reason']}")

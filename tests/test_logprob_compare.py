@@ -141,3 +141,15 @@ def test_to_dict_is_strict_json():
     d = compare_runs(run("ref.ds4.json"), run("cand_tie.ds4.json")).to_dict()
     text = json.dumps(d, allow_nan=False)
     assert '"kl_upper": "inf"' in text and d["first_divergent_step"] == 1
+
+
+def test_prompt_length_mismatch_is_reported(tmp_path):
+    import json
+
+    doc = json.loads((FIX / "cand_drift.ds4.json").read_text())
+    doc["prompt_tokens"] = 13
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    notes = compare_runs(run("ref.ds4.json"), read_run(tmp_path / "b.json")).notes
+    assert "prompt lengths differ (A 12 tokens, B 13)" in " ".join(notes)
+    # the official fixture's usage.prompt_tokens (12) agrees with the dump's
+    assert not any("prompt lengths" in n for n in compare_runs(run("greedy.official.json"), run("ref.ds4.json")).notes)
