@@ -43,7 +43,9 @@ def test_engine_protocol_and_entry_point(tiny_f32):
     assert eng.name == "reference" and "reference_cpu" in eng.version
 
 
-def test_forward_is_finite_non_degenerate_and_logits_not_flat(model):
+@pytest.mark.parametrize("layout", ["f32", "realmix", "mxfp4"])
+def test_forward_is_finite_non_degenerate_and_logits_not_flat(layout, tiny_f32, tiny_realmix, tiny_mxfp4):
+    model = {"f32": tiny_f32, "realmix": tiny_realmix, "mxfp4": tiny_mxfp4}[layout]
     eng = ReferenceEngine(str(model), RunOptions())
     res = run_sequence(eng, PROMPT)
     emb_rms = np.sqrt(np.mean(stack(res, "embed") ** 2))
@@ -114,19 +116,25 @@ def test_sims_on_prefill_vs_decode_flips_counted_and_equal_rows_give_equal_resul
         full = run_sequence(eng, PROMPT, capture=True)
         dec = run_sequence(eng, PROMPT, chunk=1, capture=True)
         fp8, fp4 = quantized_row_flips(full, dec, eng.config)
-        n_fp8 = eng.config.n_layers * len(PROMPT) * eng.config.nope_dim
-        assert fp8 <= max_flip_fraction * n_fp8 and fp4 <= max_flip_fraction * n_fp8, (dtype, fp8, fp4)
+        n_fp8 = eng.config.n_layers * len(PROMPT) * eng.config.nope_dim  # raw-row codes alone
+        n_fp4 = sum(full[0].captures[l]["index_rows"].size for l in range(eng.config.n_layers))
+        assert fp8 <= max_flip_fraction * n_fp8 and fp4 <= max_flip_fraction * n_fp4, (dtype, fp8, fp4)
         if dtype == "float64":
             for name in checkpoints(eng):
                 assert rel(stack(dec, name), stack(full, name)) < 1e-12, name
 
 
 def test_sims_change_the_numbers(tiny_f32):
-    on = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions()), PROMPT), "logits")
-    fp8_off = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp8_kv=False)), PROMPT), "logits")
-    fp4_off = stack(run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp4_indexer=False)), PROMPT), "logits")
-    assert rel(fp8_off, on) > 1e-4   # FP8 round trip of every raw/compressed row is a visible perturbation
-    assert rel(fp4_off, on) > 0      # the indexer selects a strict subset after 20 tokens (top-k 4)
+    """Both round trips are real perturbations of the model (measured: ~0.1 relative on the logits each)."""
+    on = run_sequence(ReferenceEngine(str(tiny_f32), RunOptions()), PROMPT)
+    fp8_off = run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp8_kv=False)), PROMPT)
+    fp4_off = run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(fp4_indexer=False)), PROMPT)
+    assert rel(stack(fp8_off, "logits"), stack(on, "logits")) > 1e-2
+    assert rel(stack(fp4_off, "logits"), stack(on, "logits")) > 1e-2
+    # FP4 matters only through the selection: it changes which compressed rows some CSA queries attend to,
+    # and only where more rows are visible than top-k (t >= 19 with ratio 4, top-k 4)
+    changed = np.flatnonzero((on[0].diags[2].index_sel != fp4_off[0].diags[2].index_sel).any(-1))
+    assert len(changed) > 0 and changed.min() >= 19
 
 
 def test_long_decode_past_window_and_compressor_boundaries(tiny_f32):
