@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parity.errors import ParityError
 from parity.logprob_io import (
@@ -214,3 +216,14 @@ def test_writer_reader_round_trip_is_exact_for_float32(tmp_path):
         np.testing.assert_array_equal(np.float32(step.logits), logits[s, order])
     expected = [EOS_BYTES] + [f"{b:02x}x".encode() for b in range(40)] + [b"\xc3", b"\xa9"]
     assert all(t.data == expected[t.id] for step in run.steps for t, _ in step.top)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=12))
+def test_json_piece_decodes_to_ds4_text(data):
+    # a JSON parser reads ds4's escaping back as the UTF-8 text, or Latin-1 mojibake for a fragment
+    text = json.loads(json_piece(data))
+    try:
+        assert text == data.decode("utf-8")
+    except UnicodeDecodeError:
+        assert text.encode("latin-1") == data
