@@ -1,0 +1,207 @@
+"""Torch engine on its own: verification width, ops against independent implementations, options and errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_engine import attention as attn_mod
+from gpu_engine.attention import select_rows, sink_attention
+from gpu_engine.engine import TorchEngine
+from gpu_engine.ops import e2m1_round, e4m3_round, fp8_nope, hadamard_matrix, rope, rope_frequencies
+from parity.checkpoints import checkpoint_names
+from parity.engine import Engine, RunOptions
+from parity.errors import ParityError
+from parity.runner import forward_chunk, run_sequence, stack
+
+OFF = RunOptions(fp8_kv=False, fp4_indexer=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_f32):
+    """QAT sims off: the width check compares float paths (with sims on, batched vs single-row matmul rounding
+    may legitimately flip an FP8 code)."""
+    return TorchEngine(str(tiny_f32), OFF)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_protocol_and_boundary_types(engine):
+    assert isinstance(engine, Engine) and engine.name == "torch" and engine.version
+    X = engine.embed(np.array([0, 5, 7]))
+    assert X.dtype == np.float32 and X.shape == (3, 4, 256)
+    np.testing.assert_array_equal(X[:, 0], X[:, 3])  # H identical copies
+
+
+def test_verification_width_q_tokens_equal_q_decode_steps(engine):
+    """A q-token forward on a cache == q single-token steps, for q = 1..8, across CSA and HCA boundaries
+    (positions 124..131 contain the HCA block end t = 127 and two CSA block ends)."""
+    rng = np.random.default_rng(3)
+    state = engine.new_state()
+    forward_chunk(engine, state, rng.integers(2, 290, 124), 0)
+    toks = rng.integers(2, 290, 8)
+    for q in range(1, 9):
+        s_batch, s_step = copy.deepcopy(state), copy.deepcopy(state)
+        wide = forward_chunk(engine, s_batch, toks[:q], 124, capture=True)
+        steps = [forward_chunk(engine, s_step, toks[i : i + 1], 124 + i, capture=True) for i in range(q)]
+        for name in (*checkpoint_names(6), "blk.3.attn"):
+            a, b = wide.checkpoints[name], np.concatenate([r.checkpoints[name] for r in steps])
+            assert max(_rel(a[i], b[i]) for i in range(q)) < 2e-6, f"q={q} {name}"
+        for l in range(6):
+            np.testing.assert_array_equal(wide.diags[l].expert_ids, np.concatenate([r.diags[l].expert_ids
+                                                                                     for r in steps]))
+            for key in ("comp_rows", "index_rows"):
+                a, b = wide.captures[l][key], steps[-1].captures[l][key]
+                assert a.shape == b.shape, f"q={q} layer {l} {key}: {a.shape} vs {b.shape}"
+                if a.size:
+                    assert _rel(a, b) < 2e-6
+            # the emitted rows are the ones the q tokens complete
+            m = engine.cfg.compress_ratios[l]
+            if m:
+                assert wide.captures[l]["comp_rows"].shape[0] == (124 + q) // m
+            cb, cs = s_batch.layers[l], s_step.layers[l]
+            assert cb.pos == cs.pos == 124 + q
+            assert _rel(cb.raw.numpy(), cs.raw.numpy()) < 2e-6
+
+
+def test_e4m3_rounding_matches_torch_float8_cast():
+    """Closed-form e4m3 rounding == torch's float8_e4m3fn conversion (an independent implementation)."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-3, 0.05, 1.0, 30.0, 200.0)])
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    mids = (grid[1:] + grid[:-1]) / 2  # every tie between neighbours
+    v = torch.clamp(torch.cat([v, mids, -mids, grid]), -448, 448)
+    ours = e4m3_round(v)
+    theirs = v.to(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(ours, theirs)
+
+
+def test_e2m1_hand_cases_and_fp8_block_scale():
+    v = torch.tensor([0.25, 0.75, 1.75, 2.5, 3.5, 5.0, -5.0, 6.0, 0.2, -1.25])
+    assert e2m1_round(v).tolist() == [0.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 6.0, 0.0, -1.0]
+    kv = torch.zeros(1, 96)
+    kv[0, 0] = 448.0 * 4  # block amax 1792 -> scale 4 exactly: value kept, rest of block exact zeros
+    kv[0, 64:] = 0.1234567  # rope tail never touched
+    out = fp8_nope(kv, 64)
+    assert out[0, 0] == 1792.0 and (out[0, 1:64] == 0).all() and torch.equal(out[0, 64:], kv[0, 64:])
+    assert (fp8_nope(torch.zeros(2, 96), 64) == 0).all()  # all-zero block stays zero (amax floor)
+
+
+def test_hadamard_is_orthonormal_involution():
+    H = hadamard_matrix(64, torch.float64, torch.device("cpu"))
+    assert torch.allclose(H @ H, torch.eye(64, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(H, H.T) and set((H * 8).round().unique().tolist()) == {-1.0, 1.0}
+
+
+def test_rope_relative_position_and_inverse():
+    f = rope_frequencies(32, 160000.0, True, 16.0, 65536, 32.0, 1.0).to(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 96, generator=g, dtype=torch.float64), torch.randn(1, 96, generator=g, dtype=torch.float64)
+    dots = [float((rope(q, torch.tensor([s + 7]), f) * rope(k, torch.tensor([s]), f)).sum()) for s in (0, 50, 999)]
+    assert max(dots) - min(dots) < 1e-9
+    x = rope(q, torch.tensor([123]), f)
+    assert torch.allclose(rope(x, torch.tensor([123]), f, inverse=True), q, atol=1e-12)
+    assert torch.equal(x[:, :64], q[:, :64])  # only the trailing rope dims move
+    # spec table (fp64): pairs 0 / 16 / 31 of the 160000 + YaRN frequencies at rope dim 64
+    f64 = rope_frequencies(64, 160000.0, True, 16.0, 65536, 32.0, 1.0)
+    assert math.isclose(f64[16], 2.265625e-3, rel_tol=1e-6) and math.isclose(f64[31], 5.68052904e-7, rel_tol=1e-6)
+
+
+def test_sink_attention_against_a_loop_and_chunking(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    q, keys = torch.randn(5, 3, 16, generator=g, dtype=torch.float64), torch.randn(9, 16, generator=g,
+                                                                                      dtype=torch.float64)
+    mask = torch.rand(5, 9, generator=g) > 0.4
+    mask[:, 0] = True
+    sinks = torch.randn(3, generator=g, dtype=torch.float64)
+    want = torch.zeros_like(q)
+    for t in range(5):
+        for h in range(3):
+            z = [float(q[t, h] @ keys[s]) / 4.0 for s in range(9) if mask[t, s]]
+            rows = [keys[s] for s in range(9) if mask[t, s]]
+            den = math.exp(float(sinks[h])) + sum(math.exp(v) for v in z)
+            want[t, h] = sum(math.exp(v) / den * r for v, r in zip(z, rows, strict=True))
+    got = sink_attention(q, keys, mask, sinks, drop_sink=False)
+    assert torch.allclose(got, want, atol=1e-12)
+    monkeypatch.setattr(attn_mod, "SCORE_BUDGET", 7)  # one query x one head per chunk
+    assert torch.allclose(sink_attention(q, keys, mask, sinks, drop_sink=False), want, atol=1e-12)
+    far = sink_attention(q, keys, mask, torch.full((3,), 1e4, dtype=torch.float64), drop_sink=False)
+    assert far.abs().max() < 1e-30  # a dominating sink absorbs all weight: o -> 0, no NaN
+
+
+def test_select_rows_ties_and_fault():
+    scores = torch.tensor([[1.0, 5.0, 5.0, 5.0, 0.0, 9.0]])
+    n_vis = torch.tensor([5])  # row 5 not yet visible
+    assert select_rows(scores, n_vis, 2, False).nonzero()[:, 1].tolist() == [1, 2]
+    assert select_rows(scores, n_vis, 2, True).nonzero()[:, 1].tolist() == [2, 3]
+    assert select_rows(scores, torch.tensor([2]), 4, False).nonzero()[:, 1].tolist() == [0, 1]
+
+
+def test_options_errors_and_announcements(tiny_f32, capsys):
+    with pytest.raises(ParityError, match="unknown fault"):
+        TorchEngine(str(tiny_f32), RunOptions(inject=("no-such-bug",)))
+    with pytest.raises(ParityError, match="unknown dtype"):
+        TorchEngine(str(tiny_f32), RunOptions(dtype="float16"))
+    with pytest.raises(ParityError, match="unknown device"):
+        TorchEngine(str(tiny_f32), RunOptions(device="tpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ParityError, match="no CUDA device"):
+            TorchEngine(str(tiny_f32), RunOptions(device="cuda"))
+    capsys.readouterr()
+    TorchEngine(str(tiny_f32), RunOptions(dtype="bfloat16", inject=("sink-dropped",), device="auto"))
+    err = capsys.readouterr().err
+    assert "APPROXIMATE bfloat16" in err and "FAULTS INJECTED: sink-dropped" in err
+    TorchEngine(str(tiny_f32), RunOptions())
+    assert capsys.readouterr().err == ""  # the default path says nothing
+    e = TorchEngine(str(tiny_f32), RunOptions())
+    with pytest.raises(ParityError, match="cache holds positions"):
+        e.forward_layer(e.new_state(), 0, e.embed(np.array([3])), np.array([3]), start_pos=5)
+    with pytest.raises(ParityError, match="token id out of range"):
+        e.embed(np.array([290]))
+
+
+def test_float64_and_bfloat16_paths(tiny_f32):
+    prompt = np.random.default_rng(4).integers(2, 290, 24)
+    f32 = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt)
+    f64 = run_sequence(TorchEngine(str(tiny_f32), RunOptions(fp8_kv=False, fp4_indexer=False, dtype="float64")),
+                       prompt)
+    bf16 = run_sequence(TorchEngine(str(tiny_f32), RunOptions(fp8_kv=False, fp4_indexer=False, dtype="bfloat16")),
+                        prompt)
+    assert stack(f64, "final_norm").dtype == np.float64 and stack(bf16, "final_norm").dtype == np.float32
+    a32, a64, a16 = (stack(r, "final_norm") for r in (f32, f64, bf16))
+    assert _rel(a32, a64) < 1e-5
+    print(f"\nbf16 vs f64 final_norm rel L2 {_rel(a16, a64):.3g}")
+    assert 1e-5 < _rel(a16, a64) < 0.1  # approximate: measurably different, still the same model
+
+
+def test_expert_override_replays_routing(tiny_f32):
+    prompt = np.random.default_rng(5).integers(2, 290, 16)
+    base = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt)
+    ids = {l: base[0].diags[l].expert_ids for l in range(6)}
+    same = run_sequence(TorchEngine(str(tiny_f32), RunOptions(fp8_kv=False, fp4_indexer=False,
+                                                              expert_override=lambda l, s, n: ids[l])), prompt)
+    np.testing.assert_array_equal(stack(same, "logits"), stack(base, "logits"))
+    forced = np.tile(np.array([[0, 1, 2]]), (16, 1))
+    other = run_sequence(TorchEngine(str(tiny_f32), RunOptions(fp8_kv=False, fp4_indexer=False,
+                                                               expert_override=lambda l, s, n: forced)), prompt)
+    d = other[0].diags[4]
+    np.testing.assert_array_equal(d.expert_ids, forced)
+    np.testing.assert_allclose(d.expert_weights.sum(1), 1.5, rtol=1e-6)  # renormalised x route_scale
+    bad = TorchEngine(str(tiny_f32), RunOptions(expert_override=lambda l, s, n: np.zeros((n, 2), int)))
+    with pytest.raises(ParityError, match="expected int"):
+        run_sequence(bad, prompt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_matches_cpu(tiny_realmix):
+    prompt = np.random.default_rng(6).integers(2, 290, 40)
+    cpu = run_sequence(TorchEngine(str(tiny_realmix), OFF), prompt, decode_steps=4)
+    gpu = run_sequence(TorchEngine(str(tiny_realmix), RunOptions(fp8_kv=False, fp4_indexer=False, device="cuda")),
+                       prompt, decode_steps=4)
+    assert _rel(stack(gpu, "final_norm"), stack(cpu, "final_norm")) < 1e-5

@@ -1,0 +1,144 @@
+"""Torch engine vs the NumPy reference on the synthetic tiny models (float32).
+
+Sims off: every checkpoint and position within rel L2 1e-5 / cosine 0.99999, every sub-op capture
+close, identical expert ids, indexer rows and visible-row counts, identical greedy tokens over 64
+decode steps (prompt 200: past the window of 8, CSA boundaries every 4, HCA boundaries at t = 127 in
+prefill and t = 255 in decode). Sims on: the same holds at every (layer, position) that no FP8/FP4
+code flip can reach; the number of flipped codes is printed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity.checkpoints import checkpoint_names
+from parity.engine import RunOptions
+from parity.runner import all_tokens, run_sequence, stack
+
+PROMPT_LEN, DECODE = 200, 64
+REL_TOL, COS_MIN = 1e-5, 0.99999
+
+
+def _prompt(n: int) -> np.ndarray:
+    return np.random.default_rng(7).integers(2, 290, n)
+
+
+def _both(path, opts: RunOptions, n_prompt: int, decode: int):
+    from gpu_engine.engine import TorchEngine
+    from reference_cpu.engine import ReferenceEngine
+
+    prompt = _prompt(n_prompt)
+    ref = run_sequence(ReferenceEngine(str(path), opts), prompt, decode_steps=decode, capture=True)
+    tor = run_sequence(TorchEngine(str(path), opts), prompt, decode_steps=decode, capture=True)
+    return ref, tor
+
+
+def _rel_cos(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position relative L2 error of a vs b and cosine.  [T, ...] x2 -> [T], [T]"""
+    a = a.reshape(len(a), -1).astype(np.float64)
+    b = b.reshape(len(b), -1).astype(np.float64)
+    nb, na = np.linalg.norm(b, axis=1), np.linalg.norm(a, axis=1)
+    rel = np.linalg.norm(a - b, axis=1) / np.maximum(nb, 1e-30)
+    cos = np.sum(a * b, axis=1) / np.maximum(na * nb, 1e-30)
+    return rel, cos
+
+
+MODELS = ["tiny_f32", "tiny_realmix", "tiny_mxfp4"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def sims_off_run(request):
+    path = request.getfixturevalue(request.param)
+    ref, tor = _both(path, RunOptions(fp8_kv=False, fp4_indexer=False), PROMPT_LEN, DECODE)
+    return request.param, ref, tor
+
+
+def test_every_checkpoint_and_position_matches(sims_off_run):
+    model, ref, tor = sims_off_run
+    worst_rel, worst_cos = 0.0, 1.0
+    for name in (*checkpoint_names(6), *(f"blk.{l}.attn" for l in range(6)), "logits"):
+        rel, cos = _rel_cos(stack(tor, name), stack(ref, name))
+        assert len(rel) == PROMPT_LEN + DECODE
+        bad = np.flatnonzero((rel > REL_TOL) | (cos < COS_MIN))
+        assert not bad.size, f"{model} {name}: position {bad[0]} rel {rel[bad[0]]:.3g} cos {cos[bad[0]]:.8f}"
+        worst_rel, worst_cos = max(worst_rel, rel.max()), min(worst_cos, cos.min())
+    print(f"\n{model} sims off: max rel L2 {worst_rel:.3g}, min cosine {worst_cos:.9f}")
+
+
+def test_greedy_tokens_experts_and_indexer_identical(sims_off_run):
+    model, ref, tor = sims_off_run
+    np.testing.assert_array_equal(all_tokens(tor), all_tokens(ref))
+    assert len(set(all_tokens(tor)[PROMPT_LEN:].tolist())) > 1, "decode degenerated to one token"
+    for l in range(6):
+        for field in ("expert_ids", "n_comp_visible", "index_sel"):
+            a = [getattr(r.diags[l], field) for r in tor]
+            b = [getattr(r.diags[l], field) for r in ref]
+            if b[0] is None:
+                assert all(x is None for x in a), f"layer {l}: {field} should be None"
+                continue
+            np.testing.assert_array_equal(np.concatenate(a), np.concatenate(b), err_msg=f"{model} layer {l} {field}")
+    # the run really crosses both kinds of compressor boundary in decode and in prefill
+    n_vis = np.concatenate([r.diags[3].n_comp_visible for r in ref])
+    assert n_vis[127] == 1 and n_vis[255] == 2 and n_vis[-1] == 2
+    assert (np.concatenate([r.diags[2].index_sel for r in ref]) >= 0).sum(1).max() == 4  # top-k is a strict subset
+
+
+def test_every_subop_capture_matches(sims_off_run):
+    model, ref, tor = sims_off_run
+    for l in range(6):
+        for step in (0, len(ref) - 1):  # the prefill chunk and the last decode step
+            cr, ct = ref[step].captures[l], tor[step].captures[l]
+            assert set(ct) == set(cr), f"layer {l}: capture names differ: {set(ct) ^ set(cr)}"
+            for k in cr:
+                a, b = ct[k], cr[k]
+                assert a.shape == b.shape, f"{model} layer {l} {k}: {a.shape} vs {b.shape}"
+                if b.dtype.kind in "iu":
+                    np.testing.assert_array_equal(a, b, err_msg=f"{model} layer {l} {k}")
+                elif b.size:
+                    rel, _ = _rel_cos(a, b)
+                    assert rel.max() <= REL_TOL, f"{model} layer {l} step {step} {k}: rel {rel.max():.3g}"
+
+
+def _flips(a: np.ndarray, b: np.ndarray, dims: slice) -> np.ndarray:
+    """Per row: number of quantized elements that differ (the round trips are discrete, so any difference
+    beyond the unquantized tail is a flipped code).  [R, d] x2 -> int [R]"""
+    return (a[:, dims] != b[:, dims]).sum(axis=1)
+
+
+def test_sims_on_match_wherever_no_code_flipped(tiny_f32):
+    n_prompt, decode = 140, 8
+    ref, tor = _both(tiny_f32, RunOptions(), n_prompt, decode)
+    T = n_prompt + decode
+    nope = 96 - 32
+    # first position at which layer l holds a flipped code: raw KV rows (FP8) and emitted rows (FP8 / FP4)
+    first_flip = np.full(6, T, dtype=np.int64)
+    total = 0
+    for l in range(6):
+        fk = _flips(np.concatenate([r.captures[l]["rope_kv"] for r in tor]),
+                    np.concatenate([r.captures[l]["rope_kv"] for r in ref]), slice(0, nope))
+        total += int(fk.sum())
+        if fk.any():
+            first_flip[l] = min(first_flip[l], np.flatnonzero(fk)[0])
+        m = (0, 0, 4, 128, 4, 128)[l]
+        for key, dims in (("comp_rows", slice(0, nope)), ("index_rows", slice(None))):
+            a, b = tor[-1].captures[l][key], ref[-1].captures[l][key]
+            fr = _flips(a, b, dims)
+            total += int(fr.sum())
+            if fr.any():
+                first_flip[l] = min(first_flip[l], (np.flatnonzero(fr)[0] + 1) * m - 1)
+    # a flip at (l, p) can reach every (L >= l, P >= p)
+    reach = np.minimum.accumulate(first_flip)
+    print(f"\nsims on, tiny f32, {T} positions: {total} flipped FP8/FP4 codes; first flip per layer "
+          f"{first_flip.tolist()}")
+    checked = 0
+    for l in range(6):
+        for name in (f"blk.{l}.attn", f"blk.{l}"):
+            rel, cos = _rel_cos(stack(tor, name), stack(ref, name))
+            clean = slice(0, reach[l])
+            assert (rel[clean] <= REL_TOL).all() and (cos[clean] >= COS_MIN).all(), f"{name} before any flip"
+            checked += reach[l]
+        ids_t = np.concatenate([r.diags[l].expert_ids for r in tor])[: reach[l]]
+        ids_r = np.concatenate([r.diags[l].expert_ids for r in ref])[: reach[l]]
+        np.testing.assert_array_equal(ids_t, ids_r)
+    assert checked >= 2 * 6 * 8, "too few flip-free positions to say anything"
