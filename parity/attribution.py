@@ -51,11 +51,12 @@ class LayerAttribution:
     local_excess: float    # local / (k*floor + eps)
     free_excess: float
     worst_position: int    # argmax_t of the local error
+    row_mismatch: int | None = None  # first position whose visible compressed-row count differs (structural)
 
     @property
     def kind(self) -> str:
         """'local' defect, 'propagated' upstream drift, or 'clean'."""
-        if self.local_excess > 1:
+        if self.local_excess > 1 or self.row_mismatch is not None:
             return "local"
         return "propagated" if self.free_excess > 1 else "clean"
 
@@ -71,8 +72,12 @@ def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free
         loc_attn = rel_l2_rows(ref_attn, np.concatenate([o.attn_carrier for o in outs]))
         floor = env.floor(block(l))
         free = float(free_errors[block(l)].max())
+        vis_ref = np.concatenate([c.diags[l].n_comp_visible for c in ref])
+        vis = np.concatenate([o.diag.n_comp_visible for o in outs])
+        mism = np.flatnonzero(vis != vis_ref)
         rows.append(LayerAttribution(
             layer=l, local=float(loc.max()), local_attn=float(loc_attn.max()), free=free, floor=floor,
             local_excess=float(gate(loc.max(), floor, env.k, env.eps)),
-            free_excess=float(gate(free, floor, env.k, env.eps)), worst_position=int(loc.argmax())))
+            free_excess=float(gate(free, floor, env.k, env.eps)), worst_position=int(loc.argmax()),
+            row_mismatch=int(mism[0]) if len(mism) else None))
     return rows

@@ -24,7 +24,7 @@ import numpy as np
 
 from parity.attribution import LayerAttribution, attribute, teacher_forced
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS
-from parity.engine import Engine, LayerOutput
+from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
 from parity.errors import ParityError
 from parity.runner import ChunkResult, run_sequence
@@ -37,24 +37,58 @@ FLIP_FRACTION = 1 / 32
 
 Progress = Callable[[str], None]
 
+# Built-in prompt: BOS + a 4-token motif repeated. The repetition makes compressed rows alike, so the indexer
+# meets exactly tied scores at its top-k cut (tie-breaking gets exercised); 27 + 1 tokens put 7 CSA rows and
+# 5+ candidates per indexer query in the prefill, and with 4 decode steps the last decode step (position 31)
+# emits a CSA row (ratio 4).
+BUILTIN_MOTIF = (243, 77, 33, 87)
+BUILTIN_LEN = 28
+
+
+def builtin_prompt(vocab_size: int, bos: int) -> list[int]:
+    """BOS + BUILTIN_MOTIF repeated, BUILTIN_LEN tokens."""
+    if vocab_size <= max(BUILTIN_MOTIF):
+        raise ParityError(f"the built-in prompt needs a vocabulary above {max(BUILTIN_MOTIF)} ids "
+                          f"(model has {vocab_size}); pass --tokens")
+    return [bos, *(list(BUILTIN_MOTIF) * BUILTIN_LEN)[: BUILTIN_LEN - 1]]
+
 
 # ---------------------------------------------------------------- splicing
 
-def splice_output(lower: Engine, upper: Engine, k: int, ref: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
-    """Run `lower` for layers < k and `upper` for layers >= k (own states) over the reference's chunks;
-    return the per-position rel-L2 of final_norm and logits against the reference: name -> [T]."""
+def first_visibility_mismatch(ref: Sequence[ChunkResult], diags: Sequence[Sequence[LayerDiag]],
+                              layers: Sequence[int]) -> tuple[int, int] | None:
+    """(layer, position) of the first position whose count of visible compressed rows differs from the
+    reference's. The count is structural (it depends only on positions and on which rows were emitted), so any
+    difference is a defect even when the attention output happens not to change (the row was not selected).
+    diags: one per chunk, each indexed by layer."""
+    for l in layers:
+        for chunk, d in zip(ref, diags, strict=True):
+            bad = np.flatnonzero(chunk.diags[l].n_comp_visible != d[l].n_comp_visible)
+            if len(bad):
+                return l, int(chunk.start_pos + bad[0])
+    return None
+
+
+def splice_output(lower: Engine, upper: Engine, k: int,
+                  ref: Sequence[ChunkResult]) -> tuple[dict[str, np.ndarray], tuple[int, int] | None]:
+    """Run `lower` for layers < k and `upper` for layers >= k (own states) over the reference's chunks.
+    Returns the per-position rel-L2 of final_norm and logits against the reference (name -> [T]) and the first
+    visible-row-count mismatch of the lower layers, if any."""
     s_low, s_up = lower.new_state(), upper.new_state()
-    finals, logits = [], []
+    finals, logits, diags = [], [], []
     for chunk in ref:
         x = lower.embed(chunk.tokens)
+        diags.append({})
         for l in range(upper.config.n_layers):
             eng, st = (lower, s_low) if l < k else (upper, s_up)
-            x = eng.forward_layer(st, l, x, chunk.tokens, chunk.start_pos).carrier
+            out = eng.forward_layer(st, l, x, chunk.tokens, chunk.start_pos)
+            x, diags[-1][l] = out.carrier, out.diag
         f, lg = upper.head(x)
         finals.append(f)
         logits.append(lg)
-    return {FINAL_NORM: rel_l2_rows(np.concatenate([c.checkpoints[FINAL_NORM] for c in ref]), np.concatenate(finals)),
+    errs = {FINAL_NORM: rel_l2_rows(np.concatenate([c.checkpoints[FINAL_NORM] for c in ref]), np.concatenate(finals)),
             LOGITS: rel_l2_rows(np.concatenate([c.logits for c in ref]), np.concatenate(logits))}
+    return errs, first_visibility_mismatch(ref, diags, range(k))
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,7 @@ class SpliceProbe:
     k: int                 # candidate below k, reference from k
     excess: float          # max over positions of final_norm / logits excess
     clean: bool
+    row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
 
 
 def mirror_bisect(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], env: Envelope,
@@ -70,9 +105,9 @@ def mirror_bisect(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], 
     M(0) is the reference itself (clean). Returns (layer, probes); layer = L when M(L) is clean."""
     def probe(k: int) -> SpliceProbe:
         say(f"splice: candidate layers < {k}, reference from {k}")
-        errs = splice_output(cand, ref_engine, k, ref)
+        errs, mismatch = splice_output(cand, ref_engine, k, ref)
         ex = max(float(gate(errs[n].max(), env.floor(n), env.k, env.eps)) for n in errs)
-        return SpliceProbe(k, ex, ex <= 1)
+        return SpliceProbe(k, ex, ex <= 1 and mismatch is None, mismatch)
 
     L = cand.config.n_layers
     probes = [probe(L)]
@@ -263,6 +298,7 @@ class BisectReport:
     tokens: list[int]
     envelope: dict                 # k, eps, dtype, calibration
     max_excess: dict[str, float]   # checkpoint -> free-running max excess
+    row_mismatch: tuple[int, int] | None = None   # free run: first (layer, position) with another visible-row count
     attribution: list[LayerAttribution] = field(default_factory=list)
     probes: list[SpliceProbe] = field(default_factory=list)
     subops: list[SubopResult] = field(default_factory=list)
@@ -335,8 +371,9 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     report = BisectReport("no defect", "", None, P, decode, tokens,
                           {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration},
                           excess, trajectory=traj, runs=runs, seconds=seconds)
+    report.row_mismatch = first_visibility_mismatch(ref, [c.diags for c in free], range(L))
     worst = max(excess, key=excess.get)
-    if excess[worst] <= 1 and traj.first_wrong is None:
+    if excess[worst] <= 1 and traj.first_wrong is None and report.row_mismatch is None:
         first_pos = int(errs[worst].argmax())
         report.summary = (f"NO DEFECT: every checkpoint within the envelope (max excess {excess[worst]:.2g} at "
                           f"{worst}, position {first_pos}); steps {_counts(traj)}")
@@ -412,13 +449,17 @@ def summarize(report: BisectReport, env: Envelope) -> str:
         a = report.attribution[c.layer]
         lines.append(f"  layer {a.layer}: local (teacher-forced) rel-L2 {a.local:.3g}, free-running {a.free:.3g}, "
                      f"envelope floor {a.floor:.3g} (k={env.k:g}) -> local excess {a.local_excess:.3g}, "
-                     f"free excess {a.free_excess:.3g}: {a.kind}")
+                     f"free excess {a.free_excess:.3g}: {a.kind}"
+                     + (f" (visible compressed-row count differs from position {a.row_mismatch})"
+                        if a.row_mismatch is not None else ""))
         sub = next((s for s in report.subops if s.name == c.subop), None)
         if sub is not None and sub.floor > 0:
             lines.append(f"  sub-op {sub.name}: local error {sub.err:.3g} vs floor {sub.floor:.3g} "
                          f"(excess {sub.excess:.3g})")
     if report.probes:
-        pr = ", ".join(f"k={p.k} {'clean' if p.clean else f'x{p.excess:.2g}'}" for p in report.probes)
+        pr = ", ".join(f"k={p.k} " + ("clean" if p.clean else f"excess {p.excess:.2g}" if p.row_mismatch is None
+                       else "visible-row count differs at layer {} position {}".format(*p.row_mismatch))
+                       for p in report.probes)
         lines.append(f"  mirror splice (candidate below k, reference from k): {pr}")
     t = report.trajectory
     if t is not None:
@@ -428,3 +469,37 @@ def summarize(report: BisectReport, env: Envelope) -> str:
         lines.append(f"  trajectory: {len(t.steps)} steps ({_counts(t)}); {first}; "
                      f"divergence rate {t.divergence_rate:.2f}")
     return "\n".join(lines)
+
+
+def plot_report(report: BisectReport, path: str) -> object:
+    """Two panels from the report only: the step x layer excess map, and local vs free excess per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    t = report.trajectory
+    if t is not None:
+        im = ax1.imshow(np.log10(np.maximum(t.step_layer_excess, 1e-3)), aspect="auto", cmap="magma",
+                        vmin=-3, vmax=max(1.0, float(np.log10(max(t.step_layer_excess.max(), 1e-3)))))
+        fig.colorbar(im, ax=ax1, label="log10 excess over envelope")
+        ax1.set_xlabel("layer")
+        ax1.set_ylabel("generated step")
+        ax1.set_title("free-running excess (> 0 = outside the envelope)")
+    if report.attribution:
+        ls = [a.layer for a in report.attribution]
+        ax2.semilogy(ls, [max(a.local_excess, 1e-3) for a in report.attribution], "o-", label="local (teacher-forced)")
+        ax2.semilogy(ls, [max(a.free_excess, 1e-3) for a in report.attribution], "s--", label="free-running")
+        ax2.axhline(1, color="gray", lw=1)
+        ax2.set_xlabel("layer")
+        ax2.set_ylabel("excess over envelope")
+        ax2.legend()
+    else:
+        ax2.text(0.5, 0.5, "no attribution needed:\nevery checkpoint inside the envelope", ha="center", va="center")
+        ax2.set_axis_off()
+    fig.suptitle(report.summary.splitlines()[0][:110], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig

@@ -32,6 +32,8 @@ K = 10.0
 EPS = 1e-6
 MARGIN_EPS = 1e-6   # router-key gaps are O(1) (sqrt-softplus scores): ~16 float32 ulps
 TINY = 1e-30
+# Calibration prompt: BOS + seeded random ids, so verdicts are judged on other prompts than the envelope's.
+CALIBRATION_SEED, CALIBRATION_LEN, CALIBRATION_DECODE = 11, 28, 6
 # Captures that hold discrete choices; they are compared as sets, not by rel-L2 (see bisect.compare_captures).
 DISCRETE = ("index_sel", "expert_ids")
 # Captures that hold rows emitted so far (cumulative per chunk), compared row by row.
@@ -104,6 +106,12 @@ class Envelope:
 
 
 # ---------------------------------------------------------------- measuring
+
+def calibration_prompt(vocab_size: int, bos: int) -> list[int]:
+    """BOS + CALIBRATION_LEN - 1 ids drawn with CALIBRATION_SEED from [2, vocab_size)."""
+    rng = np.random.default_rng(CALIBRATION_SEED)
+    return [bos, *(int(t) for t in rng.integers(2, vocab_size, CALIBRATION_LEN - 1))]
+
 
 def checkpoint_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
     """Per-position rel-L2 of every checkpoint and of the logits: name -> [T]."""
