@@ -86,7 +86,7 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
         n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
         chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
         checkpoints=trace_checkpoints(eng.config.n_layers), full=full_names,
-        flags={**eng.options.flags(), "teacher_forced": forced is not None},
+        flags=eng.options.flags(),
     )
     return Trace(header, **rec.tables(), vectors=rec.vectors())
 

@@ -47,9 +47,8 @@ def preflight(a: Trace, b: Trace) -> list[str]:
     """Reasons the traces are not comparable one-to-one (empty list: comparable)."""
     ha, hb = a.header, b.header
     problems = []
-    if ha.tokens != hb.tokens:
-        n = min(len(ha.tokens), len(hb.tokens))
-        i = next((i for i in range(n) if ha.tokens[i] != hb.tokens[i]), n)
+    i = _first_token_difference(ha.tokens, hb.tokens)
+    if i is not None:
         at = lambda t: t[i] if i < len(t) else "end"  # noqa: E731
         problems.append(f"token ids differ at position {i} (A: {at(ha.tokens)}, B: {at(hb.tokens)}; "
                         f"A has {len(ha.tokens)} tokens, B {len(hb.tokens)})")
@@ -64,6 +63,13 @@ def preflight(a: Trace, b: Trace) -> list[str]:
     if ha.n_hc != hb.n_hc:
         problems.append(f"stream counts differ: A {ha.n_hc} vs B {hb.n_hc}")
     return problems
+
+
+def _first_token_difference(ta: list[int], tb: list[int]) -> int | None:
+    """First position whose input token differs (or where one run ends), None if identical."""
+    if ta == tb:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
 
 
 def _model_key(m: dict) -> tuple:
@@ -146,6 +152,10 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
                              "overlap anyway):\n  - " + "\n  - ".join(problems))
     names = [c for c in a.header.checkpoints if c in b.header.checkpoints]
     positions = [p for p in a.header.positions if p in b.header.positions]
+    cut = _first_token_difference(a.header.tokens, b.header.tokens)
+    if cut is not None and any(p >= cut for p in positions):
+        positions = [p for p in positions if p < cut]
+        problems.append(f"compared only positions < {cut}: from there on the runs were fed different tokens")
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
     n_layers = a.n_layers
@@ -349,8 +359,10 @@ def print_report(r: DiffReport, console: Any = None) -> None:
     console.print(tab)
     flagged = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)]
     for e in flagged.itertuples():
-        console.print(f"layer {e.layer}: {e.expert_flips} expert-set flip(s) (first at pos {e.first_flip_pos}), "
-                      f"{e.n_comp_mismatch} compressed-row count mismatch(es), {e.sel_mismatch} indexer mismatch(es)")
+        parts = [f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}" if e.expert_flips else "",
+                 f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)" if e.n_comp_mismatch else "",
+                 f"{e.sel_mismatch} indexer selection mismatch(es)" if e.sel_mismatch else ""]
+        console.print(f"layer {e.layer}: " + ", ".join(p for p in parts if p))
     color = "green" if r else "bold red"
     console.print(f"[{color}]{verdict_line(r)}[/]")
     console.print(f"thresholds: rel-L2 <= {r.thresholds.rel_tol:g}, |RMS ratio - 1| <= {r.thresholds.norm_tol:g}; "
