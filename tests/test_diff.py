@@ -1,0 +1,173 @@
+"""Differ: metric definitions (closed forms), self-diff, first drift on a controlled perturbation,
+preflight refusals, full-vector vs fingerprint metrics, plots and exports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine
+
+from parity import api, metrics
+from parity.differ import PreflightError, to_markdown
+from parity.errors import TraceError
+from parity.exporter import export_arrays
+
+PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+def test_metric_closed_forms():
+    a = np.array([[3.0, 4.0]])          # |a| = 5
+    b = np.array([[3.0, 4.5]])          # b - a = (0, 0.5)
+    assert metrics.rel_l2(a, b)[0] == pytest.approx(0.1)
+    assert metrics.nmse(a, b)[0] == pytest.approx(0.01)
+    assert metrics.sqnr_db(a, b)[0] == pytest.approx(20.0)
+    assert metrics.max_abs(a, b)[0] == 0.5 and metrics.rms_diff(a, b)[0] == pytest.approx(math.sqrt(0.125))
+    assert metrics.cosine(a, b)[0] == pytest.approx((9 + 18) / (5 * math.hypot(3, 4.5)))
+    assert metrics.rel_diff_sglang(a, b)[0] == pytest.approx(0.25 / (25 + 9 + 20.25))
+    assert metrics.rel_l2_from_sqnr(metrics.sqnr_from_rel_l2(0.037)) == pytest.approx(0.037)
+    # equal norms: rel_l2^2 = 2 (1 - cos)
+    c = np.array([[4.0, 3.0]])
+    assert 1 - metrics.cosine(a, c)[0] == pytest.approx(metrics.rel_l2(a, c)[0] ** 2 / 2)
+    assert metrics.cosine_at_rel_l2(metrics.rel_l2(a, c)[0]) == pytest.approx(metrics.cosine(a, c)[0])
+    same = metrics.cosine(a, a)
+    assert same[0] == 1.0 and metrics.rel_l2(a, a)[0] == 0.0 and math.isinf(metrics.sqnr_db(a, a)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Diffs on the fake engine
+
+@pytest.fixture(scope="module")
+def runs(tiny_f32):
+    def run(perturb=None, full=None, **kw):
+        return api.trace(FakeEngine(str(tiny_f32), perturb=perturb), tiny_f32, kw.pop("tokens", PROMPT),
+                         positions=kw.pop("positions", "all"), decode=2, full=full, **kw)
+    return run
+
+
+def test_self_diff_is_exact(runs):
+    t = runs()
+    r = api.diff(t, t)
+    assert r and r.exact and r.first_drift is None
+    assert (r.table["rel_l2"] == 0).all() and (r.table["cosine"] == 1).all() and (r.table["norm_ratio"] == 1).all()
+    assert len(r.table) == len(t.header.checkpoints) * len(t.header.positions)
+    assert "bit-exact" in to_markdown(r)
+
+
+@pytest.mark.parametrize("layer", [0, 2, 5])
+def test_first_drift_is_the_perturbed_layer(runs, layer):
+    r = api.diff(runs(), runs(perturb={layer: 0.05}))
+    assert r.first_drift["checkpoint"] == f"blk.{layer}.attn" and r.first_drift["layer"] == layer
+    upstream = r.table[r.table["depth"] < layer + 0.5]
+    assert upstream["exact"].all()
+    assert r.table[r.table["checkpoint"] == f"blk.{layer}.attn"]["drift"].all()
+
+
+def test_perturbation_below_threshold_is_not_drift(runs):
+    # the fake perturbation adds eps * a unit-variance direction: rel-L2 ~ eps * |dir| / |x| ~ eps / 1.4
+    r = api.diff(runs(), runs(perturb={3: 1e-5}))
+    assert r.first_drift is None and not r.exact
+    assert 0 < r.table["rel_l2"].max() < 1e-3
+    tight = api.diff(runs(), runs(perturb={3: 1e-5}), rel_tol=1e-7)
+    assert tight.first_drift["layer"] == 3
+
+
+def test_full_vectors_give_exact_metrics_and_fingerprints_estimate_them(runs):
+    a, b = runs(full="all"), runs(perturb={1: 0.05}, full="all")
+    full = api.diff(a, b)
+    fp = api.diff(dataclasses.replace(a, vectors=None), dataclasses.replace(b, vectors=None))
+    assert set(full.table["method"]) == {"full"} and set(fp.table["method"]) == {"fp"}
+    va, vb = a.vectors["blk.3"], b.vectors["blk.3"]
+    row = full.table[full.table["checkpoint"] == "blk.3"]
+    np.testing.assert_allclose(row["rel_l2"], np.linalg.norm((vb - va).reshape(len(va), -1), axis=1)
+                               / np.linalg.norm(va.reshape(len(va), -1), axis=1), rtol=1e-6)
+    np.testing.assert_allclose(row["max_abs"], np.abs(vb - va).reshape(len(va), -1).max(axis=1), rtol=1e-6)
+    assert fp.table["max_abs"].isna().all()
+    drifting = full.table["rel_l2"] > 0
+    ratio = fp.table["rel_l2"][drifting] / full.table["rel_l2"][drifting]
+    assert ratio.min() > 0.5 and ratio.max() < 2.0  # 64-dim JL estimate: ~18% relative spread
+    assert full.first_drift["checkpoint"] == fp.first_drift["checkpoint"] == "blk.1.attn"
+
+
+def test_forced_diff_stops_at_the_first_token_difference(runs):
+    a = runs()
+    b = runs(tokens=[0, 5, 7, 9, 11, 13, 15, 18])
+    r = api.diff(a, b, force=True)
+    assert any("position 7" in w for w in r.warnings)
+    assert r.table["pos"].max() == 6  # positions from the first differing token on are not comparable
+    assert r.first_drift is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Preflight
+
+def test_preflight_refuses_different_tokens(runs):
+    with pytest.raises(PreflightError, match="token ids differ at position 3"):
+        api.diff(runs(), runs(tokens=[0, 5, 7, 10, 11, 13, 15, 17]))
+
+
+def test_preflight_refuses_different_models(runs):
+    a = runs()
+    other = {**a.header.model, "header_sha256": "0" * 32}
+    b = dataclasses.replace(a, header=dataclasses.replace(a.header, model=other))
+    with pytest.raises(PreflightError, match="model identity differs"):
+        api.diff(a, b)
+    renamed = dataclasses.replace(a, header=dataclasses.replace(a.header, model={**a.header.model, "file": "x.gguf"}))
+    assert api.diff(a, renamed).exact  # the file name is not the model's identity
+
+
+def test_preflight_refuses_different_checkpoint_sets(runs, tiny_f32, tmp_path):
+    a = runs()
+    text = api.save_trace(a, tmp_path / "a.trace").read_text()
+    lines = [ln.replace(" blk.5.attn", "") if ln.startswith("checkpoints ") else ln
+             for ln in text.split("\n") if not ln.startswith("ckpt 6 blk.5.attn ")]
+    (tmp_path / "b.trace").write_text("\n".join(lines))
+    b = api.load_trace(tmp_path / "b.trace")
+    with pytest.raises(PreflightError, match=r"checkpoint sets differ: only in A \['blk.5.attn'\]"):
+        api.diff(a, b)
+    forced = api.diff(a, b, force=True)
+    assert "blk.5.attn" not in set(forced.table["checkpoint"]) and forced.exact and forced.warnings
+
+
+def test_preflight_refuses_different_positions(runs):
+    with pytest.raises(PreflightError, match="traced positions differ"):
+        api.diff(runs(), runs(positions="last"))
+    assert len(api.diff(runs(), runs(positions="last"), force=True).table["pos"].unique()) == 1
+
+
+def test_json_and_markdown_reports(runs):
+    r = api.diff(runs(), runs(perturb={4: 0.05}))
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["first_drift"]["checkpoint"] == "blk.4.attn" and not d["agree"]
+    assert len(d["checkpoints"]) == 14 and d["thresholds"]["rel_tol"] == 1e-3
+    md = to_markdown(r)
+    assert "first drifting checkpoint: blk.4.attn" in md and "| blk.4.attn | fp |" in md
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot and export
+
+def test_plot_file_is_produced(runs, tmp_path):
+    r = api.diff(runs(), runs(perturb={2: 0.05}))
+    for name in ("drift.png", "drift.svg"):
+        path = api.plot(r, tmp_path / name)
+        assert path.stat().st_size > 10_000
+    assert api.plot(api.diff(runs(), runs()), tmp_path / "flat.png").stat().st_size > 10_000
+
+
+def test_export_arrays_shapes_and_values(runs, tmp_path, tiny_f32):
+    t = runs(full="all")
+    path = api.export(t, tmp_path / "out.npz")
+    with np.load(path) as z:
+        assert z["blk.2"].shape == (10, 4, 256) and z["blk.2.attn"].shape == (10, 4, 256)
+        assert z["final_norm"].shape == (10, 256) and z["logits"].shape == (10, 290)
+        assert z["positions"].tolist() == list(range(10)) and z["tokens"].tolist() == t.header.tokens
+        np.testing.assert_array_equal(z["embed"][3, 0], FakeEngine(str(tiny_f32)).emb[PROMPT[3]])
+    with pytest.raises(TraceError, match="--full"):
+        export_arrays(runs())
