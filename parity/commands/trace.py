@@ -152,7 +152,11 @@ def import_(kind, source, model, tokens, tokens_file, start_pos, top_k, output) 
 @click.argument("source", type=click.Path(exists=True, dir_okay=False))
 @click.argument("dest", type=click.Path(dir_okay=False))
 def convert(source, dest) -> None:
-    """Re-encode a trace: text <-> binary (.npz) by DEST's extension; same content, byte-stable."""
+    """Re-encode a trace: text <-> binary (.npz) by DEST's extension; same content, byte-stable.
+
+    Full vectors are copied to DEST's side file (<stem>.vectors.npz).
+    Example: v4parity convert big.trace big.npz
+    """
     from parity.api import load_trace, save_trace
 
     path = save_trace(load_trace(source), dest)

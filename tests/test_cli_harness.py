@@ -1,0 +1,154 @@
+"""CLI commands of the harness, run in-process with CliRunner: trace, convert, diff, plot, gate, export, golden."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from parity import api
+from parity.cli import cli
+
+TOKENS = "0,5,12,19,26,33,40,47"
+GOLDEN_DIR = Path(__file__).parents[1] / "traces"
+
+
+def run(*args, ok=True):
+    res = CliRunner().invoke(cli, [str(a) for a in args])
+    if ok:
+        assert res.exit_code == 0, (res.output, res.exception)
+    return res
+
+
+@pytest.fixture(scope="module")
+def traces(tiny_f32, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    ref, tor, bad = d / "ref.trace", d / "torch.trace", d / "bad.trace"
+    run("trace", "--engine", "reference", "--model", tiny_f32, "--tokens", TOKENS, "--decode", 2, "--positions",
+        "all", "--full", "blk.2,final_norm,logits", "--dump-logprobs", d / "ref.json", "--top-k", 5, "-o", ref)
+    run("trace", "--engine", "torch", "--model", tiny_f32, "--follow", ref, "--full", "blk.2,final_norm,logits",
+        "-o", tor)
+    run("trace", "--engine", "torch", "--model", tiny_f32, "--follow", ref, "--inject", "compress-ratios-u32",
+        "-o", bad)
+    return {"dir": d, "ref": ref, "torch": tor, "bad": bad, "model": tiny_f32}
+
+
+def test_every_command_has_help():
+    for cmd in ("trace", "import", "convert", "diff", "plot", "gate", "export", "golden", "demo"):
+        out = run(cmd, "--help").output
+        assert "Usage:" in out and len(out) > 200
+
+
+def test_trace_writes_trace_vectors_and_logprob_dump(traces):
+    t = api.load_trace(traces["ref"])
+    assert t.header.engine == "reference" and t.header.decode == 2 and len(t.header.tokens) == 10
+    assert t.header.full == ["blk.2", "final_norm", "logits"] and t.vectors["blk.2"].shape == (10, 4, 256)
+    dump = json.loads((traces["dir"] / "ref.json").read_text())
+    assert dump["prompt_tokens"] == 8 and len(dump["steps"]) == 3 and dump["top_k"] == 5
+    # ds4 semantics: step i's selected token is the one fed at position 8 + i
+    assert [s["selected"]["id"] for s in dump["steps"][:2]] == t.header.tokens[8:10]
+    assert dump["steps"][0]["selected"]["id"] == t.ckpt["argmax"][t.checkpoint_rows("final_norm")][7]
+
+
+def test_trace_token_sources(traces, tmp_path):
+    (tmp_path / "ids.txt").write_text("0 5\n12, 19\n")
+    run("trace", "--engine", "reference", "--model", traces["model"], "--tokens-file", tmp_path / "ids.txt",
+        "-o", tmp_path / "f.trace")
+    assert api.load_trace(tmp_path / "f.trace").header.tokens == [0, 5, 12, 19]
+    run("trace", "--engine", "reference", "--model", traces["model"], "--prompt", "the model", "-o",
+        tmp_path / "p.trace")
+    toks = api.load_trace(tmp_path / "p.trace").header.tokens
+    assert toks[0] == 0 and len(toks) > 3  # BOS + chat template + text
+    res = run("trace", "--engine", "reference", "--model", traces["model"], "--tokens", "1", "--prompt", "x",
+              "-o", tmp_path / "x.trace", ok=False)
+    assert res.exit_code == 2 and "exactly one of" in res.output
+    res = run("trace", "--engine", "reference", "--model", traces["model"], "--tokens", "1,99999", "-o",
+              tmp_path / "x.trace", ok=False)
+    assert "out of range" in str(res.exception)
+    res = run("trace", "--engine", "nope", "--model", traces["model"], "--tokens", "1", "-o", tmp_path / "x.trace",
+              ok=False)
+    assert "unknown engine 'nope'" in str(res.exception)
+
+
+def test_convert_round_trip_is_byte_identical(traces, tmp_path):
+    run("convert", traces["ref"], tmp_path / "r.npz")
+    run("convert", tmp_path / "r.npz", tmp_path / "r.trace")
+    assert (tmp_path / "r.trace").read_bytes() == traces["ref"].read_bytes()
+    assert (tmp_path / "r.vectors.npz").read_bytes() == (traces["dir"] / "ref.vectors.npz").read_bytes()
+
+
+def test_diff_reports(traces):
+    out = run("diff", traces["ref"], traces["torch"]).output
+    assert "all 14 checkpoints agree" in out and "full" in out  # blk.2 and final_norm compared on full vectors
+    d = json.loads(run("diff", traces["ref"], traces["bad"], "--json").output)
+    assert d["first_drift"]["checkpoint"] == "blk.2.attn" and d["first_drift"]["layer"] == 2
+    md = run("diff", traces["ref"], traces["bad"], "--markdown").output
+    assert md.startswith("**v4parity diff**") and "| blk.2.attn |" in md
+    assert run("diff", traces["ref"], traces["bad"], "--fail-on-drift", ok=False).exit_code == 1
+    assert run("diff", traces["ref"], traces["bad"], "--rel-tol", "10", "--norm-tol", "1", "--fail-on-drift").output
+
+
+def test_diff_preflight_refusal_exits_2(traces, tmp_path):
+    run("trace", "--engine", "reference", "--model", traces["model"], "--tokens", "0,5,12", "-o", tmp_path / "s.trace")
+    res = run("diff", traces["ref"], tmp_path / "s.trace", ok=False)
+    assert res.exit_code == 2 and "token ids differ" in res.output
+    assert "traced positions differ" in res.output and "--force" in res.output
+    forced = run("diff", traces["ref"], tmp_path / "s.trace", "--force")
+    assert "warning (forced)" in forced.output
+
+
+def test_plot_writes_a_figure(traces, tmp_path):
+    out = run("plot", traces["ref"], traces["bad"], "-o", tmp_path / "drift.png").output
+    assert (tmp_path / "drift.png").stat().st_size > 20_000 and "first drifting checkpoint: blk.2.attn" in out
+
+
+def test_gate_pass_fail_junit_markdown(traces, tmp_path):
+    junit, md = tmp_path / "gate.xml", tmp_path / "gate.md"
+    ok = run("gate", "--golden", traces["ref"], "--candidate", traces["torch"], "--junit", junit, "--markdown", md)
+    assert "PASSED" in ok.output and md.read_text().startswith("### v4parity gate: PASSED")
+    suite = ET.parse(junit).getroot()
+    assert suite.get("tests") == "14" and suite.get("failures") == "0"
+    bad = run("gate", "--golden", traces["ref"], "--candidate", traces["bad"], "--junit", junit, ok=False)
+    assert bad.exit_code == 1 and "FAILED" in bad.output and "would pass at rel_tol >=" in bad.output
+    failed = [tc.get("name") for tc in ET.parse(junit).getroot() if tc.find("failure") is not None]
+    assert failed[0] == "blk.2.attn" and "blk.1" not in failed
+    loose = tmp_path / "loose.json"
+    loose.write_text(json.dumps({"default": {"rel_tol": 10, "norm_tol": 1}, "require_top1": False}))
+    assert run("gate", "--golden", traces["ref"], "--candidate", traces["bad"], "--tolerances", loose).exit_code == 0
+    per = tmp_path / "per.toml"
+    per.write_text('[checkpoints."blk.*"]\nrel_tol = 10\nnorm_tol = 1\n[checkpoints.final_norm]\nrel_tol = 10\n'
+                   'norm_tol = 1\n')
+    res = run("gate", "--golden", traces["ref"], "--candidate", traces["bad"], "--tolerances", per, "--json", ok=False)
+    assert res.exit_code == 1 and json.loads(res.output)["cases"][-1]["problems"][0].startswith("top-1 token differs")
+
+
+def test_gate_bad_tolerances_and_preflight(traces, tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"default": {"rel_tool": 1}}))
+    res = run("gate", "--golden", traces["ref"], "--candidate", traces["torch"], "--tolerances", bad, ok=False)
+    assert "unknown key(s) ['rel_tool']" in str(res.exception)
+    res = run("gate", "--golden", GOLDEN_DIR / "tiny-f32.trace", "--candidate", traces["torch"], ok=False)
+    assert res.exit_code == 2 and "preflight" in res.output
+
+
+def test_export_arrays(traces, tmp_path):
+    out = run("export", traces["ref"], "-o", tmp_path / "e.npz").output
+    assert "blk.2 [10, 4, 256]" in out
+    with np.load(tmp_path / "e.npz") as z:
+        assert z["final_norm"].shape == (10, 256) and z["logits"].shape == (10, 290)
+        assert z["tokens"].tolist() == api.load_trace(traces["ref"]).header.tokens
+    res = run("export", traces["bad"], "-o", tmp_path / "x.npz", ok=False)
+    assert "--full all" in str(res.exception)
+
+
+def test_golden_traces_regenerate_and_gate(tmp_path):
+    run("golden", "--out", tmp_path)
+    for name in ("tiny-f32.trace", "tiny-real-mix.trace", "tiny-mxfp4.trace"):
+        committed = GOLDEN_DIR / name
+        assert committed.stat().st_size < 150_000 and not api.load_trace(committed).header.full
+        res = run("gate", "--golden", committed, "--candidate", tmp_path / name)
+        assert "PASSED" in res.output
