@@ -200,28 +200,38 @@ class AttentionLayer:
             cap["rope_q"], cap["rope_kv"] = q, kv
 
         raw = torch.cat([cache.raw, kv])
-        raw_pos = torch.arange(start_pos - cache.raw.shape[0], start_pos + n, device=dev)
-        raw_mask = (raw_pos[None, :] <= pos[:, None]) & (raw_pos[None, :] > pos[:, None] - cfg.window_size)
+        raw0 = start_pos - cache.raw.shape[0]  # position of raw[0]
 
         emit = not (ctx.faults.no_decode_compression and n == 1)
         comp = torch.zeros(0, hd, device=dev, dtype=x.dtype)
-        comp_mask = torch.zeros(n, 0, dtype=torch.bool, device=dev)
-        index_sel = None
         n_vis = torch.zeros(n, dtype=torch.int64, device=dev)
+        index_sel = None
         if m > 0:
             rows, j = self._compressor(cache.main, "attn_compressor", x, start_pos, hd, m, emit)
             rows = self._fp8(self._rope(rows, j * m))
             cache.main.rows = comp = torch.cat([cache.main.rows, rows])
             n_vis = torch.clamp(n_visible(pos, m, ctx.faults.compressed_row_visible_late), max=comp.shape[0])
-            comp_mask = torch.arange(comp.shape[0], device=dev)[None, :] < n_vis[:, None]
             if self.indexer:
-                sel = self._indexer(cache, x, qr, pos, start_pos, n_vis, emit, cap if capture else None)
-                comp_mask = comp_mask & sel
-                index_sel = self._sel_table(sel)
+                index_sel = self._indexer(cache, x, qr, pos, start_pos, n_vis, emit, cap if capture else None)
             if capture:
                 cap["comp_rows"] = comp
-        o = sink_attention(q, torch.cat([raw, comp]), torch.cat([raw_mask, comp_mask], dim=1),
-                           ctx.w.v(p + "attn_sinks.weight"), ctx.faults.sink_dropped)
+        o = torch.empty_like(q)
+        sinks = ctx.w.v(p + "attn_sinks.weight")
+        W, R = cfg.window_size, comp.shape[0]
+        step = max(1, SCORE_BUDGET // (2 * W + R))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            t = pos[a:b]
+            lo = max(0, start_pos + a - W + 1 - raw0)           # banded raw keys of this query chunk
+            band_pos = torch.arange(raw0 + lo, start_pos + b, device=dev)
+            raw_mask = (band_pos[None, :] <= t[:, None]) & (band_pos[None, :] > t[:, None] - W)
+            comp_mask = torch.arange(R, device=dev)[None, :] < n_vis[a:b, None]
+            if index_sel is not None:
+                chosen = torch.zeros(b - a, R + 1, dtype=torch.bool, device=dev)
+                chosen.scatter_(1, torch.where(index_sel[a:b] >= 0, index_sel[a:b], R), True)
+                comp_mask = comp_mask & chosen[:, :R]
+            o[a:b] = sink_attention(q[a:b], torch.cat([raw[lo : start_pos + b - raw0], comp]),
+                                    torch.cat([raw_mask, comp_mask], dim=1), sinks, ctx.faults.sink_dropped)
         if capture:
             cap["attn_heads"] = o
         o = self._rope(o, pos, inverse=True).reshape(n, cfg.o_groups, cfg.o_group_width)
@@ -237,7 +247,7 @@ class AttentionLayer:
     def _indexer(self, cache: LayerCache, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, start_pos: int,
                  n_vis: torch.Tensor, emit: bool, cap: dict | None) -> torch.Tensor:
         """Indexer compressor rows, then score(t, j) = Σ_h ω_th ReLU(qI_th · kI_j) and top-k selection.
-        -> bool [n, R] selected rows (all visible rows when at most top_k are visible)."""
+        -> int [n, top_k] selected row ids ascending, -1 padded (all visible rows when at most top_k are visible)."""
         ctx, cfg, p = self.ctx, self.ctx.cfg, self.p
         n, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
         rows, j = self._compressor(cache.index, "indexer_compressor", x, start_pos, di, 4, emit)
@@ -247,9 +257,15 @@ class AttentionLayer:
             cap["index_rows"] = krows
         qi = self._fp4_had(self._rope(ctx.linear(qr, p + "indexer.attn_q_b.weight").reshape(n, hi, di), pos))
         w = ctx.linear(x, p + "indexer.proj.weight") / math.sqrt(di * hi)
-        scores = torch.einsum("nh,nhr->nr", w, torch.relu(torch.einsum("nhd,rd->nhr", qi, krows)))
-        return select_rows(scores, torch.clamp(n_vis, max=krows.shape[0]), cfg.index_topk,
-                           ctx.faults.indexer_ties_highest)
+        n_vis = torch.clamp(n_vis, max=krows.shape[0])
+        table = torch.empty(n, cfg.index_topk, dtype=torch.int64, device=x.device)
+        step = max(1, SCORE_BUDGET // max(hi * krows.shape[0], 1))
+        for a in range(0, n, step):  # scores of one query chunk at a time
+            b = min(n, a + step)
+            scores = torch.einsum("nh,nhr->nr", w[a:b], torch.relu(torch.einsum("nhd,rd->nhr", qi[a:b], krows)))
+            table[a:b] = self._sel_table(select_rows(scores, n_vis[a:b], cfg.index_topk,
+                                                     ctx.faults.indexer_ties_highest))
+        return table
 
     def _sel_table(self, sel: torch.Tensor) -> torch.Tensor:
         """bool [n, R] -> selected row ids ascending, -1 padded to top_k: int [n, top_k]."""

@@ -205,3 +205,15 @@ def test_cuda_matches_cpu(tiny_realmix):
     gpu = run_sequence(TorchEngine(str(tiny_realmix), RunOptions(fp8_kv=False, fp4_indexer=False, device="cuda")),
                        prompt, decode_steps=4)
     assert _rel(stack(gpu, "final_norm"), stack(cpu, "final_norm")) < 1e-5
+
+
+def test_query_and_head_chunking_do_not_change_results(tiny_f32, monkeypatch):
+    """A tiny score budget forces one query per chunk (banded raw keys, per-chunk masks and indexer scores)."""
+    prompt = np.random.default_rng(8).integers(2, 290, 40)
+    full = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt, decode_steps=2)
+    monkeypatch.setattr(attn_mod, "SCORE_BUDGET", 8)
+    small = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt, decode_steps=2)
+    assert _rel(stack(small, "final_norm"), stack(full, "final_norm")) < 1e-6
+    for l in (2, 4):
+        np.testing.assert_array_equal(np.concatenate([r.diags[l].index_sel for r in small]),
+                                      np.concatenate([r.diags[l].index_sel for r in full]))
