@@ -28,7 +28,7 @@ import numpy as np
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn
 from parity.config import ModelConfig
 from parity.errors import TraceError
-from parity.trace import Recorder, Trace, TraceHeader, trace_checkpoints
+from parity.records import Recorder, Trace, TraceHeader, trace_checkpoints
 
 DS4_RE = re.compile(r"^(?P<name>[A-Za-z0-9_]+)-(?P<layer>\d+)_pos(?P<pos>\d+)\.(?P<ext>bin|i32)$")
 LCP_RE = re.compile(r"^(?P<name>hc_init|result_norm|result_output|l_last-(?P<l1>\d+)|hc_attn_post-(?P<l2>\d+))"
