@@ -279,6 +279,27 @@ def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], lay
 
 # ---------------------------------------------------------------- orchestration
 
+class ReplayRouter:
+    """Routing replay: an `expert_override` that hands the candidate the reference's expert ids, so routing
+    amplification is separated from arithmetic error. Filled by `bisect(..., replay=router)` after the
+    reference run; construct the candidate with RunOptions(expert_override=router)."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] | None = None   # per layer [T, K]
+
+    def fill(self, ref: Sequence[ChunkResult]) -> None:
+        self.ids = [np.concatenate([c.diags[l].expert_ids for c in ref]) for l in range(len(ref[0].diags))]
+
+    def __call__(self, layer: int, start_pos: int, n: int) -> np.ndarray:
+        """ids [n, K] of the reference at positions start_pos..start_pos+n-1."""
+        if self.ids is None:
+            raise ParityError("routing replay used before the reference run filled it")
+        if start_pos + n > len(self.ids[layer]):
+            raise ParityError(f"routing replay: position {start_pos + n - 1} is past the reference run "
+                              f"({len(self.ids[layer])} positions)")
+        return self.ids[layer][start_pos : start_pos + n]
+
+
 @dataclass
 class Culprit:
     layer: int | str               # layer index, or "embed" / "head"
@@ -344,8 +365,10 @@ def _where(pos: int | None, n_prompt: int) -> tuple[int | None, str]:
 
 
 def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
-           chunk: int | None = None, progress: Progress | None = None) -> BisectReport:
-    """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope."""
+           chunk: int | None = None, progress: Progress | None = None,
+           replay: ReplayRouter | None = None) -> BisectReport:
+    """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
+    `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
     say = progress or (lambda _m: None)
     L, P = cand.config.n_layers, len(prompt)
     t0 = time.perf_counter()
@@ -360,6 +383,8 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     say(f"reference: {P} prompt tokens + {decode} greedy decode steps")
     ref = run_sequence(ref_engine, prompt, decode, chunk=chunk)
     tokens = [int(t) for t in np.concatenate([c.tokens for c in ref])]
+    if replay is not None:
+        replay.fill(ref)
     say(f"{cand.name}: same tokens (teacher-forced)")
     free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:])
     runs["full"] = 2

@@ -109,16 +109,22 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
 @fp4_opt
 @click.option("--envelope", "envelope_path", type=click.Path(dir_okay=False), default=None,
               help="Envelope file (default traces/<model stem>.envelope.json when present, else measured now).")
+@click.option("--routing-replay", is_flag=True,
+              help="Force the candidate to use the reference's expert choices (separates routing flips from "
+                   "arithmetic error).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
 def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, device, no_fp8_kv, no_fp4_indexer,
-           envelope_path, as_json, plot):
+           envelope_path, routing_replay, as_json, plot):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
 
     Example: v4parity bisect -m tiny-f32.gguf --engine torch --inject no-decode-compression
     """
+    from dataclasses import replace
+
+    from parity.bisect import ReplayRouter
     from parity.bisect import bisect as run_bisect
     from parity.engine import load_engine
     from parity.envelope import load_envelope
@@ -135,9 +141,10 @@ def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, dev
         _stderr(f"envelope: no {path}; measuring it now (save one with `v4parity envelope`)")
         env = _measure(model, engine, opts, _stderr)
     ref = load_engine("reference", model, _options("float32", "cpu", no_fp8_kv, no_fp4_indexer))
-    cand = load_engine(engine, model, opts)
+    router = ReplayRouter() if routing_replay else None
+    cand = load_engine(engine, model, replace(opts, expert_override=router))
     prompt = _tokens(tokens, tokens_file, ref.config.vocab_size, ref.config.bos_token_id)
-    report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=_stderr)
+    report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=_stderr, replay=router)
     if plot:
         from parity.bisect import plot_report
 
