@@ -81,3 +81,48 @@ def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free
             free_excess=float(gate(free, floor, env.k, env.eps)), worst_position=int(loc.argmax()),
             row_mismatch=int(mism[0]) if len(mism) else None))
     return rows
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """MoE and indexer agreement of one layer over all positions (candidate free-running on the same tokens)."""
+
+    layer: int
+    expert_overlap_min: float      # min over positions of |ids_ref ∩ ids_cand| / K
+    flips: int                     # positions whose expert set differs
+    noise_flips: int               # ... of which at a reference router margin within the measured noise
+    largest_flip_margin: float     # largest reference margin among the flips (0 when none; inf on hash layers)
+    index_overlap_min: float       # min over positions of indexer-selection overlap (1 off CSA layers)
+    index_diffs: int               # positions whose indexer selection differs
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row |set(a) ∩ set(b)| / max(|set(a)|, |set(b)|), ignoring -1 padding; 1 for two empty rows.
+    a, b: int [T, K] -> [T]"""
+    out = np.ones(len(a))
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        sx, sy = set(x[x >= 0].tolist()), set(y[y >= 0].tolist())
+        if sx or sy:
+            out[i] = len(sx & sy) / max(len(sx), len(sy))
+    return out
+
+
+def routing(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], env: Envelope) -> list[LayerRouting]:
+    """Expert-set overlap, routing flips judged by the reference's router margin, indexer-selection overlap."""
+    rows = []
+    for l in range(len(ref[0].diags)):
+        def cat(rs: Sequence[ChunkResult], what: str, l: int = l) -> np.ndarray:
+            return np.concatenate([getattr(c.diags[l], what) for c in rs])
+
+        ov = _overlap(cat(ref, "expert_ids"), cat(got, "expert_ids"))
+        margin = cat(ref, "router_margin")[ov < 1]
+        hash_layer = margin.size > 0 and not np.isfinite(margin).all()
+        noise = int((np.isfinite(margin) & (margin <= env.margin_tol(l))).sum())
+        if ref[0].diags[l].index_sel is None:
+            iov = np.ones(1)
+        else:
+            iov = _overlap(cat(ref, "index_sel"), cat(got, "index_sel"))
+        rows.append(LayerRouting(l, float(ov.min()), int((ov < 1).sum()), noise,
+                                 np.inf if hash_layer else float(margin.max(initial=0.0)),
+                                 float(iov.min()), int((iov < 1).sum())))
+    return rows

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity.attribution import LayerAttribution, attribute, teacher_forced
+from parity.attribution import LayerAttribution, LayerRouting, attribute, routing, teacher_forced
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS
 from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
@@ -321,6 +321,7 @@ class BisectReport:
     max_excess: dict[str, float]   # checkpoint -> free-running max excess
     row_mismatch: tuple[int, int] | None = None   # free run: first (layer, position) with another visible-row count
     attribution: list[LayerAttribution] = field(default_factory=list)
+    routing: list[LayerRouting] = field(default_factory=list)
     probes: list[SpliceProbe] = field(default_factory=list)
     subops: list[SubopResult] = field(default_factory=list)
     trajectory: Trajectory | None = None
@@ -346,6 +347,7 @@ class BisectReport:
         d["culprit"] = asdict(self.culprit) if self.culprit else None
         d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
         d["probes"] = [asdict(p) for p in self.probes]
+        d["routing"] = [asdict(r) for r in self.routing]
         d["subops"] = [asdict(s) for s in self.subops]
         if self.trajectory is not None:
             t = self.trajectory
@@ -397,11 +399,14 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
                           {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration},
                           excess, trajectory=traj, runs=runs, seconds=seconds)
     report.row_mismatch = first_visibility_mismatch(ref, [c.diags for c in free], range(L))
+    report.routing = routing(ref, free, env)
     worst = max(excess, key=excess.get)
     if excess[worst] <= 1 and traj.first_wrong is None and report.row_mismatch is None:
         first_pos = int(errs[worst].argmax())
+        flips = sum(r.flips for r in report.routing)
         report.summary = (f"NO DEFECT: every checkpoint within the envelope (max excess {excess[worst]:.2g} at "
-                          f"{worst}, position {first_pos}); steps {_counts(traj)}")
+                          f"{worst}, position {first_pos}); steps {_counts(traj)}"
+                          + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
         lap("verdict")
         return report
 
@@ -486,6 +491,11 @@ def summarize(report: BisectReport, env: Envelope) -> str:
                        else "visible-row count differs at layer {} position {}".format(*p.row_mismatch))
                        for p in report.probes)
         lines.append(f"  mirror splice (candidate below k, reference from k): {pr}")
+    flips = [r for r in report.routing if r.flips or r.index_diffs]
+    if flips:
+        lines.append("  routing (free-running): " + "; ".join(
+            f"layer {r.layer}: {r.flips} expert-set flips ({r.noise_flips} within margin noise, largest margin "
+            f"{r.largest_flip_margin:.3g}), {r.index_diffs} indexer-selection differences" for r in flips[:3]))
     t = report.trajectory
     if t is not None:
         fd = t.first_divergent

@@ -234,16 +234,30 @@ def test_isolated_code_flip_is_noise_not_defect(env32):
     assert max(r.max_excess.values()) > 1   # the cascade is visible, and explained
 
 
+def test_routing_flip_noise_or_defect_by_router_margin(env32):
+    from dataclasses import replace
+
+    # the fake "router" defect picks the K lowest scores: a flip at margins of O(1)
+    r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, env32)
+    assert r.culprit.subop == "router" and "router margin" in r.culprit.detail, r.summary
+    # had the measured router-key drift been larger than those margins, the same flips would be noise
+    loose = replace(env32, router_margin={"0": 100.0})
+    r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, loose)
+    assert r.verdict == "noise" and r.routing[0].noise_flips == r.routing[0].flips > 0, r.summary
+
+
 def test_routing_replay_removes_router_defect(env32):
     ref = FakeEngine()
     bad = FakeEngine(defect=(0, "router"))
     base = bisect(ref, bad, PROMPT[:6], 0, env32)
     assert base.culprit.subop == "router"
+    assert base.routing[0].flips == 6 and base.routing[0].noise_flips == 0 and base.routing[0].expert_overlap_min < 1
     from parity.runner import run_sequence
     diags = run_sequence(ref, PROMPT[:6]).pop().diags
     replay = FakeEngine(RunOptions(expert_override=lambda l, s, n: diags[l].expert_ids[s:s + n]),
                         defect=(0, "router"))
-    assert bisect(ref, replay, PROMPT[:6], 0, env32).verdict == "no defect"
+    again = bisect(ref, replay, PROMPT[:6], 0, env32)
+    assert again.verdict == "no defect" and all(r.flips == 0 for r in again.routing)
 
 
 def test_code_flip_recognised_and_dense_rounding_is_not():
