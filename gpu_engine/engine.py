@@ -23,6 +23,7 @@ from parity.engine import LayerDiag, LayerOutput, RunOptions
 from parity.errors import ParityError
 
 __version__ = "0.1.0"
+DEFAULT_CACHE_MB = 512  # dequantized-matrix LRU (speed only: the cached values are the exact dequantization)
 DTYPES = {"float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64),
           "bfloat16": (torch.float32, torch.bfloat16)}  # (activations/state, matmul operands)
 
@@ -49,14 +50,16 @@ class TorchEngine:
     name = "torch"
     version = __version__
 
-    def __init__(self, model_path: str, options: RunOptions) -> None:
+    def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
         if options.dtype not in DTYPES:
             raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
         self.options = options
         self.faults = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
-        self.w = DeviceWeights(str(model_path), self.device, self.act)
+        if cache_mb < 0:
+            raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
+        self.w = DeviceWeights(str(model_path), self.device, self.act, cache_mb)
         self.config = self.cfg = self.w.config
         cfg = self.cfg
         if options.fp8_kv and cfg.nope_dim % 64:

@@ -60,7 +60,7 @@ def routed_experts(ctx, layer: int, x: torch.Tensor, r: Routing) -> torch.Tensor
     """R = Σ_k W_down[e_k](w_k · swiglu(W_gate[e_k] x, W_up[e_k] x)), computed per expert over its tokens.
     x [n, D] -> [n, D]."""
     p, limit = f"blk.{layer}.", ctx.cfg.swiglu_limit[layer]
-    gate_w, up_w, down_w = (ctx.w.q[p + f"ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
+    gate_w, up_w, down_w = (p + f"ffn_{k}_exps.weight" for k in ("gate", "up", "down"))
     flat_ids = r.ids.reshape(-1)
     order = torch.sort(flat_ids, stable=True).indices
     tok = torch.div(order, r.ids.shape[1], rounding_mode="floor")
@@ -71,10 +71,10 @@ def routed_experts(ctx, layer: int, x: torch.Tensor, r: Routing) -> torch.Tensor
         t = tok[start : start + c]
         wk = r.weights.reshape(-1)[order[start : start + c]]
         xe = x[t].to(ctx.mm)
-        g = (xe @ gate_w.expert(e, ctx.mm).T).to(ctx.act)
-        u = (xe @ up_w.expert(e, ctx.mm).T).to(ctx.act)
+        g = (xe @ ctx.w.expert(gate_w, e, ctx.mm).T).to(ctx.act)
+        u = (xe @ ctx.w.expert(up_w, e, ctx.mm).T).to(ctx.act)
         h = swiglu(g, u, limit, ctx.faults.swiglu_symmetric_clamp) * wk[:, None]
-        out.index_add_(0, t, (h.to(ctx.mm) @ down_w.expert(e, ctx.mm).T).to(ctx.act))
+        out.index_add_(0, t, (h.to(ctx.mm) @ ctx.w.expert(down_w, e, ctx.mm).T).to(ctx.act))
         start += c
     return out
 

@@ -3,9 +3,14 @@
 `QTensor` holds one tensor's raw blocks as uint8 [rows, row_bytes] on the device; `.dense()` dequantizes
 the whole matrix, `.expert(e)` one expert's (out, in) slice, `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
+`DeviceWeights.mat` / `.expert` keep recently dequantized matrices in a bounded LRU (`cache_mb`; 0 = dequantize
+on every use). The cache holds exact dequantized values, so it changes speed only, never results.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -56,8 +61,9 @@ class QTensor:
 class DeviceWeights:
     """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor`, F32 vectors dense, I32 as int64."""
 
-    def __init__(self, path: str, device: torch.device, act_dtype: torch.dtype) -> None:
+    def __init__(self, path: str, device: torch.device, act_dtype: torch.dtype, cache_mb: int = 0) -> None:
         self.source = Weights(path)
+        self.cache_bytes, self._cache, self._cached = cache_mb << 20, OrderedDict(), 0
         self.config: ModelConfig = self.source.config
         self.device, self.act = device, act_dtype
         self._check_inventory()
@@ -86,10 +92,33 @@ class DeviceWeights:
         if problems:
             raise TensorError(f"{self.source.paths[0]}: " + "; ".join(problems))
 
+    def _cached_or(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """LRU of dequantized matrices bounded by `cache_bytes` (0: always `make()`)."""
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        out = make()
+        size = out.numel() * out.element_size()
+        if size <= self.cache_bytes:
+            while self._cached + size > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= old.numel() * old.element_size()
+            self._cache[key] = out
+            self._cached += size
+        return out
+
     def mat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Whole matrix `name` dequantized to dtype.  -> numpy shape of the tensor"""
         if name not in self.q:
             raise TensorError(f"tensor {name!r} is missing")
-        return self.q[name].dense(dtype)
+        return self._cached_or((name, -1, dtype), lambda: self.q[name].dense(dtype))
+
+    def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e of 3-D expert tensor `name`.  -> [out, in]"""
+        if name not in self.q:
+            raise TensorError(f"tensor {name!r} is missing")
+        return self._cached_or((name, e, dtype), lambda: self.q[name].expert(e, dtype))
 
     def v(self, name: str) -> torch.Tensor:
         if name not in self.vec:
