@@ -17,7 +17,7 @@ from parity.errors import ParityError
 class Routing:
     ids: torch.Tensor       # int64 [n, K] selection order
     weights: torch.Tensor   # [n, K] final weights (renormalised, x route_scale)
-    margin: torch.Tensor    # [n] K-th minus (K+1)-th selection key; nan on hash layers / replayed routing
+    margin: torch.Tensor    # [n] router's K-th minus (K+1)-th selection key; nan on hash layers
 
 
 def route(ctx, layer: int, x: torch.Tensor, tokens: torch.Tensor, start_pos: int) -> Routing:
@@ -37,8 +37,7 @@ def route(ctx, layer: int, x: torch.Tensor, tokens: torch.Tensor, start_pos: int
     else:
         ids = ctx.w.ints[p + "ffn_gate_tid2eid.weight"][tokens]
     if ctx.options.expert_override is not None:
-        ids = _replayed(ctx, layer, start_pos, n, s.device)
-        margin = torch.full((n,), math.nan, dtype=s.dtype, device=s.device)
+        ids = _replayed(ctx, layer, start_pos, n, s.device)  # the margin stays the router's own
     src = s + bias if (ctx.faults.router_bias_in_weights and bias is not None) else s
     w = torch.gather(src, 1, ids)
     return Routing(ids, w / w.sum(dim=-1, keepdim=True) * cfg.route_scale, margin)

@@ -217,3 +217,12 @@ def test_query_and_head_chunking_do_not_change_results(tiny_f32, monkeypatch):
     for l in (2, 4):
         np.testing.assert_array_equal(np.concatenate([r.diags[l].index_sel for r in small]),
                                       np.concatenate([r.diags[l].index_sel for r in full]))
+
+
+def test_dequant_cache_changes_speed_only(tiny_realmix):
+    prompt = np.random.default_rng(9).integers(2, 290, 12)
+    cached = run_sequence(TorchEngine(str(tiny_realmix), RunOptions()), prompt, decode_steps=3)
+    fresh = run_sequence(TorchEngine(str(tiny_realmix), RunOptions(), cache_mb=0), prompt, decode_steps=3)
+    np.testing.assert_array_equal(stack(cached, "logits"), stack(fresh, "logits"))
+    with pytest.raises(ParityError, match="cache_mb"):
+        TorchEngine(str(tiny_realmix), RunOptions(), cache_mb=-1)
