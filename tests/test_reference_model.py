@@ -220,11 +220,31 @@ def test_expert_override_replays_routing(tiny_f32):
         np.testing.assert_array_equal(res.diags[l].expert_ids[0], np.arange(cfg.n_activated_experts)[::-1])
         np.testing.assert_allclose(res.diags[l].expert_weights.sum(-1), cfg.route_scale, rtol=1e-5)
 
-    def bad(layer, start_pos, n):
-        return np.zeros((n, cfg.n_activated_experts), np.int64)
+    def out_of_range(layer, start_pos, n):
+        return np.full((n, cfg.n_activated_experts), cfg.n_routed_experts, np.int64)
 
-    with pytest.raises(ParityError, match="repeated expert id"):
-        run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(expert_override=bad)), PROMPT[:3])
+    with pytest.raises(ParityError, match="outside"):
+        run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(expert_override=out_of_range)), PROMPT[:3])
+
+
+def test_repeated_expert_id_counts_once_per_slot(tiny_f32):
+    """A replay [e, e, f] runs expert e for both slots, like the official per-slot loop (hand-built check)."""
+    cfg = ReferenceEngine(str(tiny_f32), RunOptions()).config
+    K = cfg.n_activated_experts
+    dup = np.array([[5, 5, *range(K - 2)]])
+    eng = ReferenceEngine(str(tiny_f32), RunOptions(expert_override=lambda layer, s, n: dup))
+    res = run_sequence(eng, PROMPT[:1], capture=True)[0]
+    cap = res.captures[4]
+    x, w = cap["ffn_norm"], cap["expert_weights"][0]
+    store, p = eng.store, "blk.4."
+    want = np.zeros_like(x)
+    for slot, e in enumerate(dup[0]):
+        g = x @ store.expert(p + "ffn_gate_exps.weight", e).T
+        u = x @ store.expert(p + "ffn_up_exps.weight", e).T
+        c = cfg.swiglu_limit[4]
+        g, u = np.minimum(g, c), np.clip(u, -c, c)
+        want += (w[slot] * g / (1 + np.exp(-g)) * u) @ store.expert(p + "ffn_down_exps.weight", e).T
+    np.testing.assert_allclose(cap["routed_out"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_bounded_expert_cache_evicts_and_gives_same_result(tiny_realmix):
