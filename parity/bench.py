@@ -29,7 +29,7 @@ BENCH_VERSION = 1            # part of the cached file names: bump when synth_re
 DEQUANT_VALUES = 1 << 23     # 8 M values per type = one 2048 x 4096 routed expert
 FULL_PLAN = {"lengths": {24: 3, 128: 3, 256: 1, 512: 1}, "decode_steps": 3, "trace_reps": 3, "dequant_reps": 3}
 QUICK_PLAN = {"lengths": {8: 2, 16: 2}, "decode_steps": 2, "trace_reps": 2, "dequant_reps": 2}
-RSS_CACHE_GB = 2.0           # reference weight-cache budget of the one-layer memory run
+REAL_LAYERS = 43             # V4-Flash: the one-layer run gets its 1/43 share of the default cache budget
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,12 +330,15 @@ def machine_info() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...],
+def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = 1,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
+    from parity.engine import RunOptions
+
     plan = QUICK_PLAN if quick else FULL_PLAN
     t0 = time.perf_counter()
     report: dict[str, Any] = {"bench_version": BENCH_VERSION, "quick": quick, "device": device,
+                              "torch_threads": torch_threads,
                               "machine": machine_info(), "plan": {**plan, "lengths": plan["lengths"]}}
     models = bench_models(cache_dir, quick, log)
     report["models"] = {k: {"path": str(v), "gib": v.stat().st_size / 2**30} for k, v in models.items()}
@@ -351,12 +354,12 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
                 "decode_steps": plan["decode_steps"], "trace_prompt": min(plan["lengths"]),
                 "trace_reps": plan["trace_reps"]}
         # the reference parallelises over experts itself; a second BLAS thread pool would only contend
-        workers[engine] = spawn_worker(spec, 1 if engine == "reference" else None, timeout)
+        workers[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout)
     if "reference" in engines:
-        log(f"reference memory on the 1-layer file (cache budget {RSS_CACHE_GB} GiB) ...")
+        cache_gb = RunOptions.cache_gb / REAL_LAYERS
+        log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
         spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu",
-                "lengths": {min(plan["lengths"]): 1}, "decode_steps": plan["decode_steps"],
-                "cache_gb": RSS_CACHE_GB}
+                "lengths": {min(plan["lengths"]): 1}, "decode_steps": plan["decode_steps"], "cache_gb": cache_gb}
         workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
     report["engines"] = workers
     report["wall_s"] = time.perf_counter() - t0
@@ -393,7 +396,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                          "", f"{100 * tr['overhead']:+.1f} %"))
     mem = eng.get("reference_1layer_memory")
     if mem:
-        rows.append(("reference peak RSS, 1 layer (anon / total)",
+        run = mem["runs"][0]
+        share = f"1 layer, {mem['cache']['budget'] / 2**30:.2f} GiB cache"
+        rows.append((f"reference {share}: prefill {run['prompt']} / decode", fmt(run["prefill_s"]),
+                     fmt(run["decode_s"]), ""))
+        rows.append((f"reference peak RSS, {share} (anon / total)",
                      f"{mem['peak_rss_anon_gb']:.2f} / {mem['peak_rss_gb']:.2f} GiB", "", ""))
     if tor:
         rows.append(("torch peak RSS, 2 layers (anon / total)",

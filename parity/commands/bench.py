@@ -19,10 +19,13 @@ ENGINES = ("reference", "torch")
               help="Where the generated benchmark GGUFs are cached (about 6 GiB for the real-dimension files).")
 @click.option("--engines", default=",".join(ENGINES), show_default=True,
               help="Comma-separated engines to run, e.g. 'torch' on a GPU machine.")
+@click.option("--torch-threads", type=int, default=1, show_default=True,
+              help="Torch CPU threads of the torch worker (0: torch's default). On a shared 2-core box more "
+                   "threads mostly spin; the reference always runs one BLAS thread and parallelises over experts.")
 @click.option("--quick", is_flag=True,
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
-def bench(device: str, out_dir: str, cache_dir: str, engines: str, quick: bool) -> None:
+def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads: int, quick: bool) -> None:
     """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,
     scaling to 512 tokens, tracing overhead, peak memory, and the dequantizers of every ggml type against
     gguf.quants. Prints the tables and writes OUT/bench.json and OUT/bench.md.
@@ -41,7 +44,10 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, quick: bool) 
     if unknown or not chosen:
         raise ParityError(f"--engines: unknown engine(s) {unknown or [engines]}; choose from {', '.join(ENGINES)}")
     console = Console(stderr=True)
-    report = run_bench(Path(cache_dir), device, quick, chosen, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    if torch_threads < 0:
+        raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
+    report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
+                       log=lambda m: console.print(f"[dim]{m}[/dim]"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))

@@ -1,0 +1,165 @@
+"""parity.bench / parity.synth_real: real-dimension layout, timing plumbing, memory watch, report tables."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as Q
+
+from parity import bench, synth_real
+from parity.engine import RunOptions
+from parity.errors import ParityError
+from parity.gguf_io import tensor_nbytes
+from parity.inventory import REAL_RELEASE_TYPES, expected_tensors
+from parity.weights import Weights
+from tests.fake_engine import FakeEngine
+
+SMALL_LAYER = {  # every V4 constraint kept (nope 64, indexer head 64, experts a multiple of 16), tiny sizes
+    "dim": 256, "n_heads": 4, "head_dim": 128, "rope_head_dim": 64, "q_lora_rank": 64, "o_groups": 2,
+    "o_lora_rank": 32, "window_size": 8, "index_n_heads": 4, "index_head_dim": 64, "index_topk": 4,
+    "n_routed_experts": 16, "n_activated_experts": 2, "moe_inter_dim": 256,
+}
+
+
+def test_real_config_gives_the_spec_byte_sizes() -> None:
+    """Spec residual-ffn §2: IQ2_XXS gate/up = 553 648 128 B each, Q2_K down = 704 643 072 B per layer."""
+    cfg = synth_real.real_config((4, 128), 290)
+    sizes = {s.name: tensor_nbytes(s.ne, REAL_RELEASE_TYPES[s.klass]) for s in expected_tensors(cfg) if s.required}
+    for layer in (0, 1):
+        assert sizes[f"blk.{layer}.ffn_gate_exps.weight"] == 553_648_128
+        assert sizes[f"blk.{layer}.ffn_up_exps.weight"] == 553_648_128
+        assert sizes[f"blk.{layer}.ffn_down_exps.weight"] == 704_643_072
+    assert (cfg.dim, cfg.n_heads, cfg.head_dim, cfg.rope_head_dim, cfg.q_lora_rank) == (4096, 64, 512, 64, 1024)
+    assert (cfg.o_groups, cfg.o_lora_rank, cfg.window_size, cfg.index_topk) == (8, 1024, 128, 512)
+    assert (cfg.n_routed_experts, cfg.n_activated_experts, cfg.moe_inter_dim, cfg.n_hash_layers) == (256, 6, 2048, 0)
+    assert cfg.has_indexer(0) and not cfg.has_indexer(1)
+
+
+@pytest.fixture(scope="module")
+def small_real(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setattr(synth_real, "V4_FLASH_LAYER", SMALL_LAYER)
+    return synth_real.write_real(tmp_path_factory.mktemp("real") / "small.gguf", (4, 128), seed=3)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_write_real_types_shapes_and_expert_scale(small_real) -> None:
+    w = Weights(small_real)
+    cfg = w.config
+    assert cfg.compress_ratios == (4, 128) and cfg.dim == 256 and cfg.swiglu_limit == (10.0, 10.0)
+    assert w.info("blk.0.ffn_gate_exps.weight").ggml_type == Q.IQ2_XXS
+    assert w.info("blk.1.ffn_down_exps.weight").ggml_type == Q.Q2_K
+    assert w.info("blk.0.attn_q_b.weight").ggml_type == Q.Q8_0
+    assert w.info("blk.0.indexer.proj.weight").ggml_type == Q.F16
+    assert not any(p.name.endswith(".scratch") for p in small_real.parent.iterdir())
+    # every expert piece is drawn with the linear-map scale 1/sqrt(in) (the same rule as parity.synth)
+    for e in (0, 15):
+        assert np.std(w.expert("blk.0.ffn_gate_exps.weight", e)) == pytest.approx(1 / 16, rel=0.25)
+        assert np.std(w.expert("blk.1.ffn_down_exps.weight", e)) == pytest.approx(1 / 16, rel=0.25)
+    assert not np.array_equal(w.expert("blk.0.ffn_up_exps.weight", 0), w.expert("blk.0.ffn_up_exps.weight", 1))
+
+
+def test_write_real_refuses_unknown_ratio(tmp_path) -> None:
+    with pytest.raises(ValueError, match="must be 4"):
+        synth_real.write_real(tmp_path / "x.gguf", (0,))
+
+
+def test_reference_runs_on_the_real_layout(small_real) -> None:
+    """The worker path end to end on the small real-layout file: finite logits, one time per layer and step."""
+    from parity.engine import load_engine
+
+    timed = bench.TimedEngine(load_engine("reference", str(small_real), RunOptions()))
+    run = bench.time_prefill_decode(timed, 12, reps=1, decode_steps=2)
+    assert len(run["prefill_layer_s"]) == 2 and len(run["decode_layer_s"]) == 2
+    assert sum(run["prefill_layer_s"]) <= run["prefill_s"]
+
+
+def test_time_prefill_decode_counts_layers_reps_and_steps(tiny_f32) -> None:
+    timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
+    run = bench.time_prefill_decode(timed, 10, reps=3, decode_steps=2)
+    L = timed.config.n_layers
+    assert len(run["prefill_all_s"]) == 3
+    assert len(run["prefill_layer_s"]) == L and len(run["decode_layer_s"]) == L
+    assert run["prefill_s"] == sorted(run["prefill_all_s"])[1]
+    assert sum(run["prefill_layer_s"]) <= max(run["prefill_all_s"])
+    assert len(timed.layer_s) == L  # the last decode step's layer calls
+
+
+def test_time_tracing_reports_both_sides(tiny_f32) -> None:
+    timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
+    tr = bench.time_tracing(timed, str(tiny_f32), 6, reps=2)
+    assert tr["on_s"] > 0 and tr["off_s"] > 0
+    assert tr["overhead"] == pytest.approx(tr["on_s"] / tr["off_s"] - 1)
+
+
+def test_prompt_tokens_are_fixed_and_in_range() -> None:
+    a, b = bench.prompt_tokens(50, 290), bench.prompt_tokens(50, 290)
+    assert np.array_equal(a, b) and a.min() >= 2 and a.max() < 290
+
+
+def test_memory_watch_sees_an_allocation() -> None:
+    with bench.MemoryWatch(every_s=0.001) as mem:
+        before = mem.sample()[0]
+        block = np.ones(200 * 2**20 // 8)  # 200 MiB of touched anonymous memory
+        block.sum()
+    assert mem.peak_anon - before >= 150 * 2**20
+    assert mem.peak_total >= mem.peak_anon
+
+
+def test_spawned_worker_failure_is_a_parity_error(tiny_f32) -> None:
+    spec = {"engine": "no-such-engine", "model": str(tiny_f32), "device": "cpu", "lengths": {"4": 1},
+            "decode_steps": 1}
+    with pytest.raises(ParityError, match="no-such-engine"):
+        bench.spawn_worker(spec, 1, timeout_s=120)
+
+
+def _worker(engine: str, ratios: list[int], prefill: list[float], decode: list[float]) -> dict:
+    run = {"prompt": 24, "prefill_s": sum(prefill), "prefill_layer_s": prefill, "decode_s": sum(decode),
+           "decode_layer_s": decode}
+    return {"engine": engine, "ratios": ratios, "runs": [run], "tracing": {"prompt": 24, "on_s": 1.04, "off_s": 1.0,
+            "overhead": 0.04}, "peak_rss_anon_gb": 1.5, "peak_rss_gb": 2.5, "cache": {"budget": 2**30}}
+
+
+def test_tables_from_a_hand_made_report() -> None:
+    mem = _worker("reference", [4], [3.0], [0.5])
+    report = {
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
+                    "load_avg_start": [0.5, 0, 0]},
+        "device": "cpu", "wall_s": 100.0,
+        "engines": {"reference": _worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]),
+                    "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem},
+        "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
+                     "torch_mvs": 50.0, "reference_speedup": 6.0, "torch_speedup": 0.5, "reference_exact": True,
+                     "torch_exact": False}],
+    }
+    rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
+    assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x")
+    assert rows["decode @ctx 24, layer 1 (HCA)"] == ("0.600 s", "0.300 s", "2.0x")
+    assert rows["reference: tracing on vs off (24 tok)"][2] == "+4.0 %"
+    md = bench.render_markdown(report)
+    assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO |" in md
+    assert "| 24 | 8.000 / 6.000 | 0.800 / 0.600 | 2.000 / 1.500 | 0.200 / 0.300 |" in md
+    assert "Test CPU, 2 cores" in md
+    json.dumps(report)
+
+
+@pytest.mark.slow
+def test_bench_quick_end_to_end(tmp_path) -> None:
+    """`v4parity bench --quick` through the CLI: JSON + table written, every dequantizer exact."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(tmp_path / "o"), "--cache-dir",
+                                   str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert all(r["reference_exact"] and r["torch_exact"] for r in report["dequant"])
+    assert set(report["engines"]) == {"reference", "torch", "reference_1layer_memory"}
