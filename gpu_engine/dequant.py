@@ -132,7 +132,7 @@ def dequant_iq2_xxs(raw: torch.Tensor) -> torch.Tensor:
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """2^(e-128) as float32 (ggml_e8m0_to_fp32_half), exact for every byte e."""
     e = e.to(torch.int32)
-    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e.clamp(max=1)), (e - 1) << 23)
     return bits.view(torch.float32)
 
 

@@ -122,6 +122,8 @@ class TorchEngine:
         if carrier.shape != (n, cfg.hc_mult, cfg.dim) or len(tokens) != n:
             raise ParityError(f"layer {layer}: carrier {carrier.shape} / tokens {len(tokens)} do not match "
                               f"[n, {cfg.hc_mult}, {cfg.dim}]")
+        if not np.isfinite(carrier).all():
+            raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
         with torch.inference_mode():
             return self._layer(cache, layer, self._in(carrier), torch.from_numpy(np.asarray(tokens, dtype=np.int64))
                                .to(self.device), start_pos, capture)
