@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from fake_engine import FakeEngine
 from gguf.constants import GGMLQuantizationType as Q
 
 from parity import bench, synth_real
@@ -14,7 +15,6 @@ from parity.errors import ParityError
 from parity.gguf_io import tensor_nbytes
 from parity.inventory import REAL_RELEASE_TYPES, expected_tensors
 from parity.weights import Weights
-from tests.fake_engine import FakeEngine
 
 SMALL_LAYER = {  # every V4 constraint kept (nope 64, indexer head 64, experts a multiple of 16), tiny sizes
     "dim": 256, "n_heads": 4, "head_dim": 128, "rope_head_dim": 64, "q_lora_rank": 64, "o_groups": 2,
