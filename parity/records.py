@@ -30,7 +30,6 @@ FP_DIM = 64                        # fingerprint length
 FP_SEED = 0x7634706172697479       # "v4parity" in ASCII
 _GOLDEN = 0x9E3779B97F4A7C15       # splitmix64 increment
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_M64 = (1 << 64) - 1
 
 
 def trace_checkpoints(n_layers: int) -> list[str]:
@@ -253,15 +252,6 @@ class Trace:
     def checkpoint_rows(self, name: str) -> np.ndarray:
         """Row indices of checkpoint `name` in `ckpt`, ordered by position."""
         return np.flatnonzero(self.ckpt["ck"] == self.header.checkpoints.index(name))
-
-    def vector(self, name: str, pos: int) -> np.ndarray:
-        """Full vector of (checkpoint or 'logits', position) from the side file."""
-        if self.vectors is None or name not in self.vectors:
-            recorded = ", ".join(self.header.full) or "none"
-            raise TraceError(f"trace has no full vector for {name!r} (recorded: {recorded})")
-        if pos not in self.header.positions:
-            raise TraceError(f"position {pos} is not traced (traced: {self.header.positions})")
-        return self.vectors[name][self.header.positions.index(pos)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -171,3 +171,14 @@ def test_export_arrays_shapes_and_values(runs, tmp_path, tiny_f32):
         np.testing.assert_array_equal(z["embed"][3, 0], FakeEngine(str(tiny_f32)).emb[PROMPT[3]])
     with pytest.raises(TraceError, match="--full"):
         export_arrays(runs())
+
+
+def test_non_finite_statistics_are_drift(runs):
+    a = runs()
+    b = runs()
+    row = b.checkpoint_rows("blk.3")[2]
+    b.ckpt.cols["rms"] = b.ckpt["rms"].copy()
+    b.ckpt.cols["rms"][row] = np.nan
+    r = api.diff(a, b)
+    assert r.first_drift["checkpoint"] == "blk.3" and r.first_drift["reason"] == "non-finite values"
+    assert r.first_drift["first_pos"] == 2
