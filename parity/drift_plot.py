@@ -15,7 +15,8 @@ import numpy as np
 
 from parity.differ import DiffReport
 
-FLOOR = 1e-12  # where exact zeros sit on the log axes
+FLOOR = 1e-12      # where exact zeros sit on the rel-L2 heatmap
+COS_FLOOR = 1e-16  # ... and on the 1 - cosine axis (float64 resolution of a cosine near 1)
 
 
 def _depth_ticks(report: DiffReport) -> tuple[list[float], list[str]]:
@@ -53,12 +54,12 @@ def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
     ax_n.axhspan(1 - th.norm_tol, 1 + th.norm_tol, color="tab:green", alpha=0.15, label=f"1 ± {th.norm_tol:g}")
     ax_n.set(title="RMS norm ratio B/A vs depth", xlabel="layer", ylabel="rms(B) / rms(A)")
 
-    one_minus = np.maximum(1.0 - by["cosine"].min().to_numpy(), FLOOR)
+    one_minus = np.maximum(1.0 - by["cosine"].min().to_numpy(), COS_FLOOR)
     ax_c.semilogy(depth, one_minus, "o-", ms=3, color="tab:purple", label="worst position")
-    ax_c.axhline(max(1 - th.cos_tol, FLOOR), color="tab:red", ls="--",
+    ax_c.axhline(max(1 - th.cos_tol, COS_FLOOR), color="tab:red", ls="--",
                  label=f"threshold: cos = 1 - {1 - th.cos_tol:.1e}")
     ax_c.set(title="cosine vs depth (plotted as 1 - cosine)", xlabel="layer", ylabel="1 - cos(A, B)")
-    ax_c.set_ylim(FLOOR / 2, max(1.0, one_minus.max() * 2))
+    ax_c.set_ylim(COS_FLOOR / 2, max(1.0, one_minus.max() * 2))
 
     for ax in (ax_n, ax_c):
         ax.set_xticks(ticks, labels, fontsize=7 if len(ticks) > 20 else 9)
