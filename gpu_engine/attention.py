@@ -1,9 +1,10 @@
 """The attention sub-layer (spec v4-attention) as a batched, cached torch computation.
 
 One code path serves prefill and decode: a call processes n new positions on top of the layer's cache.
-Raw KV rows, the compressors' pending tokens and the emitted rows live in `LayerCache`; the key set of
-every query is one tensor (raw window rows ⊕ compressed rows) with a boolean mask that combines the
-raw window, the compressed-row visibility rule and the indexer selection.
+Raw KV rows, the compressors' pending tokens and the emitted rows live in `LayerCache`. Queries run in
+chunks; a chunk's keys are its band of raw rows ⊕ all compressed rows, with a boolean mask combining the
+raw window, the compressed-row visibility rule and the indexer selection. Scores are materialised one
+(query chunk x head chunk) at a time, within SCORE_BUDGET elements.
 """
 
 from __future__ import annotations
@@ -143,12 +144,13 @@ class AttentionLayer:
         cfg, dev, act = self.ctx.cfg, self.ctx.device, self.ctx.act
         hd = cfg.head_dim
 
-        def comp(width: int, d_c: int) -> CompressorCache:
-            return CompressorCache(0, torch.zeros(0, width, device=dev, dtype=act),
-                                   torch.zeros(0, width, device=dev, dtype=act), torch.zeros(0, d_c, device=dev,
-                                                                                               dtype=act))
+        def empty(width: int) -> torch.Tensor:
+            return torch.zeros(0, width, device=dev, dtype=act)
 
-        cache = LayerCache(0, torch.zeros(0, hd, device=dev, dtype=act))
+        def comp(width: int, d_c: int) -> CompressorCache:
+            return CompressorCache(0, empty(width), empty(width), empty(d_c))
+
+        cache = LayerCache(0, empty(hd))
         if self.ratio > 0:
             cache.main = comp((2 if self.indexer else 1) * hd, hd)
         if self.indexer:
@@ -170,14 +172,14 @@ class AttentionLayer:
         return fp4_roundtrip(x @ self.had) if self.ctx.options.fp4_indexer else x
 
     def _compressor(self, cache: CompressorCache, prefix: str, x: torch.Tensor, start_pos: int, d_c: int,
-                    m: int, n_emit_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    m: int, emit: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Project x, add ape by within-block index, pool completed blocks, RMSNorm.  -> (rows [nb, d_c], j [nb])"""
         ctx = self.ctx
         pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
         kv = ctx.linear(x, self.p + prefix + "_kv.weight")
         score = ctx.linear(x, self.p + prefix + "_gate.weight") + ctx.w.mat(self.p + prefix + "_ape.weight",
                                                                            ctx.act)[pos % m]
-        rows, j = compress(cache, kv, score, start_pos, m, d_c, n_emit_ok, ctx.faults.csa_halves_swapped)
+        rows, j = compress(cache, kv, score, start_pos, m, d_c, emit, ctx.faults.csa_halves_swapped)
         return rms_norm(rows, ctx.w.v(self.p + prefix + "_norm.weight"), ctx.cfg.norm_eps), j
 
     # -- forward ---------------------------------------------------------------------------------------

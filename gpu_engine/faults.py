@@ -17,7 +17,7 @@ FAULT_TABLE: dict[str, tuple[str, str, str]] = {
     "compress-ratios-u32": ("engine.TorchEngine.__init__ (schedule read)",
                             "ratio array read with the wrong integer width: empty schedule, every layer SWA with the "
                             "main RoPE base (no compressor, no indexer, no YaRN)", "first compressed layer"),
-    "no-decode-compression": ("attention.compress (emission)",
+    "no-decode-compression": ("attention.AttentionLayer.forward (emit flag for attention.compress)",
                               "compressed rows emitted only in multi-token chunks, never in 1-token decode",
                               "first compressed layer, first decode step that completes a block"),
     "comb-not-transposed": ("hc.hc_post", "HC_post mixes with C X instead of C^T X", "layer 0 (blk.0.attn)"),
