@@ -246,7 +246,7 @@ def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
     out: dict[int, dict[str, Any]] = {}
 
     def rows(t: Trace, kind: str, key: tuple[str, ...]) -> dict[tuple, int]:
-        tab = t.__dict__[kind]
+        tab = getattr(t, kind)
         return {k: i for i, k in enumerate(zip(*(tab[c].tolist() for c in key), strict=True)) if k[-1] in keep}
 
     def entry(layer: int) -> dict[str, Any]:

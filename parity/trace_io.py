@@ -555,8 +555,9 @@ def _check_binary_rows(h: TraceHeader, tables: dict[str, Table], src: str) -> No
     c = tables["ckpt"]
     if len(c) and (c["ck"].min() < 0 or c["ck"].max() >= len(h.checkpoints)):
         raise TraceError(f"{src}: field 'ckpt.ck': checkpoint index out of range")
-    if len(c) and c["fp"].shape[1:] != (FP_DIM,):
-        raise TraceError(f"{src}: field 'ckpt.fp': expected {FP_DIM} numbers per row, got {c['fp'].shape[1:]}")
+    for col, width in (("fp", FP_DIM), ("l2s", h.n_hc), ("top_ids", h.top_k), ("top_logits", h.top_k)):
+        if c[col].shape[1:] != (width,):
+            raise TraceError(f"{src}: field 'ckpt.{col}': expected {width} numbers per row, got {c[col].shape[1:]}")
     seen = {("ckpt", h.checkpoints[k], int(p)) for k, p in zip(c["ck"], c["pos"], strict=True)}
     if len(seen) != len(c):
         raise TraceError(f"{src}: field 'ckpt': duplicate (checkpoint, position) rows")
