@@ -48,7 +48,6 @@ class TorchState:
 
 class TorchEngine:
     name = "torch"
-    version = __version__
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
         if options.dtype not in DTYPES:
@@ -57,6 +56,7 @@ class TorchEngine:
         self.faults = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
+        self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
         if cache_mb < 0:
             raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
         self.w = DeviceWeights(str(model_path), self.device, self.act, cache_mb)
