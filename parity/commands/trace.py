@@ -33,7 +33,8 @@ def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prom
         return read_token_list(Path(tokens_file).read_text(), tokens_file)
     from parity.tokenizer import encode_chat
 
-    text = prompt if prompt is not None else Path(prompt_file).read_text()
+    # raw bytes as ds4 reads them: no newline translation, always UTF-8
+    text = prompt if prompt is not None else Path(prompt_file).read_bytes().decode("utf-8")
     return encode_chat(model, text, system="", thinking=False)
 
 
