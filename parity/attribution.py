@@ -107,6 +107,12 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _selection(rs: Sequence[ChunkResult], l: int) -> np.ndarray:
+    """Indexer selections of layer l over all positions, int [T, k]; a layer without indexer selects nothing."""
+    return np.concatenate([c.diags[l].index_sel if c.diags[l].index_sel is not None
+                           else -np.ones((len(c.tokens), 1), dtype=np.int64) for c in rs])
+
+
 def routing(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], env: Envelope) -> list[LayerRouting]:
     """Expert-set overlap, routing flips judged by the reference's router margin, indexer-selection overlap."""
     rows = []
@@ -118,10 +124,7 @@ def routing(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], env: Envelop
         margin = cat(ref, "router_margin")[ov < 1]
         hash_layer = margin.size > 0 and not np.isfinite(margin).all()
         noise = int((np.isfinite(margin) & (margin <= env.margin_tol(l))).sum())
-        if ref[0].diags[l].index_sel is None:
-            iov = np.ones(1)
-        else:
-            iov = _overlap(cat(ref, "index_sel"), cat(got, "index_sel"))
+        iov = _overlap(_selection(ref, l), _selection(got, l))
         rows.append(LayerRouting(l, float(ov.min()), int((ov < 1).sum()), noise,
                                  np.inf if hash_layer else float(margin.max(initial=0.0)),
                                  float(iov.min()), int((iov < 1).sum())))

@@ -5,9 +5,10 @@ Algorithm (L layers, T positions, every run on the reference's chunk schedule an
    -> per-checkpoint per-position errors over the envelope, and the step trajectory;
    nothing outside the envelope and no WRONG step -> "no defect" (2 runs in total);
 2. teacher-forced pass: every candidate layer on the reference's input carrier -> local vs free error;
-3. mirror-splice bisection: M(k) = candidate for layers < k, reference from k on, compared at the output;
-   M(k) is clean for k <= j and outside the envelope for k > j, j = the first layer where the candidate
-   departs; binary search over k in ceil(log2 L) spliced runs;
+3. mirror-splice bisection: M(k) = candidate for layers < k (its recorded run from step 1), reference from
+   k on (own state), compared at the output; M(k) is clean for k <= j and outside the envelope for k > j,
+   j = the first layer where the candidate departs; binary search over k in 1 + ceil(log2 L) spliced runs,
+   each costing L - k reference layers;
 4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and the sub-ops
    are compared in `SUBOPS` order; the first whose local error exceeds its envelope (and is not a
    legitimate QAT code flip or near-tie routing flip, or their cascade) is named, with the first position
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity.attribution import LayerAttribution, LayerRouting, attribute, routing, teacher_forced
+from parity.attribution import LayerAttribution, LayerRouting, attribute, layer_input, routing, teacher_forced
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS
 from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
@@ -69,26 +70,25 @@ def first_visibility_mismatch(ref: Sequence[ChunkResult], diags: Sequence[Sequen
     return None
 
 
-def splice_output(lower: Engine, upper: Engine, k: int,
+def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
                   ref: Sequence[ChunkResult]) -> tuple[dict[str, np.ndarray], tuple[int, int] | None]:
-    """Run `lower` for layers < k and `upper` for layers >= k (own states) over the reference's chunks.
-    Returns the per-position rel-L2 of final_norm and logits against the reference (name -> [T]) and the first
-    visible-row-count mismatch of the lower layers, if any."""
-    s_low, s_up = lower.new_state(), upper.new_state()
-    finals, logits, diags = [], [], []
-    for chunk in ref:
-        x = lower.embed(chunk.tokens)
-        diags.append({})
-        for l in range(upper.config.n_layers):
-            eng, st = (lower, s_low) if l < k else (upper, s_up)
-            out = eng.forward_layer(st, l, x, chunk.tokens, chunk.start_pos)
-            x, diags[-1][l] = out.carrier, out.diag
+    """Layers < k from the recorded run `lower` (its carrier leaving layer k-1, chunk by chunk), layers >= k
+    run by `upper` with its own state. Recorded runs are reused because engines are deterministic: the
+    lower part of a splice is exactly the lower part of that engine's own run on the same tokens and chunks.
+    Returns the per-position rel-L2 of final_norm and logits against the reference (name -> [T]) and the
+    first visible-row-count mismatch of the lower layers, if any."""
+    state = upper.new_state()
+    finals, logits = [], []
+    for chunk in lower:
+        x = layer_input(chunk, k)
+        for l in range(k, upper.config.n_layers):
+            x = upper.forward_layer(state, l, x, chunk.tokens, chunk.start_pos).carrier
         f, lg = upper.head(x)
         finals.append(f)
         logits.append(lg)
     errs = {FINAL_NORM: rel_l2_rows(np.concatenate([c.checkpoints[FINAL_NORM] for c in ref]), np.concatenate(finals)),
             LOGITS: rel_l2_rows(np.concatenate([c.logits for c in ref]), np.concatenate(logits))}
-    return errs, first_visibility_mismatch(ref, diags, range(k))
+    return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
 
 
 @dataclass(frozen=True)
@@ -99,17 +99,18 @@ class SpliceProbe:
     row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
 
 
-def mirror_bisect(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], env: Envelope,
+def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], ref: Sequence[ChunkResult], env: Envelope,
                   say: Progress) -> tuple[int, list[SpliceProbe]]:
     """Smallest k with M(k) outside the envelope, minus one: the first layer where the candidate departs.
-    M(0) is the reference itself (clean). Returns (layer, probes); layer = L when M(L) is clean."""
+    M(k) = the candidate's run `free` below k, the reference from k on. M(0) is the reference itself (clean).
+    Returns (layer, probes); layer = L when M(L) is clean."""
     def probe(k: int) -> SpliceProbe:
         say(f"splice: candidate layers < {k}, reference from {k}")
-        errs, mismatch = splice_output(cand, ref_engine, k, ref)
+        errs, mismatch = splice_output(free, ref_engine, k, ref)
         ex = max(float(gate(errs[n].max(), env.floor(n), env.k, env.eps)) for n in errs)
         return SpliceProbe(k, ex, ex <= 1 and mismatch is None, mismatch)
 
-    L = cand.config.n_layers
+    L = ref_engine.config.n_layers
     probes = [probe(L)]
     if probes[-1].clean:
         return L, probes
@@ -419,7 +420,7 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
         pos = int(np.argmax(errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
         report.culprit = Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs"))
         return _finish(report, "defect", env, lap)
-    layer, report.probes = mirror_bisect(ref_engine, cand, ref, env, say)
+    layer, report.probes = mirror_bisect(ref_engine, free, ref, env, say)
     runs["splice"] = len(report.probes)
     lap("splice")
     if layer == L:
@@ -527,6 +528,8 @@ def plot_report(report: BisectReport, path: str) -> object:
         ax2.semilogy(ls, [max(a.local_excess, 1e-3) for a in report.attribution], "o-", label="local (teacher-forced)")
         ax2.semilogy(ls, [max(a.free_excess, 1e-3) for a in report.attribution], "s--", label="free-running")
         ax2.axhline(1, color="gray", lw=1)
+        if report.culprit is not None and isinstance(report.culprit.layer, int):
+            ax2.axvline(report.culprit.layer, color="red", lw=1, label=f"culprit: layer {report.culprit.layer}")
         ax2.set_xlabel("layer")
         ax2.set_ylabel("excess over envelope")
         ax2.legend()
