@@ -373,6 +373,7 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
     `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
     say = progress or (lambda _m: None)
+    env.check_options(cand.options)
     L, P = cand.config.n_layers, len(prompt)
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}

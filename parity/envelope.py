@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.checkpoints import LOGITS
-from parity.engine import Engine
+from parity.engine import Engine, RunOptions
 from parity.errors import ParityError
 from parity.runner import ChunkResult, run_sequence
 
@@ -84,6 +84,14 @@ class Envelope:
     calibration: dict = field(default_factory=dict)  # prompt length, decode steps, chunking used
     k: float = K
     eps: float = EPS
+
+    def check_options(self, options: RunOptions) -> None:
+        """Refuse to judge a run whose QAT simulations differ from the calibration's."""
+        for flag in ("fp8_kv", "fp4_indexer"):
+            if self.calibration.get(flag) != getattr(options, flag):
+                raise ParityError(f"envelope ({self.dtype}) was measured with {flag}={self.calibration.get(flag)}, "
+                                  f"the candidate runs {flag}={getattr(options, flag)}: measure a matching envelope "
+                                  "(`v4parity envelope ... -o OTHER.envelope.json`)")
 
     def floor(self, name: str) -> float:
         if name not in self.checkpoints:
@@ -224,8 +232,8 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
         router_margin={k.split(":", 1)[1]: v for k, v in merged.items() if k.startswith("margin:")},
         logit_rel=merged["logit_rel"],
         components={name: {n: f[n] for n in ckpt_names} for name, f in floors.items()},
-        calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk,
-                     "pairs": sorted(pairs), "engine": cand.name},
+        calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk, "pairs": sorted(pairs),
+                     "engine": cand.name, "fp8_kv": cand.options.fp8_kv, "fp4_indexer": cand.options.fp4_indexer},
     )
 
 

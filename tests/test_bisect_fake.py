@@ -16,6 +16,7 @@ from parity.bisect import bisect, is_code_flip
 from parity.checkpoints import SUBOP_NAMES
 from parity.engine import LayerDiag, LayerOutput, RunOptions
 from parity.envelope import gate, load_envelope, measure_envelope, rel_l2_rows, save_envelope
+from parity.errors import ParityError
 from parity.trajectory import classify_steps
 from parity.verdict import StepVerdict
 
@@ -185,8 +186,10 @@ def test_envelope_is_measured_and_round_trips(env32, envbf16, tmp_path):
     save_envelope(path, envbf16, {"file": "m"})
     back = load_envelope(path, "bfloat16", {"file": "m"})
     assert back == envbf16
-    with pytest.raises(Exception, match="measured on model"):
+    with pytest.raises(ParityError, match="measured on model"):
         load_envelope(path, "float32", {"file": "other"})
+    with pytest.raises(ParityError, match="fp8_kv"):   # an envelope only judges runs with its QAT simulations
+        bisect(FakeEngine(), FakeEngine(RunOptions(fp8_kv=False)), PROMPT, 0, env32)
 
 
 def test_no_defect_float32_and_bf16(env32, envbf16):

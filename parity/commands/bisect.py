@@ -63,7 +63,8 @@ model_opt = click.option("--model", "-m", required=True, type=click.Path(exists=
 engine_opt = click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
 dtype_opt = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
                          help="Candidate precision (the reference always runs float32; bf16 has its own envelope).")
-device_opt = click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="cpu", show_default=True)
+device_opt = click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="cpu", show_default=True,
+                          help="Candidate device (torch engine; auto = CUDA when present).")
 fp8_opt = click.option("--no-fp8-kv", is_flag=True, help="Both engines: skip the FP8 KV simulation.")
 fp4_opt = click.option("--no-fp4-indexer", is_flag=True, help="Both engines: skip the FP4 indexer simulation.")
 
