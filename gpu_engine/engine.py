@@ -155,7 +155,7 @@ class TorchEngine:
             hc_ffn=(self._out(pre_f), self._out(post_f), self._out(C_f)),
             expert_ids=self._out(r.ids), expert_weights=self._out(r.weights), router_margin=self._out(r.margin),
             n_comp_visible=self._out(att.n_comp_visible),
-            index_sel=None if att.index_sel is None else self._out(att.index_sel))
+            index_sel=self._index_sel_diag(layer, att.index_sel, n))
         captures: dict[str, np.ndarray] = {}
         if capture:
             dt = np.float64 if self.act == torch.float64 else np.float32
@@ -169,6 +169,13 @@ class TorchEngine:
                             expert_ids=diag.expert_ids, expert_weights=diag.expert_weights,
                             routed_out=self._out(routed), shared_out=self._out(shared), hc_ffn_post=self._out(X_out))
         return LayerOutput(self._out(Y), self._out(X_out), diag, captures)
+
+    def _index_sel_diag(self, layer: int, sel: torch.Tensor | None, n: int) -> np.ndarray | None:
+        """The diagnostic's shape follows the model (an array on the file's CSA layers, None elsewhere); a layer the
+        engine ran without an indexer (compress-ratios-u32) reports no selection (-1)."""
+        if not self.cfg.has_indexer(layer):
+            return None
+        return self._out(sel) if sel is not None else np.full((n, self.cfg.index_topk), -1, dtype=np.int64)
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cfg = self.cfg
