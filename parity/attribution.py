@@ -94,6 +94,8 @@ class LayerRouting:
     largest_flip_margin: float     # largest reference margin among the flips (0 when none; inf on hash layers)
     index_overlap_min: float       # min over positions of indexer-selection overlap (1 off CSA layers)
     index_diffs: int               # positions whose indexer selection differs
+    flip_positions: tuple[tuple[int, float, float], ...] = ()  # (position, expert overlap, reference margin)
+    index_diff_positions: tuple[tuple[int, float], ...] = ()    # (position, selection overlap)
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -125,7 +127,11 @@ def routing(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], env: Envelop
         hash_layer = margin.size > 0 and not np.isfinite(margin).all()
         noise = int((np.isfinite(margin) & (margin <= env.margin_tol(l))).sum())
         iov = _overlap(_selection(ref, l), _selection(got, l))
-        rows.append(LayerRouting(l, float(ov.min()), int((ov < 1).sum()), noise,
+        flips = np.flatnonzero(ov < 1)
+        diffs = np.flatnonzero(iov < 1)
+        rows.append(LayerRouting(l, float(ov.min()), len(flips), noise,
                                  np.inf if hash_layer else float(margin.max(initial=0.0)),
-                                 float(iov.min()), int((iov < 1).sum())))
+                                 float(iov.min()), len(diffs),
+                                 tuple((int(p), float(ov[p]), float(m)) for p, m in zip(flips, margin, strict=True)),
+                                 tuple((int(p), float(iov[p])) for p in diffs)))
     return rows
