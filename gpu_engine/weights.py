@@ -1,7 +1,8 @@
 """Model weights on the device, kept in their GGUF block formats and dequantized by torch per use.
 
-`QTensor` holds one tensor's raw blocks as uint8 [rows, row_bytes] on the device; `.dense()` dequantizes
-the whole matrix, `.expert(e)` one expert's (out, in) slice, `.rows(idx)` selected rows (embeddings).
+`QTensor` holds one tensor's raw blocks as uint8 [rows, row_bytes] on the device (on the CPU: a zero-copy view
+of the file mapping); `.dense()` dequantizes the whole matrix, `.expert(e)` one expert's (out, in) slice,
+`.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
 `DeviceWeights.mat` / `.expert` keep recently dequantized matrices in a bounded LRU (`cache_mb`; 0 = dequantize
 on every use). The cache holds exact dequantized values, so it changes speed only, never results.
@@ -9,6 +10,7 @@ on every use). The cache holds exact dequantized values, so it changes speed onl
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -29,7 +31,10 @@ class QTensor:
     def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device):
         self.name, self.qtype, self.shape = name, Q(qtype), tuple(shape)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        self.raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1).copy()).to(device)
+        view = np.ascontiguousarray(raw).reshape(rows, -1)
+        with warnings.catch_warnings():  # zero-copy view of the read-only mapping; never written to
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self.raw = torch.from_numpy(view).to(device)
         self._checked: set[str] = set()  # parts already proven finite (checked once, on first use)
 
     def _deq(self, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
