@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from parity.attribution import LayerAttribution, LayerRouting, attribute, layer_input, routing, teacher_forced
-from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS
+from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
 from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
 from parity.errors import ParityError
@@ -75,42 +75,49 @@ def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
     """Layers < k from the recorded run `lower` (its carrier leaving layer k-1, chunk by chunk), layers >= k
     run by `upper` with its own state. Recorded runs are reused because engines are deterministic: the
     lower part of a splice is exactly the lower part of that engine's own run on the same tokens and chunks.
-    Returns the per-position rel-L2 of final_norm and logits against the reference (name -> [T]) and the
-    first visible-row-count mismatch of the lower layers, if any."""
+    Returns the per-position rel-L2 against the reference of every checkpoint from layer k on, final_norm and
+    logits (name -> [T]), and the first visible-row-count mismatch of the lower layers, if any."""
     state = upper.new_state()
-    finals, logits = [], []
+    got: dict[str, list[np.ndarray]] = {}
     for chunk in lower:
         x = layer_input(chunk, k)
         for l in range(k, upper.config.n_layers):
-            x = upper.forward_layer(state, l, x, chunk.tokens, chunk.start_pos).carrier
+            out = upper.forward_layer(state, l, x, chunk.tokens, chunk.start_pos)
+            got.setdefault(block_attn(l), []).append(out.attn_carrier)
+            got.setdefault(block(l), []).append(out.carrier)
+            x = out.carrier
         f, lg = upper.head(x)
-        finals.append(f)
-        logits.append(lg)
-    errs = {FINAL_NORM: rel_l2_rows(np.concatenate([c.checkpoints[FINAL_NORM] for c in ref]), np.concatenate(finals)),
-            LOGITS: rel_l2_rows(np.concatenate([c.logits for c in ref]), np.concatenate(logits))}
+        got.setdefault(FINAL_NORM, []).append(f)
+        got.setdefault(LOGITS, []).append(lg)
+    errs = {name: rel_l2_rows(np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref]),
+                              np.concatenate(parts)) for name, parts in got.items()}
     return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
 
 
 @dataclass(frozen=True)
 class SpliceProbe:
     k: int                 # candidate below k, reference from k
-    excess: float          # max over positions of final_norm / logits excess
+    excess: float          # max excess over the candidate's checkpoints below k and the spliced ones from k on
     clean: bool
     row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
 
 
-def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], ref: Sequence[ChunkResult], env: Envelope,
-                  say: Progress) -> tuple[int, list[SpliceProbe]]:
+def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: dict[str, np.ndarray],
+                  ref: Sequence[ChunkResult], env: Envelope, say: Progress) -> tuple[int, list[SpliceProbe]]:
     """Smallest k with M(k) outside the envelope, minus one: the first layer where the candidate departs.
-    M(k) = the candidate's run `free` below k, the reference from k on. M(0) is the reference itself (clean).
+    M(k) = the candidate's run `free` below k, the reference from k on. M(k) is outside the envelope when a
+    candidate checkpoint below k is (free_errs), when a reference checkpoint from k on is (the departure
+    shows downstream), or when a visible-row count below k differs. M(0) is the reference itself (clean).
     Returns (layer, probes); layer = L when M(L) is clean."""
+    L = ref_engine.config.n_layers
+
     def probe(k: int) -> SpliceProbe:
         say(f"splice: candidate layers < {k}, reference from {k}")
         errs, mismatch = splice_output(free, ref_engine, k, ref)
-        ex = max(float(gate(errs[n].max(), env.floor(n), env.k, env.eps)) for n in errs)
+        below = {n: free_errs[n] for l in range(k) for n in (block_attn(l), block(l))}
+        ex = max(float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in (errs | below).items())
         return SpliceProbe(k, ex, ex <= 1 and mismatch is None, mismatch)
 
-    L = ref_engine.config.n_layers
     probes = [probe(L)]
     if probes[-1].clean:
         return L, probes
@@ -412,16 +419,24 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
         lap("verdict")
         return report
 
+    return _localise(report, ref_engine, cand, ref, free, errs, env, say, lap)
+
+
+def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult],
+              free: Sequence[ChunkResult], errs: dict[str, np.ndarray], env: Envelope, say: Progress,
+              lap: Callable[[str], None]) -> BisectReport:
+    """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
+    L, P, runs = ref_engine.config.n_layers, report.n_prompt, report.runs
     say("teacher-forced pass: every candidate layer on the reference's inputs")
     tf = teacher_forced(cand, ref, list(range(L)))
     runs["teacher_forced"] = 1
     report.attribution = attribute(ref, tf, errs, env)
     lap("teacher_forced")
-    if excess[EMBED] > 1:
+    if report.max_excess[EMBED] > 1:
         pos = int(np.argmax(errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
         report.culprit = Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs"))
         return _finish(report, "defect", env, lap)
-    layer, report.probes = mirror_bisect(ref_engine, free, ref, env, say)
+    layer, report.probes = mirror_bisect(ref_engine, free, errs, ref, env, say)
     runs["splice"] = len(report.probes)
     lap("splice")
     if layer == L:
