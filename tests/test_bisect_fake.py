@@ -77,6 +77,8 @@ class FakeEngine:
 
     def head(self, carrier):
         f = _rms(carrier.mean(1)).astype(self.dt)
+        if self.defect == ("head",):
+            f = f + self.dt(DELTA) * np.roll(f, 1, axis=-1)
         return f, (f @ self.w_out.astype(self.dt)).astype(self.dt)
 
     def forward_layer(self, state, layer, carrier, tokens, start_pos, capture=False):
@@ -219,6 +221,12 @@ def test_defect_named_at_layer_and_subop(env32, layer, sub):
     assert r.attribution[layer].kind == "local"
     assert all(a.kind != "local" for a in r.attribution[:layer])
     assert r.runs["splice"] <= 1 + int(np.ceil(np.log2(len(RATIOS))))
+
+
+def test_head_defect_is_named_head(env32):
+    r = bisect(FakeEngine(), FakeEngine(defect=("head",)), PROMPT, 1, env32)
+    assert (r.verdict, r.culprit.layer) == ("defect", "head"), r.summary
+    assert all(a.kind == "clean" for a in r.attribution)
 
 
 def test_decode_only_defect_names_the_decode_step(env32):
