@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference_cpu.linear import linear
 from reference_cpu.norms import rms_norm, rms_norm_unweighted
 
 
@@ -17,8 +18,8 @@ def q_path(x: np.ndarray, wq_a: np.ndarray, q_norm: np.ndarray, wq_b: np.ndarray
 
     x [n, D], wq_a [R_q, D], q_norm [R_q], wq_b [n_heads·hd, R_q] -> qr [n, R_q], q [n, n_heads, hd].
     """
-    qr = rms_norm(x @ wq_a.T, q_norm, eps)
-    q = (qr @ wq_b.T).reshape(x.shape[0], n_heads, -1)
+    qr = rms_norm(linear(x, wq_a), q_norm, eps)
+    q = linear(qr, wq_b).reshape(x.shape[0], n_heads, -1)
     return qr, rms_norm_unweighted(q, eps)
 
 
@@ -27,7 +28,7 @@ def kv_latent(x: np.ndarray, wkv: np.ndarray, kv_norm: np.ndarray, eps: float) -
 
     x [n, D], wkv [hd, D], kv_norm [hd] -> [n, hd].
     """
-    return rms_norm(x @ wkv.T, kv_norm, eps)
+    return rms_norm(linear(x, wkv), kv_norm, eps)
 
 
 def sink_attention(q: np.ndarray, keys: np.ndarray, sink: np.ndarray, scale: float) -> np.ndarray:
@@ -82,5 +83,5 @@ def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: in
     n = o.shape[0]
     u = o.reshape(n, groups, -1).transpose(1, 0, 2)                  # [G, n, gw]
     w = wo_a.reshape(groups, -1, wo_a.shape[-1])                     # [G, R_o, gw]
-    z = np.matmul(u, w.transpose(0, 2, 1)).transpose(1, 0, 2)         # [n, G, R_o]
-    return z.reshape(n, -1) @ wo_b.T
+    z = np.stack([linear(u[g], w[g]) for g in range(groups)], axis=1)  # [n, G, R_o]
+    return linear(z.reshape(n, -1), wo_b)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference_cpu.linear import linear
 from reference_cpu.norms import rms_norm
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard
 from reference_cpu.rope import apply_rope
@@ -21,7 +22,7 @@ def compressor_project(x: np.ndarray, w_kv: np.ndarray, w_gate: np.ndarray, ape:
 
     x [n, D], w_kv / w_gate [c·d_c, D], ape [m, c·d_c], pos [n] -> κ [n, c·d_c], σ [n, c·d_c].
     """
-    return x @ w_kv.T, x @ w_gate.T + ape[pos % ape.shape[0]]
+    return linear(x, w_kv), linear(x, w_gate) + ape[pos % ape.shape[0]]
 
 
 def softmax_pool(kv: np.ndarray, score: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from parity.engine import LayerOutput, RunOptions
 from parity.errors import ParityError
 from parity.weights import Weights
 from reference_cpu.hc import hc_head, hc_init
+from reference_cpu.linear import linear
 from reference_cpu.model import Numerics, block_forward
 from reference_cpu.norms import rms_norm
 from reference_cpu.rope import rope_frequencies
@@ -106,4 +107,4 @@ class ReferenceEngine:
                     float(s.dense("output_hc_scale.weight")[0]), s.dense("output_hc_base.weight"), cfg.norm_eps,
                     cfg.hc_eps)
         final = rms_norm(z, s.dense("output_norm.weight"), cfg.norm_eps)
-        return final, final @ s.dense("output.weight").T
+        return final, linear(final, s.dense("output.weight"))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference_cpu.linear import linear
+
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     """σ(z) = 1 / (1 + e^-z), evaluated without overflow for either sign of z.
@@ -32,7 +34,7 @@ def hc_mixes(X: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
     """
     flat = X.reshape(X.shape[0], -1)
     r = 1.0 / np.sqrt(np.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
-    return (flat @ fn.T) * r
+    return linear(flat, fn) * r
 
 
 def sinkhorn(Z: np.ndarray, iters: int, eps: float) -> np.ndarray:

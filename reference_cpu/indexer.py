@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from reference_cpu.linear import linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
 from reference_cpu.rope import apply_rope
 
@@ -20,7 +21,7 @@ def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, freqs: np
 
     qr [n, q_lora_rank], wq_b [n_heads·d_I, q_lora_rank], pos [n] -> [n, n_heads, d_I].
     """
-    q = (qr @ wq_b.T).reshape(qr.shape[0], n_heads, -1)
+    q = linear(qr, wq_b).reshape(qr.shape[0], n_heads, -1)
     q = apply_rope(q, pos, freqs)
     return fp4_e2m1_roundtrip(hadamard(q)) if fp4 else q
 
@@ -30,7 +31,7 @@ def indexer_weights(x: np.ndarray, w_proj: np.ndarray, head_dim: int) -> np.ndar
 
     x [n, D], w_proj [n_heads, D], head_dim d_I -> [n, n_heads].
     """
-    return (x @ w_proj.T) * (1.0 / math.sqrt(head_dim * w_proj.shape[0]))
+    return linear(x, w_proj) * (1.0 / math.sqrt(head_dim * w_proj.shape[0]))
 
 
 def indexer_scores(q: np.ndarray, w: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from reference_cpu.hc import sigmoid
+from reference_cpu.linear import linear
 
 
 def softplus(z: np.ndarray) -> np.ndarray:
@@ -28,7 +29,7 @@ def router_scores(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
 
     x [n, D], gate [E, D] -> [n, E].
     """
-    return np.sqrt(softplus(x @ gate.T))
+    return np.sqrt(softplus(linear(x, gate)))
 
 
 def select_topk(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,10 +77,10 @@ def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
 
     x [n, D], w_gate / w_up [F, D], w_down [D, F], weight [n] or None (shared expert) -> [n, D].
     """
-    h = swiglu_clamped(x @ w_gate.T, x @ w_up.T, limit)
+    h = swiglu_clamped(linear(x, w_gate), linear(x, w_up), limit)
     if weight is not None:
         h = h * weight[:, None]
-    return h @ w_down.T
+    return linear(h, w_down)
 
 
 # Independent experts run concurrently: NumPy releases the GIL in dequantization and BLAS. Results are
