@@ -292,6 +292,75 @@ def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -
 
 
 # ------------------------------------------------------------------------------------------------
+# Trace diff at real-model size: 45 carrier checkpoints (embed, blk.0..42, final_norm) x 4096 positions
+
+
+def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: Any = None,
+                    drift_from: int | None = None) -> Any:
+    """A fingerprint-only trace of real-model size (tables only, no vectors). With `base`, a copy whose
+    fingerprints carry a relative perturbation of 1e-2 from checkpoint index `drift_from` on."""
+    from parity.checkpoints import EMBED, FINAL_NORM, block
+    from parity.records import FP_DIM, Trace, TraceHeader, make_table
+
+    names = [EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM]
+    H, K, E, S = 4, 20, 6, 512
+    if base is not None:
+        fp = base.ckpt["fp"].copy()
+        drifting = base.ckpt["ck"] >= drift_from
+        fp[drifting] *= 1 + 1e-2 * rng.standard_normal((int(drifting.sum()), FP_DIM)).astype(np.float32)
+        return Trace(base.header, make_table("ckpt", {**base.ckpt.cols, "fp": fp}, {"H": H, "F": FP_DIM, "K": K}),
+                     base.hc, base.moe, base.attn)
+    n_ck = len(names)
+    ck, pos = np.repeat(np.arange(n_ck), n_pos), np.tile(np.arange(n_pos), n_ck)
+    rows = len(ck)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    ckpt = {"ck": ck, "pos": pos, "tok": pos % 290, "min": -np.abs(f32(rows)), "max": np.abs(f32(rows)),
+            "rms": 1 + np.abs(f32(rows)), "l2s": 1 + np.abs(f32(rows, H)), "sum_l2": 1 + np.abs(f32(rows)),
+            "fp": f32(rows, FP_DIM), "argmax": np.where(ck == n_ck - 1, pos % 290, -1),
+            "top_ids": np.full((rows, K), -1), "top_logits": np.full((rows, K), np.nan)}
+    lp = np.repeat(np.arange(n_layers), n_pos), np.tile(np.arange(n_pos), n_layers)
+    n_lp = len(lp[0])
+    hc = {"layer": np.repeat(lp[0], 2), "sub": np.tile([0, 1], n_lp), "pos": np.repeat(lp[1], 2),
+          "pre": f32(2 * n_lp, H), "post": f32(2 * n_lp, H), "comb": f32(2 * n_lp, H * H)}
+    moe = {"layer": lp[0], "pos": lp[1], "ids": rng.integers(0, 256, (n_lp, E)), "w": f32(n_lp, E),
+           "margin": f32(n_lp)}
+    attn = {"layer": lp[0], "pos": lp[1], "n_comp": lp[1] // 4, "has_sel": lp[0] % 2 == 0,
+            "sel": rng.integers(-1, 1024, (n_lp, S))}
+    widths = {"H": H, "F": FP_DIM, "K": K, "E": E, "S": S}
+    header = TraceHeader(engine="synthetic", engine_version="0", model={"file": "x.gguf", "size": 0,
+                         "header_sha256": "0"}, dtype="float32", n_hc=H, dim=4096, top_k=K,
+                         tokens=(np.arange(n_pos) % 290).tolist(), n_prompt=n_pos, chunks=[n_pos], decode=0,
+                         positions=list(range(n_pos)), checkpoints=names, full=[], flags={})
+    return Trace(header, make_table("ckpt", ckpt, widths), make_table("hc", hc, widths),
+                 make_table("moe", moe, widths), make_table("attn", attn, widths))
+
+
+def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tuple[float, Any]:
+    """Seconds of fn(): one call, and the median of `reps` more when that call took under `slow_s`."""
+    t = time.perf_counter()
+    result = fn()
+    first = time.perf_counter() - t
+    return (first, result) if first >= slow_s else _best_of(fn, reps)
+
+
+def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
+    """Seconds of `api.diff` on two in-memory traces and on the same two read back from .npz files."""
+    from parity.api import diff
+    from parity.trace_io import write_trace
+
+    rng = np.random.default_rng(0)
+    a = synthetic_trace(n_layers, n_pos, rng)
+    b = synthetic_trace(n_layers, n_pos, rng, base=a, drift_from=n_layers // 2)
+    in_memory, report = _timed_median(lambda: diff(a, b), reps)
+    tmp.mkdir(parents=True, exist_ok=True)
+    pa, pb = write_trace(a, tmp / "a.npz"), write_trace(b, tmp / "b.npz")
+    from_files, _ = _timed_median(lambda: diff(pa, pb), reps)
+    first = report.first_drift or {}
+    return {"checkpoints": n_layers + 2, "positions": n_pos, "in_memory_s": in_memory, "from_npz_s": from_files,
+            "first_drift": first.get("checkpoint"), "npz_mb": (pa.stat().st_size + pb.stat().st_size) / 2**20}
+
+
+# ------------------------------------------------------------------------------------------------
 # Orchestration
 
 
@@ -350,6 +419,8 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     log("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
     n_values = (1 << 18) if quick else DEQUANT_VALUES
     report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
+    log("trace diff at real-model size (45 checkpoints x 4096 positions) ...")
+    report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
     timeout = 600 if quick else 1800
     workers = {}
     for engine in engines:
@@ -401,6 +472,10 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             tr = w["tracing"]
             rows.append((f"{name}: tracing on vs off ({tr['prompt']} tok)", f"{tr['on_s']:.3f} / {tr['off_s']:.3f} s",
                          "", f"{100 * tr['overhead']:+.1f} %"))
+    td = report.get("trace_diff")
+    if td:
+        rows.append((f"diff of two traces, {td['checkpoints']} checkpoints x {td['positions']} positions "
+                     "(in memory / from .npz)", f"{td['in_memory_s']:.2f} / {td['from_npz_s']:.2f} s", "", ""))
     mem = eng.get("reference_1layer_memory")
     if mem:
         run = mem["runs"][0]

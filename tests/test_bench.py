@@ -163,3 +163,11 @@ def test_bench_quick_end_to_end(tmp_path) -> None:
     report = json.loads((tmp_path / "o" / "bench.json").read_text())
     assert all(r["reference_exact"] and r["torch_exact"] for r in report["dequant"])
     assert set(report["engines"]) == {"reference", "torch", "reference_1layer_memory"}
+
+
+def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
+    """Synthetic real-size traces are well-formed: diff finds the drift planted from checkpoint blk.1 on."""
+    td = bench.time_trace_diff(4, 16, reps=1, tmp=tmp_path)
+    assert td["checkpoints"] == 6 and td["positions"] == 16
+    assert td["first_drift"] == "blk.1"
+    assert td["in_memory_s"] > 0 and td["from_npz_s"] > 0 and td["npz_mb"] > 0
