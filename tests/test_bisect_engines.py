@@ -154,12 +154,15 @@ def test_routing_replay_uses_reference_experts(tiny_f32, ref_f32, prompt):
         assert all(np.array_equal(da.expert_ids, db.expert_ids) for da, db in zip(a.diags, b.diags, strict=True))
 
 
-def test_cli_bisect_json_and_exit_status(tiny_f32):
+def test_cli_bisect_json_plot_and_exit_status(tiny_f32, tmp_path):
     env = TRACES / "tiny-f32.envelope.json"
+    png = tmp_path / "b.png"
     res = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--envelope", str(env), "--inject",
-                                   "sink-dropped", "--decode", "1", "--json"])
+                                   "sink-dropped", "--decode", "1", "--json", "--plot", str(png)])
     assert res.exit_code == 1, res.output
     doc = json.loads(res.stdout)
     assert (doc["verdict"], doc["culprit"]["layer"], doc["culprit"]["subop"]) == ("defect", 0, "attention")
+    assert len(doc["trajectory"]["steps"]) == 2 and len(doc["attribution"]) == 6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--envelope", str(env), "--tokens", "0 5 99999"])
     assert res.exit_code == 2 and "out of range" in res.output
