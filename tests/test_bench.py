@@ -94,9 +94,9 @@ def test_time_prefill_decode_counts_layers_reps_and_steps(tiny_f32) -> None:
 
 def test_time_tracing_reports_both_sides(tiny_f32) -> None:
     timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
-    tr = bench.time_tracing(timed, str(tiny_f32), 6, reps=2)
-    assert tr["on_s"] > 0 and tr["off_s"] > 0
-    assert tr["overhead"] == pytest.approx(tr["on_s"] / tr["off_s"] - 1)
+    tr = bench.time_tracing(timed, 6, reps=2)
+    assert tr["record_s"] > 0 and tr["forward_s"] > 0
+    assert tr["overhead"] == pytest.approx(tr["record_s"] / tr["forward_s"])
 
 
 def test_prompt_tokens_are_fixed_and_in_range() -> None:
@@ -123,8 +123,9 @@ def test_spawned_worker_failure_is_a_parity_error(tiny_f32) -> None:
 def _worker(engine: str, ratios: list[int], prefill: list[float], decode: list[float]) -> dict:
     run = {"prompt": 24, "prefill_s": sum(prefill), "prefill_layer_s": prefill, "decode_s": sum(decode),
            "decode_layer_s": decode}
-    return {"engine": engine, "ratios": ratios, "runs": [run], "tracing": {"prompt": 24, "on_s": 1.04, "off_s": 1.0,
-            "overhead": 0.04}, "peak_rss_anon_gb": 1.5, "peak_rss_gb": 2.5, "cache": {"budget": 2**30}}
+    tracing = {"prompt": 24, "record_s": 0.04, "forward_s": 1.0, "overhead": 0.04}
+    return {"engine": engine, "ratios": ratios, "runs": [run], "tracing": tracing, "peak_rss_anon_gb": 1.5,
+            "peak_rss_gb": 2.5, "cache": {"budget": 2**30}}
 
 
 def test_tables_from_a_hand_made_report() -> None:
@@ -142,7 +143,7 @@ def test_tables_from_a_hand_made_report() -> None:
     rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
     assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x")
     assert rows["decode @ctx 24, layer 1 (HCA)"] == ("0.600 s", "0.300 s", "2.0x")
-    assert rows["reference: tracing on vs off (24 tok)"][2] == "+4.0 %"
+    assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 %"
     md = bench.render_markdown(report)
     assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO |" in md
     assert "| 24 | 8.000 / 6.000 | 0.800 / 0.600 | 2.000 / 1.500 | 0.200 / 0.300 |" in md
