@@ -171,4 +171,4 @@ def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
     td = bench.time_trace_diff(4, 16, reps=1, tmp=tmp_path)
     assert td["checkpoints"] == 6 and td["positions"] == 16
     assert td["first_drift"] == "blk.1"
-    assert td["in_memory_s"] > 0 and td["from_npz_s"] > 0 and td["npz_mb"] > 0
+    assert td["from_npz_s"] > 0 and td["npz_mb"] > 0
