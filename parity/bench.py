@@ -481,6 +481,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 r = _run(ref, n)[key][l] if ref and _run(ref, n) and _run(ref, n)[key] else None
                 t = _run(tor, n)[key][l] if tor and _run(tor, n) and _run(tor, n)[key] else None
                 rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x" if r and t else "-"))
+    est = []
+    for w in (ref, tor):
+        run = _run(w, lengths[0]) if w else None
+        per_layer = float(np.mean(run["decode_layer_s"])) if run and run["decode_layer_s"] else None
+        est.append(f"{REAL_LAYERS * per_layer:.1f} s/tok = {1 / (REAL_LAYERS * per_layer):.3f} tok/s"
+                   if per_layer else "-")
+    rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est, ""))
     for name, w in (("reference", ref), ("torch", tor)):
         if w and w.get("tracing"):
             tr = w["tracing"]

@@ -143,6 +143,8 @@ def test_tables_from_a_hand_made_report() -> None:
     rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
     assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x")
     assert rows["decode @ctx 24, layer 1 (HCA)"] == ("0.600 s", "0.300 s", "2.0x")
+    assert rows["model decode estimate: 43 x mean layer decode @ctx 24"][:2] == (
+        "30.1 s/tok = 0.033 tok/s", "10.8 s/tok = 0.093 tok/s")  # 43 x 0.7 s and 43 x 0.25 s
     assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 %"
     md = bench.render_markdown(report)
     assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO |" in md
