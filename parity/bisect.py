@@ -442,8 +442,17 @@ def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Seque
     if layer == L:
         report.culprit = Culprit("head", None, None, None, "layers clean; final norm / output head differ")
         return _finish(report, "defect", env, lap)
-    local = [a.layer for a in report.attribution if a.kind == "local" and a.layer != layer]
-    for cand_layer in [layer, *local]:
+    local = [a.layer for a in report.attribution if a.kind == "local"]
+    if not local:
+        worst = max(report.max_excess, key=report.max_excess.get)
+        report.culprit = Culprit(layer, None, None, None, (
+            f"no candidate layer departs on the reference's inputs; the excess ({report.max_excess[worst]:.3g} at "
+            f"{worst}) is amplified sub-envelope drift (QAT code flips or near-ties downstream)"))
+        return _finish(report, "noise", env, lap)
+    if layer not in local:  # the splice saw amplified sub-envelope drift: trust the local evidence
+        say(f"splice points at layer {layer}, which does not depart locally; using layer {local[0]}")
+        layer = local[0]
+    for cand_layer in [layer, *(l for l in local if l != layer)]:
         say(f"drill-down: layer {cand_layer}, {len(SUBOPS)} sub-ops")
         subs = drill_down(ref_engine, cand, ref, cand_layer, env)
         runs["drill_down_layers"] += 1
@@ -457,15 +466,14 @@ def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Seque
             return _finish(report, "defect", env, lap)
     lap("drill_down")
     att = report.attribution[layer]
-    if att.kind == "local" and not any(s.status == "noise" for s in report.subops):
+    if not any(s.status == "noise" for s in report.subops):
         pos = att.worst_position
         step, where = _where(pos, P)
         report.culprit = Culprit(layer, None, pos, step, f"{where}; no captured sub-op differs: the defect is "
                                  "between captures")
         return _finish(report, "defect", env, lap)
-    noisy = [s for s in report.subops if s.status == "noise"]
-    report.culprit = Culprit(layer, noisy[0].name if noisy else None, None, None,
-                             noisy[0].detail if noisy else "upstream drift amplified, no local excess")
+    noisy = next(s for s in report.subops if s.status == "noise")
+    report.culprit = Culprit(layer, noisy.name, None, None, noisy.detail)
     return _finish(report, "noise", env, lap)
 
 
