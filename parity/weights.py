@@ -92,8 +92,8 @@ class Weights:
         _check_finite(out, name)
         return out
 
-    def expert(self, name: str, e: int) -> np.ndarray:
-        """Expert e of a 3-D expert tensor (numpy (E, out, in)) as a float32 (out, in) matrix."""
+    def expert_raw(self, name: str, e: int) -> tuple[np.ndarray, int, tuple[int, int]]:
+        """Expert e's bytes of a 3-D expert tensor (numpy (E, out, in)): (raw, ggml_type, (out, in))."""
         info = self.info(name)
         if len(info.shape) != 3:
             raise TensorError(f"tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
@@ -101,8 +101,11 @@ class Weights:
         if not 0 <= e < n_exp:
             raise TensorError(f"tensor {name!r}: expert {e} out of range [0, {n_exp})")
         per = info.nbytes // n_exp
-        raw = self.raw(name)[e * per : (e + 1) * per]
-        out = dequantize_bytes(raw, info.ggml_type, (rows, cols))
+        return self.raw(name)[e * per : (e + 1) * per], info.ggml_type, (rows, cols)
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e of a 3-D expert tensor (numpy (E, out, in)) as a float32 (out, in) matrix."""
+        out = dequantize_bytes(*self.expert_raw(name, e))
         _check_finite(out, f"{name}[expert {e}]")
         return out
 

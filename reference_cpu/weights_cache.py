@@ -111,14 +111,6 @@ class WeightStore:
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's (out, in) slice of a 3-D expert tensor (E, out, in), cached as (name, e)."""
         def make() -> np.ndarray:
-            info = self.weights.info(name)
-            if len(info.shape) != 3:
-                raise TensorError(f"tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
-            n_exp, rows, cols = info.shape
-            if not 0 <= e < n_exp:
-                raise TensorError(f"tensor {name!r}: expert {e} out of range [0, {n_exp})")
-            per = info.nbytes // n_exp
-            raw = self.weights.raw(name)[e * per : (e + 1) * per]
-            return self._convert(dequantize(raw, info.ggml_type, (rows, cols)), f"{name}[expert {e}]")
+            return self._convert(dequantize(*self.weights.expert_raw(name, e)), f"{name}[expert {e}]")
 
         return self.cache.get((name, e), make)
