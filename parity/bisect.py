@@ -6,9 +6,10 @@ Algorithm (L layers, T positions, every run on the reference's chunk schedule an
    nothing outside the envelope and no WRONG step -> "no defect" (2 runs in total);
 2. teacher-forced pass: every candidate layer on the reference's input carrier -> local vs free error;
 3. mirror-splice bisection: M(k) = candidate for layers < k (its recorded run from step 1), reference from
-   k on (own state), compared at the output; M(k) is clean for k <= j and outside the envelope for k > j,
-   j = the first layer where the candidate departs; binary search over k in 1 + ceil(log2 L) spliced runs,
-   each costing L - k reference layers;
+   k on (own state); M(k) is clean for k <= j and outside the envelope for k > j, j = the first layer where
+   the candidate departs; binary search over k in 1 + ceil(log2 L) spliced runs, each costing L - k
+   reference layers. The culprit must also depart locally in step 2 (a splice can see sub-envelope drift
+   amplified by a QAT code flip downstream); if no layer departs locally, the verdict is noise;
 4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and the sub-ops
    are compared in `SUBOPS` order; the first whose local error exceeds its envelope (and is not a
    legitimate QAT code flip or near-tie routing flip, or their cascade) is named, with the first position
@@ -518,9 +519,13 @@ def summarize(report: BisectReport, env: Envelope) -> str:
         lines.append(f"  mirror splice (candidate below k, reference from k): {pr}")
     flips = [r for r in report.routing if r.flips or r.index_diffs]
     if flips:
-        lines.append("  routing (free-running): " + "; ".join(
-            f"layer {r.layer}: {r.flips} expert-set flips ({r.noise_flips} within margin noise, largest margin "
-            f"{r.largest_flip_margin:.3g}), {r.index_diffs} indexer-selection differences" for r in flips[:3]))
+        def one(r: LayerRouting) -> str:
+            parts = [f"{r.flips} expert-set flips ({r.noise_flips} within router-margin noise, largest margin "
+                     f"{r.largest_flip_margin:.3g})"] if r.flips else []
+            parts += [f"{r.index_diffs} indexer-selection differences"] if r.index_diffs else []
+            return f"layer {r.layer}: " + ", ".join(parts)
+
+        lines.append("  routing (free-running): " + "; ".join(one(r) for r in flips[:3]))
     t = report.trajectory
     if t is not None:
         fd = t.first_divergent
