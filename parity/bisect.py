@@ -529,8 +529,12 @@ def summarize(report: BisectReport, env: Envelope) -> str:
     t = report.trajectory
     if t is not None:
         fd = t.first_divergent
-        first = (f"first divergent step {fd.step} ({fd.verdict.value}, reference margin {fd.ref_margin:.3g} vs "
-                 f"tie margin {fd.tie_margin:.3g})") if fd else "no divergent step"
+        first = "no divergent step"
+        if fd:
+            hot = t.first_layer_at(fd.step)
+            cause = f"layer excursion from layer {hot}" if hot is not None else "no layer outside the envelope"
+            first = (f"first divergent step {fd.step} ({fd.verdict.value}, reference margin {fd.ref_margin:.3g} vs "
+                     f"tie margin {fd.tie_margin:.3g}; {cause})")
         lines.append(f"  trajectory: {len(t.steps)} steps ({_counts(t)}); {first}; "
                      f"divergence rate {t.divergence_rate:.2f}")
     return "\n".join(lines)

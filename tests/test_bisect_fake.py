@@ -219,7 +219,8 @@ def test_defect_named_at_layer_and_subop(env32, layer, sub):
     assert r.verdict == "defect", r.summary
     assert (r.culprit.layer, r.culprit.subop) == (layer, sub), r.summary
     assert r.attribution[layer].kind == "local"
-    assert all(a.kind != "local" for a in r.attribution[:layer])
+    assert all(a.kind == "clean" for a in r.attribution[:layer])
+    assert all(a.kind == "propagated" for a in r.attribution[layer + 1:])   # drift carried, not made, downstream
     assert r.runs["splice"] <= 1 + int(np.ceil(np.log2(len(RATIOS))))
 
 
@@ -289,6 +290,27 @@ def test_tie_case_is_tie_flip_not_wrong(env32):
     assert rec.verdict is StepVerdict.TIE_FLIP and rec.ref_margin <= rec.tie_margin
     wide = classify_steps(np.array([[5.0, 5.3, -1.0, 0.0]]), np.array([[5.3, 5.0, -1.0, 0.0]]), 0, env32)[0]
     assert wide.verdict is StepVerdict.WRONG and wide.ref_margin == pytest.approx(0.3)
+
+
+def test_trajectory_continues_after_tie_flip_and_maps_steps_to_layers(env32):
+    from parity.trajectory import trajectory
+
+    n_prompt, L = 3, len(RATIOS)
+    ref = np.zeros((5, 4))
+    ref[:, 0] = 5.0
+    cand = ref.copy()
+    ref[3, 1] = 5.0 - 1e-7           # step 1: candidate takes the runner-up inside the tie margin
+    cand[3, 1] = 5.0 + 1e-7
+    ref[4, 2] = 4.0                  # step 2: candidate picks a token the reference put 1.0 below
+    cand[4, 2] = 6.0
+    errs = {f"blk.{l}": np.zeros(5) for l in range(L)}
+    errs["blk.1"][4] = 1.0           # ... explained by an excursion of layer 1 at that position
+    t = trajectory(ref, cand, errs, n_prompt, L, env32)
+    assert [s.verdict.value for s in t.steps] == ["MATCH", "TIE-FLIP", "WRONG"]
+    assert t.first_divergent.step == 1 and t.first_wrong.step == 2
+    assert t.divergence_rate == pytest.approx(2 / 3)
+    assert t.first_layer_at(1) is None and t.first_layer_at(2) == 1
+    assert t.step_layer_excess.shape == (3, L)
 
 
 def test_probe_non_perturbation():
