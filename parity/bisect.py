@@ -193,8 +193,10 @@ class _Judge:
         worst = float(err.max()) if len(err) else 0.0
         if real:
             i = real[0]
+            what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
+                    f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
             return SubopResult(name, "defect", float(err[i]), floor, float(gate(err[i], floor, self.env.k,
-                               self.env.eps)), int(pos[i]), f"{name}: rel-L2 {err[i]:.3g} at position {pos[i]}")
+                               self.env.eps)), int(pos[i]), f"{name}: {what} at position {pos[i]}")
         status = "noise" if (flips or (err > tol).any()) else "ok"
         detail = f"{len(flips)} isolated FP8/FP4 code flip(s) from position {self.taint}" if flips else (
             f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")

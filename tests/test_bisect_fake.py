@@ -272,6 +272,30 @@ def test_routing_replay_removes_router_defect(env32):
     assert again.verdict == "no defect" and all(r.flips == 0 for r in again.routing)
 
 
+def test_missing_capture_and_nan_are_clear_errors(env32):
+    class NoCaptures(FakeEngine):
+        def forward_layer(self, *a, **kw):
+            out = super().forward_layer(*a, **kw)
+            out.captures.pop("attn_out", None)
+            return out
+
+    with pytest.raises(ParityError, match="did not fill capture 'attn_out' at layer 1"):
+        bisect(FakeEngine(), NoCaptures(defect=(1, "output_proj")), PROMPT, 0, env32)
+
+    class NaNAttention(FakeEngine):
+        def forward_layer(self, state, layer, *a, **kw):
+            out = super().forward_layer(state, layer, *a, **kw)
+            if layer == 2:
+                out.carrier[3, 0, 0] = np.nan
+                if out.captures:
+                    out.captures["hc_ffn_post"][3, 0, 0] = np.nan
+            return out
+
+    r = bisect(FakeEngine(), NaNAttention(), PROMPT, 0, env32)
+    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "hc_ffn_post", 3), r.summary
+    assert "non-finite candidate value nan" in r.culprit.detail
+
+
 def test_code_flip_recognised_and_dense_rounding_is_not():
     a = _fp8(np.linspace(0.3, 2.0, 64))
     b = a.copy()
