@@ -450,7 +450,8 @@ def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Seque
         worst = max(report.max_excess, key=report.max_excess.get)
         report.culprit = Culprit(layer, None, None, None, (
             f"no candidate layer departs on the reference's inputs; the excess ({report.max_excess[worst]:.3g} at "
-            f"{worst}) is amplified sub-envelope drift (QAT code flips or near-ties downstream)"))
+            f"{worst}; the splice first departs after layer {layer}) is amplified sub-envelope drift (QAT code "
+            "flips or near-ties downstream)"))
         return _finish(report, "noise", env, lap)
     if layer not in local:  # the splice saw amplified sub-envelope drift: trust the local evidence
         say(f"splice points at layer {layer}, which does not depart locally; using layer {local[0]}")
@@ -501,8 +502,10 @@ def summarize(report: BisectReport, env: Envelope) -> str:
     c, lines = report.culprit, []
     assert c is not None
     head = "DEFECT" if report.verdict == "defect" else "NOISE (no defect)"
-    where = f"layer {c.layer}" if isinstance(c.layer, int) else c.layer
-    lines.append(f"{head} at {where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}")
+    where = f" at layer {c.layer}" if isinstance(c.layer, int) else f" at {c.layer}"
+    if report.verdict == "noise" and c.subop is None:
+        where = ""
+    lines.append(f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}")
     if isinstance(c.layer, int) and report.attribution:
         a = report.attribution[c.layer]
         lines.append(f"  layer {a.layer}: local (teacher-forced) rel-L2 {a.local:.3g}, free-running {a.free:.3g}, "

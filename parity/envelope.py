@@ -5,10 +5,11 @@ relative L2 seen between benign pairs of runs on a calibration prompt:
 * `oracle`: reference float32 vs reference float64 (the reference's own round-off, QAT code flips included);
 * `rechunk`: the candidate engine, one batched prefill vs a chunked prefill (summation order, cache layout);
 * `dtype` (bf16 sections only): candidate bfloat16 vs the same candidate in float32.
-K = 10: the per-position maximum of round-off fluctuates by a few x between prompts (measured over
-calibration prompts, docs/bisect.md), so one order of magnitude separates noise from the smallest injected
-fault (>= 1e-2 relative) with room on both sides. EPS = 1e-6 (~16 float32 ulps) covers exactly-reproduced
-quantities whose measured floor is 0.
+K = 10: on 30 random clean prompts (tiny f32, real-mix, mxfp4; docs/bisect.md) the err/floor ratio of the
+prompts that stayed inside the envelope was 1.2-11 (median 1.4), while every injected fault sits > 1e3 floors
+out; prompts with a QAT code flip exceed any K (up to 1e5 floors) and are told apart by the drill-down's flip
+recognition, not by the gate, so a tighter K costs more NOISE verdicts, never a false DEFECT.
+EPS = 1e-6 (~16 float32 ulps) covers quantities whose floor measures 0.
 Envelopes are stored next to golden traces as `traces/<name>.envelope.json`, one section per candidate dtype.
 """
 
