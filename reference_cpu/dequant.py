@@ -32,6 +32,8 @@ def _signed_iq2_grid() -> np.ndarray:
 
 IQ2_SIGNED_GRID = _signed_iq2_grid()
 MXFP4_VALUES = np.asarray(quants.MXFP4.kvalues, dtype=np.float32)                          # [16] doubled E2M1
+# F16_VALUES[bits] = float32 value of the half with those bits, by numpy's own cast (what gguf.quants does)
+F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 E8M0_HALF = quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint8)).astype(np.float32)  # [256]
 _IQ2_SIGN_SHIFTS = np.array([0, 7, 14, 21], dtype=np.uint32)
 _PAIRS = np.arange(256)
@@ -147,9 +149,9 @@ def mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:
 
 
 def f16(blocks: np.ndarray, out: np.ndarray) -> None:
-    """x = float32(h).
+    """x = float32(h), as a lookup in the 65536-entry table (faster than NumPy's cast, same bits by construction).
     blocks [n, 2] uint8 -> out [n, 1] float32"""
-    np.copyto(out, blocks.view("<f2"), casting="same_kind")
+    np.take(F16_VALUES, blocks.view("<u2").reshape(-1), out=out.reshape(-1))
 
 
 def bf16(blocks: np.ndarray, out: np.ndarray) -> None:
