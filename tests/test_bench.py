@@ -174,3 +174,25 @@ def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
     assert td["checkpoints"] == 6 and td["positions"] == 16
     assert td["first_drift"] == "blk.1"
     assert td["from_npz_s"] > 0 and td["npz_mb"] > 0
+
+
+@pytest.mark.parametrize("args", [["--engines", "reference,bogus"], ["--torch-threads", "-1"]])
+def test_bench_cli_refuses_bad_options(args: list[str], tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "--out", str(tmp_path), *args])
+    assert isinstance(res.exception, ParityError)
+
+
+def test_bench_cli_refuses_cuda_without_a_gpu(tmp_path) -> None:
+    import torch
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    res = CliRunner().invoke(cli, ["bench", "--device", "cuda", "--out", str(tmp_path)])
+    assert isinstance(res.exception, ParityError) and "no CUDA device" in str(res.exception)

@@ -44,6 +44,11 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads
     if unknown or not chosen:
         raise ParityError(f"--engines: unknown engine(s) {unknown or [engines]}; choose from {', '.join(ENGINES)}")
     console = Console(stderr=True)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParityError("--device cuda: torch sees no CUDA device on this machine (use --device cpu)")
     if torch_threads < 0:
         raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
     report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
