@@ -251,7 +251,7 @@ def dequant_sources(model: Path | None, n_values: int, rng: np.random.Generator)
     return out
 
 
-def _best_of(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+def _median_of(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     """Median seconds of `reps` calls after one warm-up call; returns (seconds, last result)."""
     result = fn()
     times = []
@@ -289,9 +289,9 @@ def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str)
 
     n_values = raw.shape[0] * int(quants.quant_shape_from_byte_shape(raw.shape, qtype)[-1])
     shape = (raw.shape[0], n_values // raw.shape[0])
-    t_gguf, want = _best_of(lambda: quants.dequantize(raw, qtype).astype(np.float32, copy=False), reps)
-    t_ref, got = _best_of(lambda: ref_dequantize(raw.reshape(-1), qtype, shape), reps)
-    t_torch, got_t = _best_of(run_torch, reps)
+    t_gguf, want = _median_of(lambda: quants.dequantize(raw, qtype).astype(np.float32, copy=False), reps)
+    t_ref, got = _median_of(lambda: ref_dequantize(raw.reshape(-1), qtype, shape), reps)
+    t_torch, got_t = _median_of(run_torch, reps)
     return {
         "type": name, "values": n_values, "gguf_mvs": n_values / t_gguf / 1e6, "reference_mvs": n_values / t_ref / 1e6,
         "torch_mvs": n_values / t_torch / 1e6, "reference_speedup": t_gguf / t_ref, "torch_speedup": t_gguf / t_torch,
@@ -354,7 +354,7 @@ def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tupl
     t = time.perf_counter()
     result = fn()
     first = time.perf_counter() - t
-    return (first, result) if first >= slow_s else _best_of(fn, reps)
+    return (first, result) if first >= slow_s else _median_of(fn, reps)
 
 
 def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
