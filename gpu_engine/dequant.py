@@ -1,12 +1,16 @@
 """Torch dequantizers for the GGUF block formats of deepseek4 files, bit-exact with `gguf.quants`.
 
-Every function maps raw block bytes (a uint8 tensor [..., nbytes], any device) to float32
-[..., n_elems]; the float operations are the ones ggml/gguf-py use, in the same order, so the
-results match `gguf.quants.dequantize` bit for bit. Lookup tables that are data (the IQ2_XXS grid
-and sign table) are taken from gguf-py at import time, never retyped.
+Every function writes the float32 values of raw block bytes (a uint8 tensor [..., nbytes], any device) into a
+flat output [n_elems] (on the CPU in pieces of CHUNK_VALUES, so temporaries stay small and are reused; a caller
+may pass reused scratch memory as the output, which avoids page-faulting a fresh 32 MiB array per expert).
+The float operations are the ones ggml/gguf-py use, in the same order, so the results match
+`gguf.quants.dequantize` bit for bit. Lookup tables that are data (the IQ2_XXS grid and sign table) are taken
+from gguf-py at import time, never retyped.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -17,11 +21,14 @@ from gguf.constants import GGMLQuantizationType as Q
 from parity.errors import TensorError
 
 QK_K = 256
+CHUNK_VALUES = 1 << 18  # CPU: values per chunk (1 MiB of float32), so temporaries stay in cache and are reused
 quants.IQ2_XXS.init_grid()
-_IQ2XXS_GRID = np.ascontiguousarray(quants.IQ2_XXS.grid.reshape(256, 8).astype(np.float32))
+_IQ2XXS_GRID = np.asarray(quants.IQ2_XXS.grid, dtype=np.float32).reshape(256, 8)
 _KSIGNS = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
 # sign table expanded once: row i = the 8 factors (+1 / -1) that ksigns[i]'s bits select
 _IQ2XXS_SIGNS = np.where((_KSIGNS[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1)).astype(np.float32)
+# signed grid: row g * 128 + k = grid[g] * signs[k] (exact: a product with +-1), one gather per 8 values
+_IQ2XXS_SIGNED = np.ascontiguousarray((_IQ2XXS_GRID[:, None, :] * _IQ2XXS_SIGNS[None, :, :]).reshape(32768, 8))
 _MXFP4_VALUES = np.array(quants.MXFP4.kvalues, dtype=np.float32)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -29,66 +36,77 @@ _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 def _table(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     if key not in _TABLES:
-        src = {"grid": _IQ2XXS_GRID, "signs": _IQ2XXS_SIGNS, "mxfp4": _MXFP4_VALUES}[name]
+        src = {"signed_grid": _IQ2XXS_SIGNED, "mxfp4": _MXFP4_VALUES}[name]
         _TABLES[key] = torch.from_numpy(src).to(device)
     return _TABLES[key]
 
 
-def _blocks(raw: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """[..., nbytes] -> ([n_blocks, type_size], leading shape); the byte count must fill whole blocks."""
+def _blocks(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """[..., nbytes] -> [n_blocks, type_size]; the byte count must fill whole blocks."""
     _, size = GGML_QUANT_SIZES[qtype]
     if raw.dtype != torch.uint8:
         raise TensorError(f"{qtype.name}: raw blocks must be uint8, got {raw.dtype}")
     if raw.shape[-1] % size:
         raise TensorError(f"{qtype.name}: {raw.shape[-1]} bytes per row is not a multiple of {size}")
-    return raw.reshape(-1, size), tuple(raw.shape[:-1])
+    return raw.reshape(-1, size)
+
+
+def _packed(b: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of a byte slice (aligned storage, so it can be viewed as wider types; a one-block
+    slice is already contiguous but may start at an odd offset)."""
+    return b.clone(memory_format=torch.contiguous_format)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Two bytes (little-endian) per value -> float32 (exact)."""
-    return b.contiguous().view(torch.float16).to(torch.float32)
+    return _packed(b).view(torch.float16).to(torch.float32)
 
 
-def _u32(b: torch.Tensor) -> torch.Tensor:
-    """Four bytes (little-endian) per value -> int64 holding the unsigned 32-bit word."""
-    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+def _chunks(b: torch.Tensor, out: torch.Tensor, block_values: int):
+    """Yield (blocks, out rows) pieces of about CHUNK_VALUES values on the CPU (one piece on other devices).
+    b [n, size], out [n * block_values] -> iterator of ([m, size], [m, block_values])."""
+    n = b.shape[0]
+    rows = out.view(n, block_values)
+    step = max(1, CHUNK_VALUES // block_values) if b.device.type == "cpu" else max(n, 1)
+    for s in range(0, n, step):
+        yield b[s : s + step], rows[s : s + step]
 
 
-def dequant_f32(raw: torch.Tensor) -> torch.Tensor:
+def dequant_f32(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = bytes as float32.  [..., 4n] -> [..., n]"""
-    return raw.contiguous().view(torch.float32).clone()
+    out.copy_(raw.contiguous().view(torch.float32).reshape(-1))
 
 
-def dequant_f16(raw: torch.Tensor) -> torch.Tensor:
+def dequant_f16(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = float32(f16).  [..., 2n] -> [..., n]"""
-    return _f16(raw)
+    out.copy_(raw.contiguous().view(torch.float16).reshape(-1))
 
 
-def dequant_bf16(raw: torch.Tensor) -> torch.Tensor:
+def dequant_bf16(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = bits << 16 read as float32.  [..., 2n] -> [..., n]"""
     bits = raw.contiguous().view(torch.int16).to(torch.int32) << 16
-    return bits.view(torch.float32)
+    out.copy_(bits.view(torch.float32).reshape(-1))
 
 
-def dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
+def dequant_q8_0(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = q * d per 32-block (d f16, q int8).  [..., 34k] -> [..., 32k]"""
-    b, lead = _blocks(raw, Q.Q8_0)
-    d = _f16(b[:, :2])
-    q = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return (q * d).reshape(*lead, -1)
+    for b, o in _chunks(_blocks(raw, Q.Q8_0), out, 32):
+        o.copy_(b[:, 2:].view(torch.int8))
+        o.mul_(_f16(b[:, :2]))
 
 
-def dequant_q2_k(raw: torch.Tensor) -> torch.Tensor:
-    """x = (d*(s&15))*q - dmin*(s>>4) per 16-element sub-block, q 2-bit.  [..., 84k] -> [..., 256k]"""
-    b, lead = _blocks(raw, Q.Q2_K)
-    n = b.shape[0]
-    scales, qs = b[:, :16], b[:, 16:80]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    dl = (d * (scales & 0xF).to(torch.float32)).reshape(n, 16, 1)
-    ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
-    q = ((qs.reshape(n, 2, 1, 32) >> shift) & 3).reshape(n, 16, 16).to(torch.float32)
-    return (dl * q - ml).reshape(*lead, -1)
+def dequant_q2_k(raw: torch.Tensor, out: torch.Tensor) -> None:
+    """x = (d*(s&15))*q - dmin*(s>>4) per 16-element sub-block, q 2-bit.  [..., 84k] -> [..., 256k]
+    Codes unpacked four bytes at a time: plane j of a 32-bit word is (word >> 2j) & 0x03030303 (byte-wise)."""
+    for b, o in _chunks(_blocks(raw, Q.Q2_K), out, QK_K):
+        m = b.shape[0]
+        scales = b[:, :16]
+        words = _packed(b[:, 16:80]).view(torch.int32).view(m, 2, 8)
+        planes = torch.stack([(words >> (2 * j)) & 0x03030303 for j in range(4)], dim=2)   # [m, 2, 4, 8]
+        o = o.view(m, 16, 16)
+        o.copy_(planes.view(torch.uint8).view(m, 16, 16))
+        o.mul_((_f16(b[:, 80:82]) * (scales & 0xF)).unsqueeze(-1))
+        o.sub_((_f16(b[:, 82:84]) * (scales >> 4)).unsqueeze(-1))
 
 
 def _k4_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,33 +118,31 @@ def _k4_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def dequant_q4_k(raw: torch.Tensor) -> torch.Tensor:
+def dequant_q4_k(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = (d*sc_j)*q - dmin*m_j per 32-element sub-block j, q 4-bit.  [..., 144k] -> [..., 256k]"""
-    b, lead = _blocks(raw, Q.Q4_K)
-    n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k4_scale_min(b[:, 4:16])
-    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    shift = torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 1, 2, 1)
-    q = ((b[:, 16:].reshape(n, 4, 1, 32) >> shift) & 0x0F).reshape(n, 8, 32).to(torch.float32)
-    return (dl * q - ml).reshape(*lead, -1)
+    shift = torch.tensor([0, 4], dtype=torch.uint8, device=raw.device).reshape(1, 1, 2, 1)
+    for b, o in _chunks(_blocks(raw, Q.Q4_K), out, QK_K):
+        m = b.shape[0]
+        sc, mn = _k4_scale_min(b[:, 4:16])
+        o = o.view(m, 8, 32)
+        o.copy_(((b[:, 16:].reshape(m, 4, 1, 32) >> shift) & 0x0F).view(m, 8, 32))
+        o.mul_((_f16(b[:, 0:2]) * sc).unsqueeze(-1))
+        o.sub_((_f16(b[:, 2:4]) * mn).unsqueeze(-1))
 
 
-def dequant_iq2_xxs(raw: torch.Tensor) -> torch.Tensor:
-    """x = (d*(0.5+s)*0.25) * grid[a_i] * sign per 32-group (words a, b; s = b>>28).  [..., 66k] -> [..., 256k]"""
-    b, lead = _blocks(raw, Q.IQ2_XXS)
-    n = b.shape[0]
-    d = _f16(b[:, :2])
-    words = _u32(b[:, 2:]).reshape(n, 8, 2)
-    hi = words[..., 1]
-    db = (d * (0.5 + (hi >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
-    shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int64, device=b.device)
-    sign_idx = (hi.unsqueeze(-1) >> shifts) & 0x7F                                   # [n, 8, 4]
-    signs = _table("signs", b.device)[sign_idx]                                      # [n, 8, 4, 8]
-    grid_idx = b[:, 2:].reshape(n, 8, 8)[..., :4].to(torch.int64)                   # bytes of word a
-    grid = _table("grid", b.device)[grid_idx]                                        # [n, 8, 4, 8]
-    return (db * grid * signs).reshape(*lead, -1)
+def dequant_iq2_xxs(raw: torch.Tensor, out: torch.Tensor) -> None:
+    """x = (d*(0.5+s)*0.25) * grid[a_i] * sign per 32-group (words a, b; s = b>>28).  [..., 66k] -> [..., 256k]
+    One gather from the signed grid (row a_i * 128 + 7-bit sign index) per 8 values, then the group scale."""
+    table = _table("signed_grid", raw.device)
+    shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int32, device=raw.device)
+    for b, o in _chunks(_blocks(raw, Q.IQ2_XXS), out, QK_K):
+        m = b.shape[0]
+        groups = _packed(b[:, 2:])                                      # 8 groups of (a, b) words per block
+        hi = groups.view(torch.int32).view(m, 8, 2)[..., 1:]                # b words (bits as int32) [m, 8, 1]
+        db = _f16(b[:, :2]) * (0.5 + ((hi[..., 0] >> 28) & 0xF).to(torch.float32)) * 0.25  # [m, 8]
+        idx = (groups.view(m, 8, 8)[..., :4].to(torch.int32) << 7) | ((hi >> shifts) & 0x7F)  # [m, 8, 4]
+        torch.index_select(table, 0, idx.view(-1), out=o.view(-1, 8))
+        o.view(m, 8, 32).mul_(db.unsqueeze(-1))
 
 
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
@@ -136,14 +152,13 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def dequant_mxfp4(raw: torch.Tensor) -> torch.Tensor:
+def dequant_mxfp4(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = 2^(e-128) * kvalue[q] per 32-block (e8m0 e, 4-bit codes; low nibbles first).  [..., 17k] -> [..., 32k]"""
-    b, lead = _blocks(raw, Q.MXFP4)
-    n = b.shape[0]
-    d = _e8m0_half(b[:, :1])
-    qs = b[:, 1:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int64)
-    return (d * _table("mxfp4", b.device)[codes]).reshape(n, 32).reshape(*lead, -1)
+    table = _table("mxfp4", raw.device)
+    for b, o in _chunks(_blocks(raw, Q.MXFP4), out, 32):
+        qs = b[:, 1:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int64)
+        torch.mul(_e8m0_half(b[:, :1]), table[codes], out=o)
 
 
 DEQUANT = {
@@ -152,10 +167,24 @@ DEQUANT = {
 }
 
 
-def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Dispatch on the ggml type.  uint8 [..., row_bytes] -> float32 [..., row_elems]"""
-    fn = DEQUANT.get(Q(qtype))
+def dequantize(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch on the ggml type.  uint8 [..., row_bytes] -> float32 [..., row_elems]
+    `out`: optional contiguous float32 tensor of the result's size (reused scratch memory), returned reshaped."""
+    qtype = Q(qtype)
+    fn = DEQUANT.get(qtype)
     if fn is None:
-        raise TensorError(f"ggml type {Q(qtype).name} has no torch dequantizer (supported: "
+        raise TensorError(f"ggml type {qtype.name} has no torch dequantizer (supported: "
                           f"{', '.join(t.name for t in DEQUANT)})")
-    return fn(raw)
+    block, size = GGML_QUANT_SIZES[qtype]
+    if raw.dtype != torch.uint8:
+        raise TensorError(f"{qtype.name}: raw blocks must be uint8, got {raw.dtype}")
+    if raw.shape[-1] % size:
+        raise TensorError(f"{qtype.name}: {raw.shape[-1]} bytes per row is not a multiple of {size}")
+    shape = (*raw.shape[:-1], raw.shape[-1] // size * block)
+    n = math.prod(shape)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=raw.device)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n or out.device != raw.device:
+        raise TensorError(f"{qtype.name}: output buffer must be contiguous float32 with {n} values on {raw.device}")
+    fn(raw, out.view(-1))
+    return out.view(shape)

@@ -4,15 +4,16 @@
 of the file mapping); `.dense()` dequantizes the whole matrix, `.expert(e)` one expert's (out, in) slice,
 `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
-`DeviceWeights.mat` / `.expert` keep recently dequantized matrices in a bounded LRU (`cache_mb`; 0 = dequantize
-on every use). The cache holds exact dequantized values, so it changes speed only, never results.
+`DeviceWeights.mat` keeps dequantized matrices while the budget (`cache_mb`; 0 = none) has room, first come first
+kept: the engine walks the layers cyclically, where an evicting LRU smaller than the working set would never hit.
+Matrices not kept, and routed experts (each selected expert is dequantized once per call, grouped by expert), are
+dequantized into reused scratch buffers, one per tensor kind. Both hold exact dequantized values: speed only.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -23,6 +24,14 @@ from parity.config import ModelConfig
 from parity.errors import TensorError
 from parity.inventory import expected_tensors
 from parity.weights import Weights
+
+SCRATCH_MAX_BYTES = 256 << 20  # larger matrices (e.g. a real-vocabulary output head) get fresh memory per use
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True iff every element of x is finite: one sum (finite sum => finite elements; NaN/inf propagate), with the
+    elementwise test only when the sum is not finite (which finite elements can also reach, by overflow)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 class QTensor:
@@ -37,28 +46,29 @@ class QTensor:
             self.raw = torch.from_numpy(view).to(device)
         self._checked: set[str] = set()  # parts already proven finite (checked once, on first use)
 
-    def _deq(self, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
-        out = dequantize(raw, self.qtype).reshape(shape)
+    def _deq(self, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str,
+             out: torch.Tensor | None) -> torch.Tensor:
+        y = dequantize(raw, self.qtype, out).reshape(shape)
         if what not in self._checked:
-            if not torch.isfinite(out).all():
+            if not all_finite(y):
                 raise TensorError(f"tensor {what}: non-finite values after dequantization")
             self._checked.add(what)
-        return out.to(dtype)
+        return y.to(dtype)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole tensor dequantized.  -> shape"""
-        return self._deq(self.raw, self.shape, dtype, self.name)
+    def dense(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor dequantized (float32 stage written into `out` when given).  -> shape"""
+        return self._deq(self.raw, self.shape, dtype, self.name, out)
 
-    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e of a 3-D expert tensor (E, out, in).  -> [out, in]"""
-        n_exp, out, inp = self.shape
-        raw = self.raw.view(n_exp, out, -1)[e]
-        return self._deq(raw, (out, inp), dtype, f"{self.name}[expert {e}]")
+    def expert(self, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert e of a 3-D expert tensor (E, out, in) (float32 stage written into `out` when given).  -> [out, in]"""
+        n_exp, n_out, n_in = self.shape
+        raw = self.raw.view(n_exp, n_out, -1)[e]
+        return self._deq(raw, (n_out, n_in), dtype, f"{self.name}[expert {e}]", out)
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Selected rows of a 2-D tensor.  idx [n] -> [n, in]"""
         out = dequantize(self.raw[idx], self.qtype).reshape(idx.shape[0], self.shape[-1])
-        if not torch.isfinite(out).all():
+        if not all_finite(out):
             raise TensorError(f"tensor {self.name}: non-finite values in rows {idx.tolist()}")
         return out.to(dtype)
 
@@ -68,7 +78,8 @@ class DeviceWeights:
 
     def __init__(self, path: str, device: torch.device, act_dtype: torch.dtype, cache_mb: int = 0) -> None:
         self.source = Weights(path)
-        self.cache_bytes, self._cache, self._cached = cache_mb << 20, OrderedDict(), 0
+        self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
+        self._scratch_bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.config: ModelConfig = self.source.config
         self.device, self.act = device, act_dtype
         self._check_inventory()
@@ -97,33 +108,42 @@ class DeviceWeights:
         if problems:
             raise TensorError(f"{self.source.paths[0]}: " + "; ".join(problems))
 
-    def _cached_or(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """LRU of dequantized matrices bounded by `cache_bytes` (0: always `make()`)."""
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
-        out = make()
-        size = out.numel() * out.element_size()
-        if size <= self.cache_bytes:
-            while self._cached + size > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
-                self._cached -= old.numel() * old.element_size()
-            self._cache[key] = out
-            self._cached += size
-        return out
+    def _scratch(self, name: str, n: int) -> torch.Tensor | None:
+        """Reused float32 buffer of n values for tensors of `name`'s kind (the name without `blk.{l}.`), or None when
+        it would exceed SCRATCH_MAX_BYTES.  A buffer is rewritten by the next dequantization of the same kind."""
+        if n * 4 > SCRATCH_MAX_BYTES:
+            return None
+        key = (name.split(".", 2)[-1] if name.startswith("blk.") else name, n)
+        buf = self._scratch_bufs.get(key)
+        if buf is None:
+            buf = self._scratch_bufs[key] = torch.empty(n, dtype=torch.float32, device=self.device)
+        return buf
 
     def mat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Whole matrix `name` dequantized to dtype.  -> numpy shape of the tensor"""
+        """Whole matrix `name` dequantized to dtype (kept while the cache budget has room, else dequantized into
+        reused scratch memory that the next use of the same kind overwrites).  -> numpy shape of the tensor"""
         if name not in self.q:
             raise TensorError(f"tensor {name!r} is missing")
-        return self._cached_or((name, -1, dtype), lambda: self.q[name].dense(dtype))
+        key = (name, dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        qt = self.q[name]
+        n = math.prod(qt.shape)
+        size = n * torch.empty(0, dtype=dtype).element_size()
+        if self._cached + size <= self.cache_bytes:
+            self._cache[key] = out = qt.dense(dtype)
+            self._cached += size
+            return out
+        return qt.dense(dtype, self._scratch(name, n))
 
     def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e of 3-D expert tensor `name`.  -> [out, in]"""
+        """Expert e of 3-D expert tensor `name`, dequantized into reused scratch memory: valid until the next
+        `expert` call for the same tensor kind (gate / up / down).  -> [out, in]"""
         if name not in self.q:
             raise TensorError(f"tensor {name!r} is missing")
-        return self._cached_or((name, e, dtype), lambda: self.q[name].expert(e, dtype))
+        _, n_out, n_in = self.q[name].shape
+        return self.q[name].expert(e, dtype, self._scratch(name, n_out * n_in))
 
     def v(self, name: str) -> torch.Tensor:
         if name not in self.vec:

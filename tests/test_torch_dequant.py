@@ -102,3 +102,34 @@ def test_leading_shape_is_kept_and_bad_sizes_are_errors():
         dequantize(torch.zeros(1, 143, dtype=torch.uint8), Q.Q4_K)
     with pytest.raises(TensorError, match="no torch dequantizer"):
         dequantize(torch.zeros(1, 18, dtype=torch.uint8), Q.Q4_0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4])
+def test_chunked_into_reused_buffer_is_bit_exact(qtype, monkeypatch):
+    """Several pieces plus a partial last one (CHUNK_VALUES lowered), written into one reused output buffer."""
+    import gpu_engine.dequant as dq
+
+    monkeypatch.setattr(dq, "CHUNK_VALUES", 3 * 256)
+    rng = np.random.default_rng(6)
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = [random_blocks(qtype, (7, 256), 0.02, rng) if qtype not in (Q.Q8_0, Q.MXFP4) else
+              quants.quantize(rng.standard_normal((7, 256)).astype(np.float32), qtype) for _ in range(2)]
+    buf = torch.full((7 * 256,), float("nan"))
+    for b in blocks:  # the second call overwrites every value the first one wrote
+        got = dequantize(torch.from_numpy(b.reshape(7, -1).copy()), qtype, out=buf)
+        assert got.data_ptr() == buf.data_ptr()
+        _bits_equal(got, quants.dequantize(b.reshape(-1, size), qtype).reshape(7, 256))
+    with pytest.raises(TensorError, match="output buffer"):
+        dequantize(torch.from_numpy(blocks[0].reshape(7, -1).copy()), qtype, out=torch.empty(7 * 256 - 1))
+
+
+def test_all_finite_is_exact_also_when_the_sum_overflows():
+    from gpu_engine.weights import all_finite
+
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum overflows
+    assert all_finite(big) and all_finite(torch.zeros(0))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = big.clone()
+        x[2] = bad
+        assert not all_finite(x)
+        assert not all_finite(torch.tensor([1.0, bad, -1.0]))
