@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from parity import metrics
-from parity.errors import ParityError
+from parity.errors import ParityError, TraceError
 from parity.records import Trace, checkpoint_depth, checkpoint_layer
 
 
@@ -150,8 +150,9 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
     if problems and not force:
         raise PreflightError("refusing to compare these traces (use --force / force=True to compare the "
                              "overlap anyway):\n  - " + "\n  - ".join(problems))
-    names = [c for c in a.header.checkpoints if c in b.header.checkpoints]
-    positions = [p for p in a.header.positions if p in b.header.positions]
+    names = [c for c in a.header.checkpoints if c in set(b.header.checkpoints)]
+    in_b = set(b.header.positions)
+    positions = [p for p in a.header.positions if p in in_b]
     cut = _first_token_difference(a.header.tokens, b.header.tokens)
     if cut is not None and any(p >= cut for p in positions):
         positions = [p for p in positions if p < cut]
@@ -159,8 +160,7 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
     n_layers = a.n_layers
-    frames = [_checkpoint_metrics(a, b, name, positions, th, n_layers) for name in names]
-    table = pd.concat(frames, ignore_index=True)
+    table = _metrics_table(a, b, names, positions, th, n_layers)
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
         layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th), n_layers=n_layers,
@@ -176,21 +176,45 @@ def _side(t: Trace) -> dict[str, Any]:
             "n_tokens": len(h.tokens)}
 
 
-def _rows_at(t: Trace, name: str, positions: list[int]) -> np.ndarray:
-    rows = t.checkpoint_rows(name)
-    by_pos = dict(zip(t.ckpt["pos"][rows].tolist(), rows.tolist(), strict=True))
-    return np.array([by_pos[p] for p in positions])
+def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
+    """The `ckpt` row of every (checkpoint, position), checkpoint-major.  -> int [len(names) * len(positions)]"""
+    ck, pos = t.ckpt["ck"], t.ckpt["pos"]
+    at = np.asarray(positions)
+    listed = np.flatnonzero(np.isin(pos, at))
+    where = np.full((len(t.header.checkpoints), len(at)), -1)
+    where[ck[listed], np.searchsorted(at, pos[listed])] = listed
+    rows = where[[t.header.checkpoints.index(n) for n in names]]
+    if (rows < 0).any():
+        i, j = np.argwhere(rows < 0)[0]
+        raise TraceError(f"{t.header.engine} trace: no ckpt row for checkpoint {names[i]} at position {positions[j]}")
+    return rows.ravel()
 
 
-def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], th: Thresholds,
-                        n_layers: int) -> pd.DataFrame:
-    ra, rb = _rows_at(a, name, positions), _rows_at(b, name, positions)
+def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], th: Thresholds,
+                   n_layers: int) -> pd.DataFrame:
+    """One row per (checkpoint, position), checkpoint-major: metrics on full vectors or fingerprints (`method`)."""
+    n = len(positions)
+    ra, rb = _rows_at(a, names, positions).reshape(len(names), n), _rows_at(b, names, positions).reshape(len(names), n)
+    full = [a.vectors is not None and b.vectors is not None and name in a.vectors and name in b.vectors
+            for name in names]
+    parts = [_checkpoint_metrics(a, b, name, positions, ra[i], rb[i], full[i], th) for i, name in enumerate(names)]
+    layers = [checkpoint_layer(name) for name in names]
+    return pd.DataFrame({
+        "checkpoint": [name for name in names for _ in range(n)],
+        "depth": np.repeat([checkpoint_depth(name, n_layers) for name in names], n),
+        "layer": np.repeat([-1 if layer is None else layer for layer in layers], n).astype(np.int64),
+        "pos": np.tile(np.asarray(positions, np.int64), len(names)),
+        "method": [("full" if f else "fp") for f in full for _ in range(n)],
+        **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]},
+    })
+
+
+def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra: np.ndarray, rb: np.ndarray,
+                        full: bool, th: Thresholds) -> dict[str, np.ndarray]:
+    """The metric columns of one checkpoint (rows ra of a.ckpt against rb of b.ckpt, one per position)."""
     ca, cb = a.ckpt.cols, b.ckpt.cols
-    full = a.vectors is not None and b.vectors is not None and name in a.vectors and name in b.vectors
     if full:
-        idx_a = [a.header.positions.index(p) for p in positions]
-        idx_b = [b.header.positions.index(p) for p in positions]
-        va, vb = a.vectors[name][idx_a], b.vectors[name][idx_b]
+        va, vb = a.vectors[name][_indices(a, positions)], b.vectors[name][_indices(b, positions)]
         max_abs = metrics.max_abs(va, vb)
         exact_vec = np.all(va.reshape(len(va), -1) == vb.reshape(len(vb), -1), axis=1)
     else:
@@ -208,14 +232,15 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], th:
     drift = ~finite | ~(rel <= th.rel_tol) | ~(np.abs(norm_ratio - 1.0) <= th.norm_tol)
     with np.errstate(all="ignore"):
         smin, smax = np.nanmin(stream, axis=1), np.nanmax(stream, axis=1)
-    layer = checkpoint_layer(name)
-    return pd.DataFrame({
-        "checkpoint": name, "depth": checkpoint_depth(name, n_layers), "layer": -1 if layer is None else layer,
-        "pos": positions, "method": "full" if full else "fp", "norm_ratio": norm_ratio, "cosine": cos,
-        "rel_l2": rel, "nmse": rel ** 2, "sqnr_db": metrics.sqnr_from_rel_l2(rel), "max_abs": max_abs,
-        "stream_ratio_min": smin, "stream_ratio_max": smax, "finite": finite, "exact": exact, "drift": drift,
-        "argmax_a": ca["argmax"][ra], "argmax_b": cb["argmax"][rb],
-    })
+    return {"norm_ratio": norm_ratio, "cosine": cos, "rel_l2": rel, "nmse": rel ** 2,
+            "sqnr_db": metrics.sqnr_from_rel_l2(rel), "max_abs": max_abs, "stream_ratio_min": smin,
+            "stream_ratio_max": smax, "finite": finite, "exact": exact, "drift": drift,
+            "argmax_a": ca["argmax"][ra], "argmax_b": cb["argmax"][rb]}
+
+
+def _indices(t: Trace, positions: list[int]) -> np.ndarray:
+    """Rows of t.vectors (one per header position) holding `positions`."""
+    return np.searchsorted(np.asarray(t.header.positions), positions)
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -240,45 +265,157 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
             "cosine": _json_value(row["cosine"]), "reason": reason}
 
 
+LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "n_comp_mismatch",
+                 "sel_mismatch"]
+_BLOCK = 1024  # rows per block when comparing [rows, S] indexer selections (temporaries stay in cache)
+
+
 def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
-    """Per layer: HC mix max-abs difference, expert-set flips, compressed-row and indexer mismatches."""
-    keep = set(positions)
+    """Per layer: HC mix max-abs difference, expert-set flips, compressed-row and indexer mismatches.
+
+    Rows are joined on their keys ((layer, sub, pos) / (layer, pos), positions in `positions`; a key listed twice
+    counts its last row). hc_max_abs = max |b - a| over pre/post/comb, NaN ignored; weight_max_abs = max over rows
+    whose expert ids are identical (same order) of the row's max |b - a| (a row with a NaN counts as no row).
+    """
+    keep = np.asarray(positions)
     out: dict[int, dict[str, Any]] = {}
 
-    def rows(t: Trace, kind: str, key: tuple[str, ...]) -> dict[tuple, int]:
-        tab = getattr(t, kind)
-        return {k: i for i, k in enumerate(zip(*(tab[c].tolist() for c in key), strict=True)) if k[-1] in keep}
+    def entries(layers: np.ndarray) -> list[dict[str, Any]]:
+        return [out.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
+                                       "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
+                for layer in layers.tolist()]
 
-    def entry(layer: int) -> dict[str, Any]:
-        return out.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
-                                      "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
-
-    ia, ib = rows(a, "hc", ("layer", "sub", "pos")), rows(b, "hc", ("layer", "sub", "pos"))
-    for k in sorted(ia.keys() & ib.keys()):
-        e = entry(k[0])
+    ia, ib = _join(a.hc, b.hc, ("layer", "sub", "pos"), keep)
+    if len(ia):
+        layers, starts = _runs(a.hc["layer"][ia])
+        hc_max = np.zeros(len(layers))
         for c in ("pre", "post", "comb"):
-            d = np.abs(a.hc[c][ia[k]].astype(np.float64) - b.hc[c][ib[k]])
-            e["hc_max_abs"] = float(np.nanmax([e["hc_max_abs"], *d]))
-    ia, ib = rows(a, "moe", ("layer", "pos")), rows(b, "moe", ("layer", "pos"))
-    for k in sorted(ia.keys() & ib.keys()):
-        e = entry(k[0])
-        ids_a, ids_b = a.moe["ids"][ia[k]], b.moe["ids"][ib[k]]
-        if set(ids_a.tolist()) != set(ids_b.tolist()):
-            e["expert_flips"] += 1
-            if e["first_flip_pos"] < 0:
-                e["first_flip_pos"] = k[1]
-        elif np.array_equal(ids_a, ids_b):
-            d = np.abs(a.moe["w"][ia[k]].astype(np.float64) - b.moe["w"][ib[k]]).max(initial=0.0)
-            e["weight_max_abs"] = max(e["weight_max_abs"], float(d))
-    ia, ib = rows(a, "attn", ("layer", "pos")), rows(b, "attn", ("layer", "pos"))
-    for k in sorted(ia.keys() & ib.keys()):
-        e = entry(k[0])
-        e["n_comp_mismatch"] += int(a.attn["n_comp"][ia[k]] != b.attn["n_comp"][ib[k]])
-        sa, sb = a.attn["sel"][ia[k]], b.attn["sel"][ib[k]]
-        e["sel_mismatch"] += int(set(sa[sa >= 0].tolist()) != set(sb[sb >= 0].tolist()))
-    cols = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "n_comp_mismatch",
-            "sel_mismatch"]
-    return pd.DataFrame([out[k] for k in sorted(out)], columns=cols)
+            d = np.subtract(a.hc[c].take(ia, axis=0), b.hc[c].take(ib, axis=0), dtype=np.float64)
+            hc_max = np.fmax(hc_max, np.fmax.reduceat(np.abs(d, out=d).reshape(-1), starts * d.shape[1]))
+        for e, v in zip(entries(layers), hc_max.tolist(), strict=True):
+            e["hc_max_abs"] = v
+
+    ia, ib = _join(a.moe, b.moe, ("layer", "pos"), keep)
+    if len(ia):
+        ids_a, ids_b = a.moe["ids"][ia], b.moe["ids"][ib]
+        same = _rows_equal(ids_a, ids_b)
+        flip = _sets_differ(ids_a, ids_b, same, nonneg=False)
+        weight = np.zeros(len(ia))
+        if same.any():
+            w = np.abs(a.moe["w"][ia[same]].astype(np.float64) - b.moe["w"][ib[same]]).max(axis=1, initial=0.0)
+            weight[same] = np.where(np.isnan(w), 0.0, w)
+        pos = np.where(flip, a.moe["pos"][ia].astype(np.int64), np.iinfo(np.int64).max)
+        layers, starts = _runs(a.moe["layer"][ia])
+        n_flip = np.add.reduceat(flip.astype(np.int64), starts).tolist()
+        first = np.minimum.reduceat(pos, starts).tolist()
+        w_max = np.maximum.reduceat(weight, starts).tolist()
+        for e, n, f, wm in zip(entries(layers), n_flip, first, w_max, strict=True):
+            e.update(expert_flips=n, first_flip_pos=f if n else -1, weight_max_abs=wm)
+
+    ia, ib = _join(a.attn, b.attn, ("layer", "pos"), keep)
+    if len(ia):
+        n_comp = a.attn["n_comp"][ia] != b.attn["n_comp"][ib]
+        blocks = [(ia[i:i + _BLOCK], ib[i:i + _BLOCK]) for i in range(0, len(ia), _BLOCK)]
+        sel = np.concatenate([_sel_differ(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks])
+        layers, starts = _runs(a.attn["layer"][ia])
+        n_comp_count = np.add.reduceat(n_comp.astype(np.int64), starts).tolist()
+        sel_count = np.add.reduceat(sel.astype(np.int64), starts).tolist()
+        for e, nc, ns in zip(entries(layers), n_comp_count, sel_count, strict=True):
+            e.update(n_comp_mismatch=nc, sel_mismatch=ns)
+    return pd.DataFrame([out[k] for k in sorted(out)], columns=LAYER_COLUMNS)
+
+
+def _join(ta: Any, tb: Any, key: tuple[str, ...], keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (ia, ib) of the keys both tables hold at positions in `keep`, in ascending key order.
+
+    Each key column is coded densely (value - min, or its rank when the values are spread wider than the rows),
+    so the mixed-radix code of a key (int64; re-ranked if it would overflow) orders keys lexicographically.
+    """
+    rows = [np.flatnonzero(np.isin(t["pos"], keep)) for t in (ta, tb)]
+    n = len(rows[0]) + len(rows[1])
+    code, span = np.zeros(n, np.int64), 1
+    for c in key if n else ():
+        both = np.concatenate([ta[c][rows[0]], tb[c][rows[1]]]).astype(np.int64)
+        lo, hi = int(both.min()), int(both.max())
+        if hi - lo < n:
+            dense, radix = both - lo, hi - lo + 1
+        else:
+            values, dense = np.unique(both, return_inverse=True)
+            radix = len(values)
+        if span * radix >= 2**63:  # re-rank the partial codes (span <= n afterwards)
+            values, code = np.unique(code, return_inverse=True)
+            span = len(values)
+        code, span = code * radix + dense, span * radix
+    ua, ra = _last_of_each(code[: len(rows[0])], rows[0])
+    ub, rb = _last_of_each(code[len(rows[0]):], rows[1])
+    _, ja, jb = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
+    return ra[ja], rb[jb]
+
+
+def _last_of_each(code: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct codes ascending and, for each, the last of `rows` carrying it (as a dict built in row order)."""
+    order = np.argsort(code, kind="stable")
+    c = code[order]
+    last = np.ones(len(c), bool)
+    last[:-1] = c[1:] != c[:-1]
+    return c[last], rows[order[last]]
+
+
+def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values and start indices of the runs of equal values in x (non-empty)."""
+    starts = np.flatnonzero(np.concatenate([[True], x[1:] != x[:-1]]))
+    return x[starts], starts
+
+
+def _take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """x[rows], as a view when rows is an ascending run of consecutive indices (rows non-empty)."""
+    if rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+        return x[rows[0]: rows[-1] + 1]
+    return x[rows]
+
+
+def _rows_equal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise array equality (same width, same values in the same order).  [n, p] x [n, q] -> bool [n]"""
+    if x.shape[1] != y.shape[1]:
+        return np.zeros(len(x), bool)
+    return (x == y).all(axis=1)
+
+
+def _sel_differ(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """set(x[i] >= 0) != set(y[i] >= 0) per row (indexer selections, -1 = empty slot).  [n, S] x 2 -> bool [n]"""
+    return _sets_differ(x, y, _rows_equal(x, y), nonneg=True)
+
+
+def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray, nonneg: bool) -> np.ndarray:
+    """set(x[i]) != set(y[i]) per row, or of the values >= 0 only when `nonneg`; rows known equal (`same`) skip.
+
+    x [n, p], y [n, q] int -> bool [n]. Sets compare as canonical rows: sorted, duplicates replaced by the row
+    minimum, sorted again, left-padded with the minimum to a common width (equal sets <=> equal rows).
+    """
+    out = ~same
+    rows = np.flatnonzero(out)
+    if len(rows):
+        cx, cy = _canonical_set(x[rows], nonneg), _canonical_set(y[rows], nonneg)
+        width = max(cx.shape[1], cy.shape[1])
+        out[rows] = (_pad_left(cx, width) != _pad_left(cy, width)).any(axis=1)
+    return out
+
+
+def _canonical_set(x: np.ndarray, nonneg: bool) -> np.ndarray:
+    """A row form that depends only on the row's value set (and width); see `_sets_differ`.  [n, p] -> [n, p(+1)]"""
+    x = x.astype(np.int64)
+    if nonneg:  # every negative becomes -1, and each row gets one -1 more: the set is {-1} + its values >= 0
+        x = np.concatenate([np.full((len(x), 1), -1), np.maximum(x, -1)], axis=1)
+    s = np.sort(x, axis=1)
+    if s.shape[1] > 1:
+        s[:, 1:] = np.where(s[:, 1:] == s[:, :-1], s[:, :1], s[:, 1:])
+        s.sort(axis=1)
+    return s
+
+
+def _pad_left(s: np.ndarray, width: int) -> np.ndarray:
+    """Prepend copies of column 0 (the row minimum) up to `width` columns."""
+    return np.concatenate([np.repeat(s[:, :1], width - s.shape[1], axis=1), s], axis=1)
 
 
 # ----------------------------------------------------------------------------------------------

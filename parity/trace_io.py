@@ -13,9 +13,12 @@ from __future__ import annotations
 import io
 import json
 import math
+import mmap
 import os
+import struct
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -481,16 +484,21 @@ def parse_text(text: str, source: str = "<text>") -> Trace:
         if words[0] not in handlers:
             raise ln.fail("record", f"unknown record kind {words[0]!r} (ckpt | hc | moe | attn)")
         handlers[words[0]](ln, words, kv)
-    _check_complete(header, acc.seen, lambda msg: TraceError(f"{source}: {msg}"))
+    _check_complete(header, acc.rows["ckpt"]["ck"], acc.rows["ckpt"]["pos"], lambda msg: TraceError(f"{source}: {msg}"))
     return Trace(header, **acc.tables())
 
 
-def _check_complete(h: TraceHeader, seen: set[tuple], fail: Callable[[str], TraceError]) -> None:
-    """Every (checkpoint, position) of the header must have a ckpt record."""
-    for name in h.checkpoints:
-        for p in h.positions:
-            if ("ckpt", name, p) not in seen:
-                raise fail(f"field 'ckpt': no record for checkpoint {name} at position {p}")
+def _check_complete(h: TraceHeader, ck: np.ndarray, pos: np.ndarray, fail: Callable[[str], TraceError]) -> None:
+    """Every (checkpoint, position) of the header must have a ckpt record (ck, pos: distinct row keys)."""
+    ck, pos = np.asarray(ck, np.int64), np.asarray(pos, np.int64)
+    listed = np.isin(pos, h.positions)
+    counts = np.bincount(ck[listed], minlength=len(h.checkpoints))
+    short = np.flatnonzero(counts[: len(h.checkpoints)] < len(h.positions))
+    if len(short):
+        k = int(short[0])
+        present = set(pos[ck == k].tolist())
+        p = next(p for p in h.positions if p not in present)
+        raise fail(f"field 'ckpt': no record for checkpoint {h.checkpoints[k]} at position {p}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,13 +513,15 @@ def _binary_columns(trace: Trace) -> dict[str, np.ndarray]:
 
 
 def _read_binary(path: Path) -> Trace:
+    """Columns of stored (uncompressed) members are read-only views of the memory-mapped file, CRC-checked."""
     src = str(path)
     try:
-        with zipfile.ZipFile(path) as z:
-            members = set(z.namelist())
+        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+            members = {info.filename: info for info in z.infolist()}
             if "header.json" not in members:
                 raise TraceError(f"{src}: field 'header.json': missing from the binary trace")
             header = _header_from_json(z.read("header.json").decode(), src)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             tables = {}
             for kind, spec in TABLES.items():
                 cols = {}
@@ -519,17 +529,43 @@ def _read_binary(path: Path) -> Trace:
                     member = f"{kind}.{c}.npy"
                     if member not in members:
                         raise TraceError(f"{src}: field '{kind}.{c}': column missing from the binary trace")
-                    arr = np.lib.format.read_array(io.BytesIO(z.read(member)), allow_pickle=False)
+                    arr = _member_array(z, mapped, members[member])
                     if arr.dtype != np.dtype(dtype):
                         raise TraceError(f"{src}: field '{kind}.{c}': dtype {arr.dtype}, expected {dtype}")
                     cols[c] = arr
                 if len({len(a) for a in cols.values()}) > 1:
                     raise TraceError(f"{src}: field '{kind}': columns have different lengths")
                 tables[kind] = Table(cols)
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
+    except (zipfile.BadZipFile, ValueError, OSError, struct.error) as e:
         raise TraceError(f"{src}: field 'file': not a readable binary trace ({e})") from None
     _check_binary_rows(header, tables, src)
     return Trace(header, **tables)
+
+
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _member_array(z: zipfile.ZipFile, mapped: mmap.mmap, info: zipfile.ZipInfo) -> np.ndarray:
+    """The .npy array in zip member `info`: a view of the mapped file when stored, else decompressed."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return np.lib.format.read_array(io.BytesIO(z.read(info)), allow_pickle=False)
+    at = info.header_offset
+    if mapped[at: at + 4] != ZIP_MAGIC:
+        raise zipfile.BadZipFile(f"bad local file header for {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", mapped[at + 26: at + 30])
+    start = at + 30 + name_len + extra_len
+    data = memoryview(mapped)[start: start + info.file_size]
+    if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
+        raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
+    head = io.BytesIO(data[: 1 << 16])
+    version = np.lib.format.read_magic(head)
+    if version not in _NPY_HEADERS:
+        raise ValueError(f"{info.filename}: unsupported .npy format version {version}")
+    shape, fortran, dtype = _NPY_HEADERS[version](head)
+    count = math.prod(shape)
+    if head.tell() + count * dtype.itemsize != len(data):
+        raise ValueError(f"{info.filename}: {len(data) - head.tell()} data bytes for shape {shape} of {dtype}")
+    return np.frombuffer(data, dtype, count, head.tell()).reshape(shape, order="F" if fortran else "C")
 
 
 def _header_from_json(text: str, src: str) -> TraceHeader:
@@ -558,10 +594,10 @@ def _check_binary_rows(h: TraceHeader, tables: dict[str, Table], src: str) -> No
     for col, width in (("fp", FP_DIM), ("l2s", h.n_hc), ("top_ids", h.top_k), ("top_logits", h.top_k)):
         if c[col].shape[1:] != (width,):
             raise TraceError(f"{src}: field 'ckpt.{col}': expected {width} numbers per row, got {c[col].shape[1:]}")
-    seen = {("ckpt", h.checkpoints[k], int(p)) for k, p in zip(c["ck"], c["pos"], strict=True)}
-    if len(seen) != len(c):
+    key = np.sort(c["ck"].astype(np.int64) << 32 | (c["pos"].astype(np.int64) & 0xFFFFFFFF))
+    if (key[1:] == key[:-1]).any():
         raise TraceError(f"{src}: field 'ckpt': duplicate (checkpoint, position) rows")
-    _check_complete(h, seen, lambda msg: TraceError(f"{src}: {msg}"))
+    _check_complete(h, c["ck"], c["pos"], lambda msg: TraceError(f"{src}: {msg}"))
 
 
 def _read_vectors(path: Path, h: TraceHeader) -> dict[str, np.ndarray]:

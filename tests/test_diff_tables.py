@@ -1,0 +1,265 @@
+"""Differ at the table level: the vectorised per-layer diagnostics and metric table against a plain row-by-row
+second implementation (Python sets, dicts, loops) on random trace pairs with mismatching expert sets, permuted and
+changed indexer selections, NaN / inf entries, keys present on one side only, a duplicated key and a position that
+only one trace has; and the memory-mapped .npz read path (same report as in memory, CRC corruption refused)."""
+
+from __future__ import annotations
+
+import math
+import zipfile
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from parity import api
+from parity.errors import TraceError
+from parity.records import FP_DIM, Trace, TraceHeader, make_table, trace_checkpoints
+from parity.trace_io import write_trace
+
+L, P, H, E, S, K = 4, 7, 2, 3, 6, 3  # layers, positions, streams, active experts, index width, top-k
+
+
+def _header(positions: list[int], n_tokens: int) -> TraceHeader:
+    return TraceHeader(engine="random", engine_version="0", dtype="float32", n_hc=H, dim=8, top_k=K,
+                       model={"file": "m.gguf", "size": 1, "header_sha256": "0" * 8}, tokens=list(range(n_tokens)),
+                       n_prompt=n_tokens, chunks=[n_tokens], decode=0, positions=positions,
+                       checkpoints=trace_checkpoints(L), full=[], flags={})
+
+
+def _sprinkle(rng: np.random.Generator, x: np.ndarray, p: float, values: tuple[float, ...]) -> np.ndarray:
+    """Copy of x with a fraction p of its entries replaced by a random choice of `values`."""
+    x = x.copy()
+    hit = rng.random(x.shape) < p
+    x[hit] = rng.choice(values, int(hit.sum()))
+    return x
+
+
+def _expert_ids(rng: np.random.Generator, ids: np.ndarray) -> np.ndarray:
+    """Per row one of: same, permuted, one id changed (a flip), same set with a repeated id, all changed."""
+    out = ids.copy()
+    for i, kind in enumerate(rng.integers(0, 5, len(ids))):
+        if kind == 1:
+            out[i] = rng.permutation(ids[i])
+        elif kind == 2:
+            out[i, rng.integers(E)] = 100 + i
+        elif kind == 3:
+            out[i] = [ids[i, 0], ids[i, 0], ids[i, 1]]
+            ids[i] = [ids[i, 0], ids[i, 1], ids[i, 1]]  # a: {x, y, y}, b: {x, x, y}: equal sets, not equal rows
+        elif kind == 4:
+            out[i] = rng.choice(np.arange(200, 300), E, replace=False)
+    return out
+
+
+def _selection(rng: np.random.Generator, sel: np.ndarray) -> np.ndarray:
+    """Per row one of: same, permuted, one index changed, a padding slot written as -7 instead of -1, one dropped."""
+    out = sel.copy()
+    for i, kind in enumerate(rng.integers(0, 5, len(sel))):
+        row = out[i]
+        if kind == 1:
+            out[i] = rng.permutation(row)
+        elif kind == 2:
+            row[rng.integers(S)] = 500 + i
+        elif kind == 3:
+            row[row < 0] = -7
+        elif kind == 4:
+            row[rng.integers(S)] = -1
+    return out
+
+
+def _pair(seed: int) -> tuple[Trace, Trace]:
+    """Two random traces over the same tokens; b's header lacks position 5, b's tables miss some rows."""
+    rng = np.random.default_rng(seed)
+    names = trace_checkpoints(L)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    widths = {"H": H, "F": FP_DIM, "K": K, "E": E, "S": S}
+
+    n = len(names) * P
+    ck, pos = np.repeat(np.arange(len(names)), P), np.tile(np.arange(P), len(names))
+    ckpt = {"ck": ck, "pos": pos, "tok": pos, "min": -1 - np.abs(f32(n)), "max": 1 + np.abs(f32(n)),
+            "rms": 1 + np.abs(f32(n)), "l2s": 1 + np.abs(f32(n, H)), "sum_l2": 1 + np.abs(f32(n)),
+            "fp": f32(n, FP_DIM), "argmax": np.where(ck == len(names) - 1, pos, -1),
+            "top_ids": np.full((n, K), -1), "top_logits": np.full((n, K), np.nan)}
+    late = ck >= 3  # embed, blk.0.attn and blk.0 stay identical
+    drift = late & (ck >= 5) & (rng.random(n) < 0.5)  # fingerprints drift from blk.2.attn on, at some positions
+    ckpt_b = {**ckpt, "fp": np.where(drift[:, None], ckpt["fp"] * (1 + 0.1 * f32(n, FP_DIM)), ckpt["fp"]),
+              "rms": np.where(late, _sprinkle(rng, ckpt["rms"], 0.05, (np.nan,)), ckpt["rms"]),
+              "l2s": np.where(late[:, None], ckpt["l2s"] * (1 + 0.01 * f32(n, H)), ckpt["l2s"])}
+
+    lp = np.repeat(np.arange(L), P), np.tile(np.arange(P), L)
+    m = L * P
+    hc = {"layer": np.repeat(lp[0], 2), "sub": np.tile([0, 1], m), "pos": np.repeat(lp[1], 2),
+          "pre": f32(2 * m, H), "post": f32(2 * m, H), "comb": f32(2 * m, H * H)}
+    hc_b = {**hc, **{c: _sprinkle(rng, hc[c] + (rng.random(hc[c].shape) < 0.3) * f32(*hc[c].shape), 0.05,
+                                  (np.nan,)) for c in ("pre", "post", "comb")}}
+    hc_b["post"][[2, 3, 8, 9], 1] = np.inf  # layer-0 rows (positions 1 and 4): layer 0's HC max-abs is inf
+    hc = {**hc, "pre": _sprinkle(rng, hc["pre"], 0.05, (np.nan,))}
+    ids = np.array([rng.choice(64, E, replace=False) for _ in range(m)])
+    ids_b = _expert_ids(rng, ids)
+    w = f32(m, E)
+    moe = {"layer": lp[0], "pos": lp[1], "ids": ids, "w": _sprinkle(rng, w, 0.05, (np.nan,)), "margin": f32(m)}
+    moe_b = {**moe, "ids": ids_b, "w": w + (rng.random((m, E)) < 0.5) * f32(m, E)}
+    sel = np.array([np.concatenate([rng.choice(40, k, replace=False), np.full(S - k, -1)])
+                    for k in rng.integers(0, S + 1, m)])
+    n_comp = lp[1] // 2
+    attn = {"layer": lp[0], "pos": lp[1], "n_comp": n_comp, "has_sel": lp[0] % 2 == 0, "sel": sel}
+    attn_b = {**attn, "n_comp": n_comp + (rng.random(m) < 0.2), "sel": _selection(rng, sel)}
+
+    def drop(rows: dict, p: float) -> dict:
+        keep = rng.random(len(rows["pos"])) >= p
+        return {c: np.asarray(v)[keep] for c, v in rows.items()}
+
+    def duplicate_last(rows: dict) -> dict:  # the last row again with other values: a repeated key, last one counts
+        extra = {c: np.asarray(v)[-1:] for c, v in rows.items()}
+        for c, v in extra.items():
+            if v.dtype.kind == "f":
+                extra[c] = v + 1
+        return {c: np.concatenate([np.asarray(rows[c]), extra[c]]) for c in rows}
+
+    a = Trace(_header(list(range(P)), P), make_table("ckpt", ckpt, widths), make_table("hc", hc, widths),
+              make_table("moe", moe, widths), make_table("attn", attn, widths))
+    b_pos = [p for p in range(P) if p != 5]
+    keep_b = np.isin(ckpt_b["pos"], b_pos)
+    b = Trace(_header(b_pos, P), make_table("ckpt", {c: np.asarray(v)[keep_b] for c, v in ckpt_b.items()}, widths),
+              make_table("hc", duplicate_last(drop(hc_b, 0.1)), widths),
+              make_table("moe", drop(moe_b, 0.1), widths), make_table("attn", drop(attn_b, 0.1), widths))
+    return a, b
+
+
+# ----------------------------------------------------------------------------------------------
+# The second implementation, row by row
+
+def _plain_layers(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
+    keep = set(positions)
+
+    def index(tab, key):  # key -> row; a key given twice maps to its last row
+        out = {}
+        for i in range(len(tab)):
+            if int(tab["pos"][i]) in keep:
+                out[tuple(int(tab[c][i]) for c in key)] = i
+        return out
+
+    layers: dict[int, dict] = {}
+
+    def at(layer):
+        return layers.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
+                                         "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
+
+    ia, ib = index(a.hc, ("layer", "sub", "pos")), index(b.hc, ("layer", "sub", "pos"))
+    for k in sorted(set(ia) & set(ib)):
+        e = at(k[0])
+        for c in ("pre", "post", "comb"):
+            for x, y in zip(a.hc[c][ia[k]].tolist(), b.hc[c][ib[k]].tolist(), strict=True):
+                d = abs(x - y)
+                if d > e["hc_max_abs"]:  # False for NaN: NaN entries are skipped
+                    e["hc_max_abs"] = d
+    ia, ib = index(a.moe, ("layer", "pos")), index(b.moe, ("layer", "pos"))
+    for k in sorted(set(ia) & set(ib)):
+        e = at(k[0])
+        xa, xb = a.moe["ids"][ia[k]].tolist(), b.moe["ids"][ib[k]].tolist()
+        if set(xa) != set(xb):
+            e["expert_flips"] += 1
+            if e["first_flip_pos"] == -1:
+                e["first_flip_pos"] = k[1]
+        elif xa == xb:
+            d = [abs(x - y) for x, y in zip(a.moe["w"][ia[k]].tolist(), b.moe["w"][ib[k]].tolist(), strict=True)]
+            if not any(math.isnan(v) for v in d):
+                e["weight_max_abs"] = max([e["weight_max_abs"], *d])
+    ia, ib = index(a.attn, ("layer", "pos")), index(b.attn, ("layer", "pos"))
+    for k in sorted(set(ia) & set(ib)):
+        e = at(k[0])
+        if int(a.attn["n_comp"][ia[k]]) != int(b.attn["n_comp"][ib[k]]):
+            e["n_comp_mismatch"] += 1
+        sa = {v for v in a.attn["sel"][ia[k]].tolist() if v >= 0}
+        sb = {v for v in b.attn["sel"][ib[k]].tolist() if v >= 0}
+        if sa != sb:
+            e["sel_mismatch"] += 1
+    return pd.DataFrame([layers[k] for k in sorted(layers)], columns=list(at(0)))
+
+
+def _plain_row(a: Trace, b: Trace, name: str, p: int, rel_tol: float, norm_tol: float) -> dict:
+    """Fingerprint metrics of one (checkpoint, position) from the two ckpt rows, in plain Python."""
+    def row(t):
+        k = t.header.checkpoints.index(name)
+        i = next(i for i in range(len(t.ckpt)) if t.ckpt["ck"][i] == k and t.ckpt["pos"][i] == p)
+        return {c: t.ckpt[c][i] for c in t.ckpt.cols}
+
+    ra, rb = row(a), row(b)
+    fa, fb = ra["fp"].tolist(), rb["fp"].tolist()
+    norm = lambda v: math.sqrt(math.fsum(x * x for x in v))  # noqa: E731
+    rel = norm([y - x for x, y in zip(fa, fb, strict=True)]) / norm(fa)
+    cos = math.fsum(x * y for x, y in zip(fa, fb, strict=True)) / (norm(fa) * norm(fb))
+    ratio = float(rb["rms"]) / float(ra["rms"])
+    finite = all(math.isfinite(float(r[s])) for r in (ra, rb) for s in ("min", "max", "rms", "sum_l2")) and \
+        all(math.isfinite(v) for v in fa + fb)
+    same = lambda x, y: x == y or (math.isnan(x) and math.isnan(y))  # noqa: E731
+    exact = all(same(float(ra[s]), float(rb[s])) for s in ("min", "max", "rms", "sum_l2")) and all(
+        same(x, y) for s in ("l2s", "fp") for x, y in zip(ra[s].tolist(), rb[s].tolist(), strict=True))
+    drift = not finite or not rel <= rel_tol or not abs(ratio - 1) <= norm_tol
+    return {"rel_l2": rel, "cosine": min(1.0, cos), "norm_ratio": ratio, "finite": finite, "exact": exact,
+            "drift": drift}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layer_diagnostics_match_a_row_by_row_implementation(seed):
+    a, b = _pair(seed)
+    r = api.diff(a, b, force=True)
+    positions = [p for p in range(P) if p != 5]
+    expected = _plain_layers(a, b, positions)
+    pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
+    # the random pair exercises every kind of difference, not only agreement
+    for c in ("expert_flips", "sel_mismatch", "n_comp_mismatch", "weight_max_abs"):
+        assert (expected[c] > 0).any(), c
+    hc = expected["hc_max_abs"]
+    assert hc[0] == np.inf and ((hc > 0) & (hc < np.inf)).any()
+
+
+def test_layer_diagnostics_of_identical_tables_are_zero():
+    a, _ = _pair(3)
+    r = api.diff(a, a)
+    expected = _plain_layers(a, a, list(range(P)))
+    pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
+    assert (r.layers.drop(columns=["layer", "first_flip_pos"]) == 0).all().all()
+    assert (r.layers["first_flip_pos"] == -1).all()
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_metric_table_and_first_drift_match_a_row_by_row_implementation(seed):
+    a, b = _pair(seed)
+    r = api.diff(a, b, force=True)
+    positions = [p for p in range(P) if p != 5]
+    names = a.header.checkpoints
+    assert r.table["checkpoint"].tolist() == [n for n in names for _ in positions]
+    assert r.table["pos"].tolist() == positions * len(names)
+    first = None
+    for row in r.table.to_dict(orient="records"):
+        want = _plain_row(a, b, row["checkpoint"], row["pos"], 1e-3, 1e-3)
+        for c in ("finite", "exact", "drift"):
+            assert row[c] == want[c], (row["checkpoint"], row["pos"], c)
+        for c in ("rel_l2", "cosine", "norm_ratio"):
+            assert row[c] == pytest.approx(want[c], rel=1e-12, abs=1e-15, nan_ok=True), (row["checkpoint"], c)
+        if want["drift"] and first is None:
+            first = row["checkpoint"]  # table rows are in depth order
+    assert first is not None and r.first_drift["checkpoint"] == first
+    assert r.table[r.table["depth"] < 1.5]["exact"].all()
+
+
+def test_npz_files_give_the_in_memory_report(tmp_path):
+    a, b = _pair(5)
+    pa, pb = write_trace(a, tmp_path / "a.npz"), write_trace(b, tmp_path / "b.npz")
+    assert api.diff(pa, pb, force=True).to_dict() == api.diff(a, b, force=True).to_dict()
+
+
+def test_corrupt_npz_column_is_refused(tmp_path):
+    a, _ = _pair(6)
+    path = write_trace(a, tmp_path / "a.npz")
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("hc.comb.npy")
+    raw = bytearray(path.read_bytes())
+    raw[info.header_offset + info.compress_size] ^= 0x40  # a byte inside the column's data (past the headers)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="CRC"):
+        api.load_trace(path)
