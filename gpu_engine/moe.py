@@ -70,10 +70,10 @@ def routed_experts(ctx, layer: int, x: torch.Tensor, r: Routing) -> torch.Tensor
         t = tok[start : start + c]
         wk = r.weights.reshape(-1)[order[start : start + c]]
         xe = x[t].to(ctx.mm)
-        g = (xe @ ctx.w.expert(gate_w, e, ctx.mm).T).to(ctx.act)
-        u = (xe @ ctx.w.expert(up_w, e, ctx.mm).T).to(ctx.act)
+        g = ctx.w.expert_linear(gate_w, e, xe).to(ctx.act)
+        u = ctx.w.expert_linear(up_w, e, xe).to(ctx.act)
         h = swiglu(g, u, limit, ctx.faults.swiglu_symmetric_clamp) * wk[:, None]
-        out.index_add_(0, t, (h.to(ctx.mm) @ ctx.w.expert(down_w, e, ctx.mm).T).to(ctx.act))
+        out.index_add_(0, t, ctx.w.expert_linear(down_w, e, h.to(ctx.mm)).to(ctx.act))
         start += c
     return out
 

@@ -1,25 +1,27 @@
 """Model weights on the device, kept in their GGUF block formats and dequantized by torch per use.
 
 `QTensor` holds one tensor's raw blocks as uint8 [rows, row_bytes] on the device (on the CPU: a zero-copy view
-of the file mapping); `.dense()` dequantizes the whole matrix, `.expert(e)` one expert's (out, in) slice,
+of the file mapping); `.dense()` dequantizes the whole matrix, `.expert_linear(e, x)` applies one expert,
 `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
 `DeviceWeights.mat` keeps dequantized matrices while the budget (`cache_mb`; 0 = none) has room, first come first
 kept: the engine walks the layers cyclically, where an evicting LRU smaller than the working set would never hit.
-Matrices not kept, and routed experts (each selected expert is dequantized once per call, grouped by expert), are
-dequantized into reused scratch buffers, one per tensor kind. Both hold exact dequantized values: speed only.
+Matrices not kept are dequantized into reused scratch buffers, one per tensor kind; routed experts (each selected
+expert once per call, grouped by expert) are dequantized a block of rows at a time, each block multiplied while it
+is in cache (`QTensor.expert_linear`). All hold exact dequantized values: speed only.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from gpu_engine.dequant import dequantize
+from gpu_engine.dequant import CHUNK_VALUES, dequantize
 from parity.config import ModelConfig
 from parity.errors import TensorError
 from parity.inventory import expected_tensors
@@ -59,11 +61,23 @@ class QTensor:
         """The whole tensor dequantized (float32 stage written into `out` when given).  -> shape"""
         return self._deq(self.raw, self.shape, dtype, self.name, out)
 
-    def expert(self, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Expert e of a 3-D expert tensor (E, out, in) (float32 stage written into `out` when given).  -> [out, in]"""
+    def expert_linear(self, e: int, x: torch.Tensor, scratch: Callable[[int], torch.Tensor | None]) -> torch.Tensor:
+        """y = x W_eᵀ for expert e of a 3-D expert tensor (E, out, in), W_e dequantized one block of rows at a time
+        into `scratch(n_values)` (on the CPU about CHUNK_VALUES per block, so each block's product reads it from
+        cache; one block elsewhere).  x [n, in] (matmul dtype) -> [n, out]"""
         n_exp, n_out, n_in = self.shape
         raw = self.raw.view(n_exp, n_out, -1)[e]
-        return self._deq(raw, (n_out, n_in), dtype, f"{self.name}[expert {e}]", out)
+        step = max(1, min(n_out, CHUNK_VALUES // n_in)) if raw.device.type == "cpu" else n_out
+        what = f"{self.name}[expert {e}]"
+        y = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+        for r in range(0, n_out, step):
+            rows = raw[r : r + step]
+            w = dequantize(rows, self.qtype, scratch(rows.shape[0] * n_in))
+            if what not in self._checked and not all_finite(w):
+                raise TensorError(f"tensor {what}: non-finite values after dequantization")
+            y[:, r : r + step] = x @ w.to(x.dtype).T
+        self._checked.add(what)
+        return y
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Selected rows of a 2-D tensor.  idx [n] -> [n, in]"""
@@ -79,7 +93,7 @@ class DeviceWeights:
     def __init__(self, path: str, device: torch.device, act_dtype: torch.dtype, cache_mb: int = 0) -> None:
         self.source = Weights(path)
         self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
-        self._scratch_bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self._scratch_bufs: dict[str, torch.Tensor] = {}
         self.config: ModelConfig = self.source.config
         self.device, self.act = device, act_dtype
         self._check_inventory()
@@ -109,15 +123,15 @@ class DeviceWeights:
             raise TensorError(f"{self.source.paths[0]}: " + "; ".join(problems))
 
     def _scratch(self, name: str, n: int) -> torch.Tensor | None:
-        """Reused float32 buffer of n values for tensors of `name`'s kind (the name without `blk.{l}.`), or None when
+        """Reused float32 buffer (n values) for tensors of `name`'s kind (the name without `blk.{l}.`), or None when
         it would exceed SCRATCH_MAX_BYTES.  A buffer is rewritten by the next dequantization of the same kind."""
         if n * 4 > SCRATCH_MAX_BYTES:
             return None
-        key = (name.split(".", 2)[-1] if name.startswith("blk.") else name, n)
+        key = name.split(".", 2)[-1] if name.startswith("blk.") else name
         buf = self._scratch_bufs.get(key)
-        if buf is None:
+        if buf is None or buf.numel() < n:
             buf = self._scratch_bufs[key] = torch.empty(n, dtype=torch.float32, device=self.device)
-        return buf
+        return buf[:n]
 
     def mat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Whole matrix `name` dequantized to dtype (kept while the cache budget has room, else dequantized into
@@ -137,13 +151,12 @@ class DeviceWeights:
             return out
         return qt.dense(dtype, self._scratch(name, n))
 
-    def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e of 3-D expert tensor `name`, dequantized into reused scratch memory: valid until the next
-        `expert` call for the same tensor kind (gate / up / down).  -> [out, in]"""
+    def expert_linear(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """y = x W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one reused buffer.
+        x [n, in] -> [n, out] (x's dtype)"""
         if name not in self.q:
             raise TensorError(f"tensor {name!r} is missing")
-        _, n_out, n_in = self.q[name].shape
-        return self.q[name].expert(e, dtype, self._scratch(name, n_out * n_in))
+        return self.q[name].expert_linear(e, x, lambda n: self._scratch("experts", n))
 
     def v(self, name: str) -> torch.Tensor:
         if name not in self.vec:

@@ -226,3 +226,21 @@ def test_dequant_cache_changes_speed_only(tiny_realmix):
     np.testing.assert_array_equal(stack(cached, "logits"), stack(fresh, "logits"))
     with pytest.raises(ParityError, match="cache_mb"):
         TorchEngine(str(tiny_realmix), RunOptions(), cache_mb=-1)
+
+
+@pytest.mark.parametrize("name", ["blk.3.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight"])
+def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monkeypatch, name):
+    """Experts applied a few rows at a time (pieces of 3 x 256 values, last one partial) through one reused buffer
+    equal x Wᵀ with W from the independent NumPy/gguf dequantization (parity.weights)."""
+    import gpu_engine.weights as wmod
+    from parity.weights import Weights
+
+    w = TorchEngine(str(tiny_realmix), RunOptions(), cache_mb=0).w
+    monkeypatch.setattr(wmod, "CHUNK_VALUES", 3 * w.q[name].shape[-1])
+    x = torch.from_numpy(np.random.default_rng(10).standard_normal((5, w.q[name].shape[-1])).astype(np.float32))
+    src = Weights(str(tiny_realmix))
+    for e in (0, 5, 0):  # the buffer is overwritten between experts
+        want = x @ torch.from_numpy(src.expert(name, e)).T
+        got = w.expert_linear(name, e, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(got, x @ torch.from_numpy(src.expert(name, 7 - e)).T)
