@@ -29,6 +29,10 @@ _KSIGNS = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
 _IQ2XXS_SIGNS = np.where((_KSIGNS[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1)).astype(np.float32)
 # signed grid: row g * 128 + k = grid[g] * signs[k] (exact: a product with +-1), one gather per 8 values
 _IQ2XXS_SIGNED = np.ascontiguousarray((_IQ2XXS_GRID[:, None, :] * _IQ2XXS_SIGNS[None, :, :]).reshape(32768, 8))
+# the signed grid holds small integers (+-8, 25, 43): as int8 one row is 8 bytes, gathered as one int64 (256 KiB table)
+_IQ2XXS_SIGNED_I8 = _IQ2XXS_SIGNED.astype(np.int8)
+if not np.array_equal(_IQ2XXS_SIGNED_I8.astype(np.float32), _IQ2XXS_SIGNED):
+    raise TensorError("IQ2_XXS grid from gguf-py is not int8-representable; the packed table would be inexact")
 _MXFP4_VALUES = np.array(quants.MXFP4.kvalues, dtype=np.float32)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -36,7 +40,7 @@ _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 def _table(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     if key not in _TABLES:
-        src = {"signed_grid": _IQ2XXS_SIGNED, "mxfp4": _MXFP4_VALUES}[name]
+        src = {"signed_grid_i8": _IQ2XXS_SIGNED_I8.view(np.int64).reshape(-1), "mxfp4": _MXFP4_VALUES}[name]
         _TABLES[key] = torch.from_numpy(src).to(device)
     return _TABLES[key]
 
@@ -132,8 +136,9 @@ def dequant_q4_k(raw: torch.Tensor, out: torch.Tensor) -> None:
 
 def dequant_iq2_xxs(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = (d*(0.5+s)*0.25) * grid[a_i] * sign per 32-group (words a, b; s = b>>28).  [..., 66k] -> [..., 256k]
-    One gather from the signed grid (row a_i * 128 + 7-bit sign index) per 8 values, then the group scale."""
-    table = _table("signed_grid", raw.device)
+    One gather from the int8 signed grid (row a_i * 128 + 7-bit sign index, 8 values as one int64) per 8 values,
+    an exact int8 -> float32 conversion, then the group scale (grid * sign is exact, so the order does not matter)."""
+    table = _table("signed_grid_i8", raw.device)
     shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int32, device=raw.device)
     for b, o in _chunks(_blocks(raw, Q.IQ2_XXS), out, QK_K):
         m = b.shape[0]
@@ -141,7 +146,7 @@ def dequant_iq2_xxs(raw: torch.Tensor, out: torch.Tensor) -> None:
         hi = groups.view(torch.int32).view(m, 8, 2)[..., 1:]                # b words (bits as int32) [m, 8, 1]
         db = _f16(b[:, :2]) * (0.5 + ((hi[..., 0] >> 28) & 0xF).to(torch.float32)) * 0.25  # [m, 8]
         idx = (groups.view(m, 8, 8)[..., :4].to(torch.int32) << 7) | ((hi >> shifts) & 0x7F)  # [m, 8, 4]
-        torch.index_select(table, 0, idx.view(-1), out=o.view(-1, 8))
+        o.copy_(torch.index_select(table, 0, idx.view(-1)).view(torch.int8).view(m, QK_K))
         o.view(m, 8, 32).mul_(db.unsqueeze(-1))
 
 
