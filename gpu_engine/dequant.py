@@ -88,8 +88,9 @@ def dequant_f16(raw: torch.Tensor, out: torch.Tensor) -> None:
 
 def dequant_bf16(raw: torch.Tensor, out: torch.Tensor) -> None:
     """x = bits << 16 read as float32.  [..., 2n] -> [..., n]"""
-    bits = raw.contiguous().view(torch.int16).to(torch.int32) << 16
-    out.copy_(bits.view(torch.float32).reshape(-1))
+    bits = out.view(torch.int32)
+    bits.copy_(raw.contiguous().view(torch.int16).reshape(-1))  # sign-extended; the shift drops the high half
+    bits.bitwise_left_shift_(16)
 
 
 def dequant_q8_0(raw: torch.Tensor, out: torch.Tensor) -> None:
