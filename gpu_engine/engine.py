@@ -23,7 +23,7 @@ from parity.engine import LayerDiag, LayerOutput, RunOptions
 from parity.errors import ParityError
 
 __version__ = "0.1.0"
-DEFAULT_CACHE_MB = 512  # dequantized-matrix LRU (speed only: the cached values are the exact dequantization)
+DEFAULT_CACHE_MB = 512  # kept dequantized dense matrices (speed only: the cached values are the exact dequantization)
 DTYPES = {"float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64),
           "bfloat16": (torch.float32, torch.bfloat16)}  # (activations/state, matmul operands)
 
