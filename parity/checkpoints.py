@@ -46,13 +46,3 @@ def checkpoint_names(n_layers: int) -> tuple[str, ...]:
     """The L + 2 carrier checkpoints in depth order."""
     return (EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM)
 
-
-def checkpoint_depth(name: str) -> int:
-    """Depth index for plotting: embed 0, blk.l l+1 (blk.l.attn l+0.5 rounds to l+1), final_norm L+1."""
-    if name == EMBED:
-        return 0
-    if name.startswith("blk."):
-        return int(name.split(".")[1]) + 1
-    if name == FINAL_NORM:
-        return -1  # caller places it after the last layer
-    raise ValueError(f"unknown checkpoint name {name!r}")

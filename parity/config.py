@@ -11,13 +11,12 @@ Field names follow DeepSeek's official `config.json` / `ModelArgs`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from parity.errors import MetadataError
-from parity.gguf_io import FLOAT_TYPES, INTEGER_TYPES, VT, GGUFFile, Value
+from parity.gguf_io import FLOAT_TYPES, INTEGER_TYPES, VT, Value
 
 ARCH = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
@@ -94,12 +93,6 @@ class ModelConfig:
         from parity.checkpoints import checkpoint_names
 
         return checkpoint_names(self.n_layers)
-
-    def fingerprint(self) -> str:
-        """A short hash of every math-relevant value (derived-ness excluded)."""
-        d = asdict(self)
-        d.pop("derived")
-        return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -307,8 +300,3 @@ def config_from_metadata(kv: dict[str, Value], source: str,
             raise m.fail("tokenizer.ggml.tokens", f"{vocab} entries (= vocab_size)", f"{n_tokens}")
     return cfg
 
-
-def load_config(gguf: GGUFFile) -> ModelConfig:
-    """`ModelConfig` of an opened GGUF file."""
-    shapes = {name: info.shape for name, info in gguf.tensors.items()}
-    return config_from_metadata(gguf.kv, gguf.path, shapes)

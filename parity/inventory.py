@@ -1,17 +1,18 @@
 """The exact tensor set a deepseek4 GGUF must hold, derived from its `ModelConfig` (spec §4).
 
 `expected_tensors(cfg)` lists every tensor with its numpy shape (reversed ne) and the ggml types
-allowed for it; `validate(gguf, cfg)` reports *all* problems at once.
+allowed for it; `validate(tensors, cfg)` reports *all* problems at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gguf.constants import GGMLQuantizationType as Q
 
 from parity.config import ModelConfig
-from parity.gguf_io import GGUFFile, tensor_nbytes
+from parity.gguf_io import TensorInfo, tensor_nbytes
 
 FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
 DENSE = FLOATS | {Q.Q8_0}
@@ -126,12 +127,12 @@ class ValidationReport:
         return not self.problems
 
 
-def validate(gguf: GGUFFile, cfg: ModelConfig) -> ValidationReport:
+def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationReport:
     """Compare the file's tensor table with the contract; collect every problem, do not stop at one."""
     problems = []
     specs = {s.name: s for s in expected_tensors(cfg)}
     for name, spec in specs.items():
-        info = gguf.tensors.get(name)
+        info = tensors.get(name)
         if info is None:
             if spec.required:
                 problems.append(f"missing tensor {name} (expected shape {spec.shape})")
@@ -141,7 +142,7 @@ def validate(gguf: GGUFFile, cfg: ModelConfig) -> ValidationReport:
         if info.ggml_type not in spec.types:
             allowed = ", ".join(sorted(t.name for t in spec.types))
             problems.append(f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed})")
-    for name in gguf.tensors:
+    for name in tensors:
         if name not in specs:
             problems.append(f"unexpected tensor {name}")
     return ValidationReport(tuple(problems))

@@ -20,15 +20,7 @@ def inspect_model(path: str) -> dict[str, Any]:
         {"name": n, "shape": list(w.info(n).shape), "type": w.info(n).type_name, "bytes": w.info(n).nbytes}
         for n in w.names
     ]
-    problems = []
-    for f in w.files:
-        problems += list(validate(f, cfg).problems) if len(w.files) == 1 else []
-    if len(w.files) > 1:
-        from parity.gguf_io import GGUFFile
-
-        merged = GGUFFile.__new__(GGUFFile)
-        merged.tensors = {n: w.info(n) for n in w.names}
-        problems = list(validate(merged, cfg).problems)
+    problems = list(validate(w.tensor_infos(), cfg).problems)
     return {
         "file": w.identity(),
         "config": cfg.to_dict() | {"derived": cfg.derived},

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from parity.config import ModelConfig, load_config
+from parity.config import ModelConfig, config_from_metadata
 from parity.errors import GGUFError, TensorError
 from parity.gguf_io import GGUFFile, TensorInfo
 
@@ -63,16 +63,15 @@ class Weights:
                 self._where[name] = (f, info)
         self.kv = self.files[0].kv
         shapes = {name: info.shape for name, (_, info) in self._where.items()}
-        from parity.config import config_from_metadata
-
-        self.config: ModelConfig = (
-            load_config(self.files[0]) if len(self.files) == 1
-            else config_from_metadata(self.kv, str(self.paths[0]), shapes)
-        )
+        self.config: ModelConfig = config_from_metadata(self.kv, str(self.paths[0]), shapes)
 
     @property
     def names(self) -> list[str]:
         return list(self._where)
+
+    def tensor_infos(self) -> dict[str, TensorInfo]:
+        """The tensor table of all shards together."""
+        return {name: info for name, (_, info) in self._where.items()}
 
     def info(self, name: str) -> TensorInfo:
         if name not in self._where:

@@ -102,7 +102,7 @@ def _header(n_tensors=0, n_kv=0, version=3):
 ])
 def test_malformed_headers_raise_gguf_error(tmp_path, blob, message):
     path = tmp_path / "bad.gguf"
-    path.write_bytes(blob + bytes(64) if blob.startswith(b"GGUF") and len(blob) < 24 else blob)
+    path.write_bytes(blob)
     with pytest.raises(GGUFError, match=message):
         GGUFFile(path)
 
@@ -165,7 +165,7 @@ def test_synth_same_seed_gives_identical_bytes_and_other_seed_differs(tmp_path):
 @pytest.mark.parametrize("fixture", ["tiny_f32", "tiny_realmix", "tiny_mxfp4"])
 def test_synthetic_models_validate_and_read_back(fixture, request):
     w = Weights(request.getfixturevalue(fixture))
-    assert validate(w.files[0], w.config).ok
+    assert validate(w.tensor_infos(), w.config).ok
     assert w.config == preset_config("tiny", len(synthetic_vocab().tokens))
     for name in w.names:
         arr = w.tensor(name)
