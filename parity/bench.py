@@ -70,13 +70,16 @@ class MemoryWatch:
 
     @staticmethod
     def sample() -> tuple[int, int]:
-        """(RssAnon, VmRSS) in bytes from /proc/self/status; (0, 0) where that file does not exist."""
+        """(RssAnon, VmRSS) in bytes from /proc/self/status (Linux); a ParityError where either is unavailable."""
+        status = Path("/proc/self/status")
         try:
-            fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-        except OSError:
-            return 0, 0
-        kb = lambda key: int(fields.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
-        return kb("RssAnon"), kb("VmRSS")
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except OSError as exc:
+            raise ParityError(f"bench measures memory from {status}, which cannot be read here: {exc}") from exc
+        missing = [key for key in ("RssAnon", "VmRSS") if key not in fields]
+        if missing:
+            raise ParityError(f"{status} has no {', '.join(missing)} field: peak memory cannot be measured")
+        return int(fields["RssAnon"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -85,6 +88,7 @@ class MemoryWatch:
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> MemoryWatch:
+        self.sample()  # an unreadable /proc fails here, not silently inside the sampling thread
         self._thread.start()
         return self
 
