@@ -202,7 +202,9 @@ def test_quantized_types_are_quantized_from_the_float_weights(tiny_mxfp4, tiny_f
     a, b = mx.expert(name, 5), f.expert(name, 5)
     assert mx.info(name).type_name == "MXFP4"
     rel = np.linalg.norm(a - b) / np.linalg.norm(b)
-    assert 0 < rel < 0.2  # 4-bit quantization error of the same weights, not unrelated values
+    # MXFP4 (e2m1 + shared power-of-two scale per 32) of Gaussian weights: measured 0.115 relative error;
+    # unrelated weights of the same scale would give ~1.4
+    assert 0.08 < rel < 0.15
 
 
 def test_expert_slice_equals_the_whole_tensor_slice(tiny_realmix):
