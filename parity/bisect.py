@@ -29,7 +29,7 @@ from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_a
 from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
 from parity.errors import ParityError
-from parity.runner import ChunkResult, run_sequence
+from parity.runner import ChunkResult, all_tokens, run_sequence, stack
 from parity.trajectory import Trajectory, trajectory
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
@@ -90,8 +90,7 @@ def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
         f, lg = upper.head(x)
         got.setdefault(FINAL_NORM, []).append(f)
         got.setdefault(LOGITS, []).append(lg)
-    errs = {name: rel_l2_rows(np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref]),
-                              np.concatenate(parts)) for name, parts in got.items()}
+    errs = {name: rel_l2_rows(stack(ref, name), np.concatenate(parts)) for name, parts in got.items()}
     return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
 
 
@@ -396,7 +395,7 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
 
     say(f"reference: {P} prompt tokens + {decode} greedy decode steps")
     ref = run_sequence(ref_engine, prompt, decode, chunk=chunk)
-    tokens = [int(t) for t in np.concatenate([c.tokens for c in ref])]
+    tokens = [int(t) for t in all_tokens(ref)]
     if replay is not None:
         replay.fill(ref)
     say(f"{cand.name}: same tokens (teacher-forced)")

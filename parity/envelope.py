@@ -26,7 +26,7 @@ import numpy as np
 from parity.checkpoints import LOGITS
 from parity.engine import Engine, RunOptions
 from parity.errors import ParityError
-from parity.runner import ChunkResult, run_sequence
+from parity.runner import ChunkResult, run_sequence, stack
 
 ENVELOPE_VERSION = 1
 K = 10.0
@@ -125,15 +125,9 @@ def calibration_prompt(vocab_size: int, bos: int) -> list[int]:
 def checkpoint_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
     """Per-position rel-L2 of every checkpoint and of the logits: name -> [T]."""
     names = list(ref[0].checkpoints)
-    out = {n: rel_l2_rows(_stack(ref, n), _stack(got, n)) for n in names}
-    out[LOGITS] = rel_l2_rows(_stack(ref, LOGITS), _stack(got, LOGITS))
+    out = {n: rel_l2_rows(stack(ref, n), stack(got, n)) for n in names}
+    out[LOGITS] = rel_l2_rows(stack(ref, LOGITS), stack(got, LOGITS))
     return out
-
-
-def _stack(results: Sequence[ChunkResult], name: str) -> np.ndarray:
-    if name == LOGITS:
-        return np.concatenate([r.logits for r in results])
-    return np.concatenate([r.checkpoints[name] for r in results])
 
 
 def capture_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
@@ -191,7 +185,7 @@ def margin_drift(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict
 def pair_floors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
     """All floors of one benign pair: checkpoints, 'logit_rel', 'layer:capture', 'margin:layer'."""
     out = {n: float(e.max()) for n, e in checkpoint_errors(ref, got).items()}
-    out["logit_rel"] = float(logit_rel_rows(_stack(ref, LOGITS), _stack(got, LOGITS)).max())
+    out["logit_rel"] = float(logit_rel_rows(stack(ref, LOGITS), stack(got, LOGITS)).max())
     if ref[0].captures and got[0].captures:
         out.update(capture_errors(ref, got))
     out.update({f"margin:{k}": v for k, v in margin_drift(ref, got).items()})
