@@ -177,7 +177,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one engine through `load_engine` and run the measurements the spec asks for."""
     from parity.engine import RunOptions, load_engine
 
-    options = RunOptions(device=spec["device"], cache_gb=spec.get("cache_gb", RunOptions.cache_gb))
+    options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"])
     with MemoryWatch() as mem:
         t = time.perf_counter()
         engine = load_engine(spec["engine"], spec["model"], options)
@@ -185,8 +185,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         timed = TimedEngine(engine)
         runs = [time_prefill_decode(timed, int(n), int(reps), spec["decode_steps"])
                 for n, reps in spec["lengths"].items()]
-        tracing = time_tracing(timed, spec["trace_prompt"], spec["trace_reps"]) \
-            if spec.get("trace_reps") else None
+        tracing = time_tracing(timed, spec["trace_prompt"], spec["trace_reps"]) if spec["trace_reps"] else None
     store = getattr(engine, "store", None)
     return {
         "engine": spec["engine"], "engine_version": engine.version, "device": spec["device"],
@@ -447,15 +446,15 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
         log(f"{engine} engine ({dev}) on the 2-layer file: prefill {list(plan['lengths'])} tokens, decode steps ...")
         spec = {"engine": engine, "model": str(models["2layer"]), "device": dev, "lengths": plan["lengths"],
                 "decode_steps": plan["decode_steps"], "trace_prompt": min(plan["lengths"]),
-                "trace_reps": plan["trace_reps"]}
+                "trace_reps": plan["trace_reps"], "cache_gb": RunOptions.cache_gb}
         # the reference parallelises over experts itself; a second BLAS thread pool would only contend
         workers[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout)
     if "reference" in engines:
         cache_gb = RunOptions.cache_gb / REAL_LAYERS
         log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
-        spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu",
-                "lengths": {min(PLANS["quick" if quick else "reference"]["lengths"]): 1}, "decode_steps": 2,
-                "cache_gb": cache_gb}
+        n = min(PLANS["quick" if quick else "reference"]["lengths"])
+        spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu", "lengths": {n: 1},
+                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb}
         workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
     report["engines"] = workers
     report["wall_s"] = time.perf_counter() - t0
