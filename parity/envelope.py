@@ -26,6 +26,7 @@ import numpy as np
 from parity.checkpoints import LOGITS
 from parity.engine import Engine, RunOptions
 from parity.errors import ParityError
+from parity.metrics import l2, max_abs
 from parity.runner import ChunkResult, run_sequence, stack
 
 ENVELOPE_VERSION = 1
@@ -49,8 +50,8 @@ def rel_l2_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     r = np.asarray(ref, np.float64).reshape(len(ref), -1)
     g = np.asarray(got, np.float64).reshape(len(got), -1)
     bad = ~np.isfinite(g).all(axis=1)
-    num = np.linalg.norm(np.where(np.isfinite(g), g, 0.0) - r, axis=1)
-    den = np.linalg.norm(r, axis=1)
+    num, den = l2(np.where(np.isfinite(g), g, 0.0) - r), l2(r)
+    # unlike metrics.rel_l2, a zero reference row with a nonzero candidate stays finite (num / TINY)
     err = np.where(num == 0, 0.0, num / np.maximum(den, TINY))
     err[bad] = np.inf
     return err
@@ -59,8 +60,7 @@ def rel_l2_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
 def logit_rel_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     """m_t = max_v |got_tv - ref_tv| / max_v |ref_tv|  (the logit noise at that logit size).
     ref, got: [T, V] -> [T]"""
-    d = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64)).max(axis=1)
-    return d / np.maximum(np.abs(np.asarray(ref, np.float64)).max(axis=1), TINY)
+    return max_abs(ref, got) / np.maximum(np.abs(np.asarray(ref, np.float64)).max(axis=1), TINY)
 
 
 def gate(err: np.ndarray | float, floor: float, k: float = K, eps: float = EPS) -> np.ndarray | float:
