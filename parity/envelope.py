@@ -107,7 +107,9 @@ class Envelope:
 
     def margin_tol(self, layer: int) -> float:
         """A routing flip at a reference router margin <= this is noise: k * measured key drift + MARGIN_EPS."""
-        return self.k * self.router_margin.get(str(layer), 0.0) + MARGIN_EPS
+        if str(layer) not in self.router_margin:
+            raise ParityError(f"envelope ({self.dtype}) has no router-margin drift for layer {layer}")
+        return self.k * self.router_margin[str(layer)] + MARGIN_EPS
 
     def tie_margin(self, logit: float) -> float:
         """Largest top-1/top-2 gap that noise can reorder at logit size |logit|: k * logit_rel * |logit| + eps."""

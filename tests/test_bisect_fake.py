@@ -7,7 +7,7 @@ scales that sub-op's output by 1 + DELTA in that layer only, so the expected ans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -192,6 +192,8 @@ def test_envelope_is_measured_and_round_trips(env32, envbf16, tmp_path):
         load_envelope(path, "float32", {"file": "other"})
     with pytest.raises(ParityError, match="fp8_kv"):   # an envelope only judges runs with its QAT simulations
         bisect(FakeEngine(), FakeEngine(RunOptions(fp8_kv=False)), PROMPT, 0, env32)
+    with pytest.raises(ParityError, match="no router-margin drift for layer 3"):   # never a silent 0
+        bisect(FakeEngine(), FakeEngine(), PROMPT, 0, replace(env32, router_margin={"0": 0.0, "1": 0.0, "2": 0.0}))
 
 
 def test_no_defect_float32_and_bf16(env32, envbf16):
@@ -247,13 +249,11 @@ def test_isolated_code_flip_is_noise_not_defect(env32):
 
 
 def test_routing_flip_noise_or_defect_by_router_margin(env32):
-    from dataclasses import replace
-
     # the fake "router" defect picks the K lowest scores: a flip at margins of O(1)
     r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, env32)
     assert r.culprit.subop == "router" and "router margin" in r.culprit.detail, r.summary
     # had the measured router-key drift been larger than those margins, the same flips would be noise
-    loose = replace(env32, router_margin={"0": 100.0})
+    loose = replace(env32, router_margin={**env32.router_margin, "0": 100.0})
     r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, loose)
     assert r.verdict == "noise" and r.routing[0].noise_flips == r.routing[0].flips > 0, r.summary
 
