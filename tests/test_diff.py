@@ -70,10 +70,12 @@ def test_first_drift_is_the_perturbed_layer(runs, layer):
 
 
 def test_perturbation_below_threshold_is_not_drift(runs):
-    # the fake perturbation adds eps * a unit-variance direction: rel-L2 ~ eps * |dir| / |x| ~ eps / 1.4
+    # the fake perturbation adds eps * a unit-variance direction to a carrier of about the same scale: rel-L2 ~ eps
+    # (measured: 1.17e-5 at worst, fingerprint estimates), 100x below the 1e-3 threshold; upstream stays exact
     r = api.diff(runs(), runs(perturb={3: 1e-5}))
     assert r.first_drift is None and not r.exact
-    assert 0 < r.table["rel_l2"].max() < 1e-3
+    assert 5e-6 < r.table["rel_l2"].max() < 2e-5
+    assert r.table[r.table["depth"] < 3.5]["exact"].all()
     tight = api.diff(runs(), runs(perturb={3: 1e-5}), rel_tol=1e-7)
     assert tight.first_drift["layer"] == 3
 
