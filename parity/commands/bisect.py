@@ -10,20 +10,20 @@ import click
 
 
 def _tokens(tokens: str | None, tokens_file: str | None, vocab: int, bos: int) -> list[int]:
-    if tokens and tokens_file:
+    """--tokens / --tokens-file (parsed by `trace`'s reader), else the built-in prompt; ids checked against vocab."""
+    from parity.commands.trace import read_token_list
+
+    if tokens is not None and tokens_file is not None:
         raise click.UsageError("give --tokens or --tokens-file, not both")
-    text = Path(tokens_file).read_text() if tokens_file else tokens
-    if text is None:
+    if tokens is None and tokens_file is None:
         from parity.bisect import builtin_prompt
 
         return builtin_prompt(vocab, bos)
-    try:
-        ids = [int(t) for t in text.replace(",", " ").split()]
-    except ValueError as e:
-        raise click.BadParameter(f"token ids must be integers: {e}") from None
+    ids = (read_token_list(tokens, "--tokens") if tokens is not None
+           else read_token_list(Path(tokens_file).read_text(), tokens_file))
     bad = [t for t in ids if not 0 <= t < vocab]
-    if not ids or bad:
-        raise click.BadParameter(f"need >= 1 token id in [0, {vocab}); out of range: {bad[:5]}")
+    if bad:
+        raise click.BadParameter(f"token ids must be in [0, {vocab}); out of range: {bad[:5]}")
     return ids
 
 
