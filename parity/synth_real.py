@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.config import ModelConfig
-from parity.gguf_io import TensorData, write_gguf
+from parity.gguf_io import TensorData, tensor_nbytes, write_gguf
 from parity.inventory import REAL_RELEASE_TYPES, TensorSpec, expected_tensors
 from parity.quant_blocks import random_blocks
 from parity.synth import encode, init_weight, metadata, preset_config, tid2eid
@@ -47,16 +47,14 @@ def real_config(compress_ratios: tuple[int, ...], vocab_size: int) -> ModelConfi
 
 
 def _expert_stack(spec: TensorSpec, cfg: ModelConfig, rng: np.random.Generator, scratch: Path) -> np.memmap:
-    """Random valid blocks for an (E, out, in) expert tensor, written piecewise into a scratch memmap."""
+    """Random valid blocks for an (E, out, in) expert tensor, written EXPERTS_PER_PIECE experts at a time
+    into a scratch memmap."""
     qtype = REAL_RELEASE_TYPES[spec.klass]
     _, std = init_weight(dataclasses.replace(spec, shape=(1, spec.shape[-1])), cfg, rng)
-    n_exp = spec.shape[0]
-    first = random_blocks(qtype, (EXPERTS_PER_PIECE, *spec.shape[1:]), std, rng).reshape(-1)
-    out = np.memmap(scratch, dtype=np.uint8, mode="w+", shape=(first.size * n_exp // EXPERTS_PER_PIECE,))
-    out[: first.size] = first
-    for lo in range(EXPERTS_PER_PIECE, n_exp, EXPERTS_PER_PIECE):
-        piece = random_blocks(qtype, (EXPERTS_PER_PIECE, *spec.shape[1:]), std, rng).reshape(-1)
-        out[lo // EXPERTS_PER_PIECE * first.size : (lo // EXPERTS_PER_PIECE + 1) * first.size] = piece
+    out = np.memmap(scratch, dtype=np.uint8, mode="w+", shape=(tensor_nbytes(spec.ne, qtype),))
+    piece = out.size // spec.shape[0] * EXPERTS_PER_PIECE
+    for i in range(spec.shape[0] // EXPERTS_PER_PIECE):
+        out[i * piece : (i + 1) * piece] = random_blocks(qtype, (EXPERTS_PER_PIECE, *spec.shape[1:]), std, rng).ravel()
     return out
 
 

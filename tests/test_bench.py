@@ -40,6 +40,7 @@ def test_real_config_gives_the_spec_byte_sizes() -> None:
 @pytest.fixture(scope="module")
 def small_real(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setattr(synth_real, "V4_FLASH_LAYER", SMALL_LAYER)
+    monkeypatch_module.setattr(synth_real, "EXPERTS_PER_PIECE", 4)  # 16 experts = 4 pieces of the scratch memmap
     return synth_real.write_real(tmp_path_factory.mktemp("real") / "small.gguf", (4, 128), seed=3)
 
 
@@ -59,11 +60,12 @@ def test_write_real_types_shapes_and_expert_scale(small_real) -> None:
     assert w.info("blk.0.attn_q_b.weight").ggml_type == Q.Q8_0
     assert w.info("blk.0.indexer.proj.weight").ggml_type == Q.F16
     assert not any(p.name.endswith(".scratch") for p in small_real.parent.iterdir())
-    # every expert piece is drawn with the linear-map scale 1/sqrt(in) (the same rule as parity.synth)
-    for e in (0, 15):
-        assert np.std(w.expert("blk.0.ffn_gate_exps.weight", e)) == pytest.approx(1 / 16, rel=0.25)
-        assert np.std(w.expert("blk.1.ffn_down_exps.weight", e)) == pytest.approx(1 / 16, rel=0.25)
-    assert not np.array_equal(w.expert("blk.0.ffn_up_exps.weight", 0), w.expert("blk.0.ffn_up_exps.weight", 1))
+    # every expert piece is drawn with the linear-map scale 1/sqrt(in) (the same rule as parity.synth);
+    # measured (seed 3): std within 3.0 % of 1/16 for experts of the first, a middle and the last piece
+    for e in (0, 7, 15):
+        assert np.std(w.expert("blk.0.ffn_gate_exps.weight", e)) == pytest.approx(1 / 16, rel=0.06)
+        assert np.std(w.expert("blk.1.ffn_down_exps.weight", e)) == pytest.approx(1 / 16, rel=0.06)
+    assert not np.array_equal(w.expert("blk.0.ffn_up_exps.weight", 0), w.expert("blk.0.ffn_up_exps.weight", 4))
 
 
 def test_write_real_refuses_unknown_ratio(tmp_path) -> None:
