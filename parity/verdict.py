@@ -26,7 +26,8 @@ class StepVerdict(str, Enum):
 
 def classify_step(ref_top: Sequence[tuple[int, float]], cand_top: Sequence[tuple[int, float]],
                   tie_margin: float, drift_tol: float) -> tuple[StepVerdict, float]:
-    """(verdict, reference margin between its top-1 and the candidate's top-1; inf if unseen)."""
+    """(verdict, reference margin between its top-1 and the candidate's top-1; for a candidate pick outside
+    `ref_top`, the gap to the last listed entry, a lower bound)."""
     if not ref_top or not cand_top:
         raise ValueError("classify_step needs at least one entry on each side")
     ref_id, ref_score = ref_top[0]

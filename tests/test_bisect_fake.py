@@ -314,6 +314,10 @@ def test_tie_case_is_tie_flip_not_wrong(env32):
     assert rec.verdict is StepVerdict.TIE_FLIP and rec.ref_margin <= rec.tie_margin
     wide = classify_steps(np.array([[5.0, 5.3, -1.0, 0.0]]), np.array([[5.3, 5.0, -1.0, 0.0]]), 0, env32)[0]
     assert wide.verdict is StepVerdict.WRONG and wide.ref_margin == pytest.approx(0.3)
+    # a pick outside the reference's top-5 is WRONG, with the gap to its 5th entry as the (lower-bound) margin
+    far = classify_steps(np.array([[5.0, 4.0, 3.0, 2.0, 1.5, 1.0]]), np.array([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]]),
+                         0, env32)[0]
+    assert far.verdict is StepVerdict.WRONG and far.ref_margin == pytest.approx(3.5)
 
 
 def test_trajectory_continues_after_tie_flip_and_maps_steps_to_layers(env32):
