@@ -76,8 +76,11 @@ def test_write_real_refuses_unknown_ratio(tmp_path) -> None:
 def test_reference_runs_on_the_real_layout(small_real) -> None:
     """The worker path end to end on the small real-layout file: finite logits, one time per layer and step."""
     from parity.engine import load_engine
+    from parity.runner import forward_chunk
 
     timed = bench.TimedEngine(load_engine("reference", str(small_real), RunOptions()))
+    res = forward_chunk(timed, timed.new_state(), bench.prompt_tokens(12, timed.config.vocab_size), 0)
+    assert res.logits.shape == (12, timed.config.vocab_size) and np.isfinite(res.logits).all()
     run = bench.time_prefill_decode(timed, 12, reps=1, decode_steps=2)
     assert len(run["prefill_layer_s"]) == 2 and len(run["decode_layer_s"]) == 2
     assert sum(run["prefill_layer_s"]) <= run["prefill_s"]
