@@ -74,11 +74,11 @@ def _first_token_difference(ta: list[int], tb: list[int]) -> int | None:
 
 def _model_key(m: dict) -> tuple:
     """What identifies a model: size + header hash (the file name is informational)."""
-    return m.get("size"), m.get("header_sha256")
+    return m["size"], m["header_sha256"]
 
 
 def _model_str(m: dict) -> str:
-    return f"{m.get('file')} ({m.get('size')} bytes, header {m.get('header_sha256')})"
+    return f"{m['file']} ({m['size']} bytes, header {m['header_sha256']})"
 
 
 def _short(xs: list) -> str:

@@ -312,6 +312,8 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
 
 def _check_header(h: TraceHeader, fail: Callable[[str, str], TraceError]) -> None:
     """Cross-field consistency of a header (same rules for both forms)."""
+    if not isinstance(h.model, dict) or sorted(h.model) != ["file", "header_sha256", "size"]:
+        raise fail("model", f"must hold exactly file, size and header_sha256, got {h.model!r}")
     if h.n_prompt + h.decode != len(h.tokens):
         raise fail("tokens", f"{len(h.tokens)} token ids, but n_prompt {h.n_prompt} + decode {h.decode} "
                              f"= {h.n_prompt + h.decode}")

@@ -263,3 +263,12 @@ def test_malformed_binary_traces(fake_trace, tmp_path):
     with pytest.raises(TraceError, match="field 'full'"):
         read_trace(good)
     assert read_trace(good, load_vectors=False).vectors is None
+
+
+def test_binary_header_without_model_identity_is_refused(fake_trace, tmp_path):
+    import dataclasses
+
+    header = dataclasses.replace(fake_trace.header, model={"file": "x.gguf", "size": 1}, full=[])
+    path = write_trace(dataclasses.replace(fake_trace, header=header, vectors=None), tmp_path / "m.npz")
+    with pytest.raises(TraceError, match="field 'model': must hold exactly file, size and header_sha256"):
+        read_trace(path)
