@@ -123,8 +123,8 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
             problems += [f"top-1 token differs at position {p}: golden {a}, candidate {b}"
                          for p, a, b in zip(flips["pos"], flips["argmax_a"], flips["argmax_b"], strict=True)]
         cases.append({"checkpoint": name, "passed": not problems, "problems": problems,
-                      "method": rows["method"].iloc[0], "max_rel_l2": float(np.nanmax(rel)) if len(rel) else 0.0,
-                      "max_norm_dev": float(np.nanmax(dev)) if len(dev) else 0.0,
+                      "method": rows["method"].iloc[0], "max_rel_l2": float(np.nanmax(rel)),
+                      "max_norm_dev": float(np.nanmax(dev)),
                       "rel_tol": th.rel_tol, "norm_tol": th.norm_tol})
     return GateResult(all(c["passed"] for c in cases), cases, report, *names)
 
