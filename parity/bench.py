@@ -465,8 +465,15 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
 # Presentation
 
 
-def _run(worker: dict[str, Any], n: int) -> dict[str, Any] | None:
-    return next((r for r in worker["runs"] if r["prompt"] == n), None)
+def _run(worker: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """The worker's run at prompt length n; None where that engine was not run or not at that length."""
+    return next((r for r in worker["runs"] if r["prompt"] == n), None) if worker else None
+
+
+def _per_layer(worker: dict[str, Any] | None, n: int, key: str) -> list[float] | None:
+    """Per-layer seconds `key` of the worker's run at length n; None where absent (e.g. no decode steps)."""
+    run = _run(worker, n)
+    return run[key] if run and run[key] else None
 
 
 def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -481,13 +488,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         for l, ratio in enumerate(ratios):
             kind = {4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
             for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
-                r = _run(ref, n)[key][l] if ref and _run(ref, n) and _run(ref, n)[key] else None
-                t = _run(tor, n)[key][l] if tor and _run(tor, n) and _run(tor, n)[key] else None
+                r, t = (times[l] if times else None for times in (_per_layer(ref, n, key), _per_layer(tor, n, key)))
                 rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x" if r and t else "-"))
     est = []
     for w in (ref, tor):
-        run = _run(w, lengths[0]) if w else None
-        per_layer = float(np.mean(run["decode_layer_s"])) if run and run["decode_layer_s"] else None
+        decode = _per_layer(w, lengths[0], "decode_layer_s")
+        per_layer = float(np.mean(decode)) if decode else None
         est.append(f"{REAL_LAYERS * per_layer:.1f} s/tok = {1 / (REAL_LAYERS * per_layer):.3f} tok/s"
                    if per_layer else "-")
     rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est, ""))
@@ -522,9 +528,9 @@ def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
     for n in lengths:
         cells = []
         for w in (eng.get("reference"), eng.get("torch")):
-            run = _run(w, n) if w else None
             for key in ("prefill_layer_s", "decode_layer_s"):
-                cells.append(" / ".join(f"{x:.3f}" for x in run[key]) if run and run[key] else "-")
+                times = _per_layer(w, n, key)
+                cells.append(" / ".join(f"{x:.3f}" for x in times) if times else "-")
         out.append((n, cells))
     return out
 
