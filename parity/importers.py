@@ -12,7 +12,8 @@
   `hc_attn_post-l` -> blk.l.attn, `l_last-l` -> blk.l, `result_norm` -> final_norm, `result_output` -> logits.
 
 A checkpoint is kept only if it covers every imported position; dropped ones are listed in the
-trace's flags (`import_dropped`) so the omission is visible in every diff.
+trace's flags (`import_dropped`) so the omission is visible in every diff, as are ds4 HC mixes
+(`hc.<layer>.<attn|ffn>`) and router picks (`moe.<layer>`) that are incomplete.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn
 from parity.config import ModelConfig
 from parity.errors import TraceError
-from parity.records import Recorder, Trace, TraceHeader, trace_checkpoints
+from parity.records import SUBLAYERS, Recorder, Trace, TraceHeader, trace_checkpoints
 
 DS4_RE = re.compile(r"^(?P<name>[A-Za-z0-9_]+)-(?P<layer>\d+)_pos(?P<pos>\d+)\.(?P<ext>bin|i32)$")
 LCP_RE = re.compile(r"^(?P<name>hc_init|result_norm|result_output|l_last-(?P<l1>\d+)|hc_attn_post-(?P<l2>\d+))"
@@ -67,7 +68,7 @@ def import_ds4(prefix: str | os.PathLike, *, tokens: list[int], config: ModelCon
         elif (hm := re.match(r"hc_(attn|ffn)_pre_(weights|post_weights|comb)$", name)) is not None:
             width = n_hc * n_hc if hm[2] == "comb" else n_hc
             for i, row in enumerate(_rows(data, width, str(f))):
-                hc[(layer, ("attn", "ffn").index(hm[1]), DS4_HC[hm[2]])][pos0 + i] = row
+                hc[(layer, SUBLAYERS.index(hm[1]), DS4_HC[hm[2]])][pos0 + i] = row
         elif name in ("ffn_moe_topk", "ffn_moe_weights_scaled"):
             for i, row in enumerate(_rows(data, K, str(f))):
                 moe[(layer, name)][pos0 + i] = row
@@ -105,7 +106,7 @@ def import_llamacpp(directory: str | os.PathLike, *, tokens: list[int], config: 
 def _assemble(engine: str, version: str, carriers: dict[str, dict[int, np.ndarray]], tokens: list[int],
               n_layers: int, n_hc: int, dim: int, model: dict[str, Any], top_k: int,
               hc: dict, moe: dict) -> Trace:
-    """Choose positions (those of the deepest carrier present) and the checkpoints covering all of them."""
+    """Choose positions (those of the shallowest carrier other than final_norm) and the checkpoints covering them."""
     order = [c for c in trace_checkpoints(n_layers) if c in carriers]
     if not order:
         raise TraceError(f"{engine} import: no carrier checkpoints among {sorted(carriers)}")
@@ -129,7 +130,7 @@ def _assemble(engine: str, version: str, carriers: dict[str, dict[int, np.ndarra
         rec.vec[name].append(x.astype(np.float32))
     if logits_ok:
         rec.vec[LOGITS].append(np.stack([carriers[LOGITS][p] for p in positions]).astype(np.float32))
-    _add_ds4_diags(rec, hc, moe, positions, n_hc)
+    dropped += _add_ds4_diags(rec, hc, moe, positions)
     header = TraceHeader(engine=engine, engine_version=version, model=model, dtype="float32", n_hc=n_hc, dim=dim,
                          top_k=top_k, tokens=list(tokens), n_prompt=len(tokens), chunks=[len(tokens)], decode=0,
                          positions=positions, checkpoints=keep, full=full,
@@ -137,15 +138,21 @@ def _assemble(engine: str, version: str, carriers: dict[str, dict[int, np.ndarra
     return Trace(header, **rec.tables(), vectors=rec.vectors())
 
 
-def _add_ds4_diags(rec: Recorder, hc: dict, moe: dict, positions: list[int], n_hc: int) -> None:
-    """HC mixes and router picks where all parts exist at every position."""
+def _add_ds4_diags(rec: Recorder, hc: dict, moe: dict, positions: list[int]) -> list[str]:
+    """HC mixes and router picks where all parts exist at every position; returns the names of the incomplete ones."""
+    dropped = []
     for layer, sub in sorted({(k[0], k[1]) for k in hc}):
-        parts = [hc.get((layer, sub, p), {}) for p in ("pre", "post", "comb")]
+        parts = [hc.get((layer, sub, p), {}) for p in ("pre", "post", "comb")]  # absent parts: reported below
         if all(all(q in part for q in positions) for part in parts):
             pre, post, comb = (np.stack([part[q] for q in positions]) for part in parts)
             rec.add_hc(layer, sub, np.array(positions), pre, post, comb)
+        else:
+            dropped.append(f"hc.{layer}.{SUBLAYERS[sub]}")
     for layer in sorted({k[0] for k in moe}):
         ids, w = moe.get((layer, "ffn_moe_topk"), {}), moe.get((layer, "ffn_moe_weights_scaled"), {})
         if all(q in ids and q in w for q in positions):
             rec.add_moe(layer, np.array(positions), np.stack([ids[q] for q in positions]),
                         np.stack([w[q] for q in positions]), np.full(len(positions), np.nan))
+        else:
+            dropped.append(f"moe.{layer}")
+    return dropped

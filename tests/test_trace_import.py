@@ -70,6 +70,16 @@ def test_llamacpp_tensors_import_like_the_direct_trace(tiny_f32, tmp_path):
     assert (t.ckpt["top_ids"][t.checkpoint_rows("final_norm")] == direct.ckpt["top_ids"][final]).all()
 
 
+def test_incomplete_ds4_diagnostics_are_listed_as_dropped(direct, tiny_f32, tmp_path):
+    write_ds4_dumps(direct, tmp_path / "dump")
+    (tmp_path / "dump_ffn_moe_topk-1_pos4.i32").unlink()  # layer 1's router picks for positions 4..5
+    np.zeros((8, 4), np.float32).tofile(tmp_path / "dump_hc_ffn_pre_weights-0_pos0.bin")  # pre without post/comb
+    t = import_ds4(tmp_path / "dump", tokens=direct.header.tokens, config=Weights(tiny_f32).config,
+                   model=direct.header.model)
+    assert t.header.flags["import_dropped"] == ["final_norm", "hc.0.ffn", "moe.1"]
+    assert sorted(set(t.moe["layer"].tolist())) == [0, 2, 3, 4, 5] and len(t.hc) == 0
+
+
 def test_import_errors_are_clear(tiny_f32, tmp_path):
     cfg = Weights(tiny_f32).config
     with pytest.raises(TraceError, match="no ds4 dump files"):
