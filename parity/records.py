@@ -40,13 +40,16 @@ def trace_checkpoints(n_layers: int) -> list[str]:
     return [*names, FINAL_NORM]
 
 
-def checkpoint_index(name: str) -> int:
-    """The spec §12.1 index k of a checkpoint: embed 0, blk.l and blk.l.attn l+1; final_norm is -1 here."""
+def checkpoint_index(name: str, n_layers: int) -> int:
+    """The spec §12.1 index k of a checkpoint: embed 0, blk.l and blk.l.attn l+1, final_norm L+1."""
     if name == EMBED:
         return 0
-    if name.startswith("blk."):
-        return int(name.split(".")[1]) + 1
-    return -1
+    if name == FINAL_NORM:
+        return n_layers + 1
+    layer = checkpoint_layer(name)
+    if layer is None:
+        raise TraceError(f"unknown checkpoint name {name!r}")
+    return layer + 1
 
 
 def checkpoint_layer(name: str) -> int | None:

@@ -180,7 +180,7 @@ def format_text(trace: Trace) -> str:
     c = trace.ckpt
     for i in range(len(c)):
         name = h.checkpoints[c["ck"][i]]
-        k = checkpoint_index(name) if name != "final_norm" else trace.n_layers + 1
+        k = checkpoint_index(name, trace.n_layers)
         l2s = c["l2s"][i][: 1 if name == "final_norm" else h.n_hc]
         line = (f"ckpt {k} {name} pos {c['pos'][i]} tok {c['tok'][i]}: min={fmt(c['min'][i])} max={fmt(c['max'][i])} "
                 f"rms={fmt(c['rms'][i])} l2s={_floats(l2s)} sum_l2={fmt(c['sum_l2'][i])} fp={_floats(c['fp'][i])}")
@@ -401,7 +401,7 @@ class _TextTables:
         k, name = ln.int("k", words[1]), words[2]
         if name not in h.checkpoints:
             raise ln.fail("name", f"checkpoint {name!r} is not in the header's checkpoints")
-        want_k = self.n_layers + 1 if name == "final_norm" else checkpoint_index(name)
+        want_k = checkpoint_index(name, self.n_layers)
         if k != want_k:
             raise ln.fail("k", f"{name} has index {want_k} (spec §12.1), got {k}")
         if len(words) != 7 or words[5] != "tok":
