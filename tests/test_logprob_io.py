@@ -166,9 +166,11 @@ def test_writer_reproduces_the_spec_sample_byte_for_byte(tmp_path):
 def test_writer_output_reads_back():
     text = ds4_dump_text(logits=np.array([[0.0, 1.0, 3.0, 3.0]], np.float32), selected=[2], prompt_tokens=2,
                          ctx=16, top_k=4, vocab_tokens=[EOS, "a", "b", "c"])
-    assert '"top_logprobs":[{"token":{"id":2,' in text          # tie at 3.0: the lower id ranks first
-    # hand: logsumexp(0,1,3,3) = 3 + log(2 + e^-2 + e^-3); logprob(b) = -log(2 + e^-2 + e^-3)
-    assert f"{-np.log(2 + np.exp(-2) + np.exp(-3)):.6f}"[:8] in text
+    top = json.loads(text)["steps"][0]["top_logprobs"]
+    assert [e["token"]["id"] for e in top] == [2, 3, 1, 0]      # tie at 3.0: the lower id ranks first
+    # hand: logsumexp(0,1,3,3) = 3 + log(2 + e^-2 + e^-3); logprob = logit - logsumexp, written as float32
+    lse = 3 + np.log(2 + np.exp(-2) + np.exp(-3))
+    assert np.array_equal(np.float32([e["logprob"] for e in top]), np.float32(np.array([3.0, 3.0, 1.0, 0.0]) - lse))
 
 
 @pytest.mark.parametrize("data, expected", [
