@@ -29,7 +29,7 @@ class PreflightError(ParityError):
 @dataclass(frozen=True)
 class Thresholds:
     """Drift thresholds. rel_tol 1e-3 sits ~1000x above float32 engine-vs-reference noise (~1e-6)
-    and ~100x below the smallest known porting bug's effect on a carrier (spec 'Easy mistakes')."""
+    and ~10x below the smallest injected fault's rel-L2 at its first checkpoint (1.3e-2, docs/metrics.md)."""
 
     rel_tol: float = 1e-3
     norm_tol: float = 1e-3
