@@ -14,8 +14,6 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-RANDOM_BLOCK_TYPES = frozenset({Q.Q2_K, Q.Q4_K, Q.IQ2_XXS})
-
 
 def _q2_k_codes(n: int, rng: np.random.Generator) -> np.ndarray:
     """Q2_K blocks with d = dmin = 1: value = (s&15)*q - (s>>4), q in 0..3, min ~ 1.5*scale."""
@@ -46,11 +44,13 @@ def _q4_k_codes(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _iq2_xxs_codes(n: int, rng: np.random.Generator) -> np.ndarray:
+    """IQ2_XXS blocks with d = 1 and uniformly random code bytes (every pattern is a valid block)."""
     d = np.full((n, 1), np.float16(1.0)).view(np.uint8)
     return np.concatenate([d, rng.integers(0, 256, size=(n, 64), dtype=np.uint8)], axis=1)
 
 
 _CODES = {Q.Q2_K: _q2_k_codes, Q.Q4_K: _q4_k_codes, Q.IQ2_XXS: _iq2_xxs_codes}
+RANDOM_BLOCK_TYPES = frozenset(_CODES)  # the types `random_blocks` can draw
 # byte offsets of the f16 super-block scales (d, and dmin where present) inside each block
 _SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,)}
 
