@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from parity import metrics
 from parity.checkpoints import checkpoint_names
 from parity.engine import RunOptions
 from parity.runner import all_tokens, run_sequence, stack
@@ -30,17 +31,12 @@ REL_TOL, COS_MIN = 1e-5, 0.99999
 
 
 def _compare(ref, cand, n_layers: int) -> dict:
-    """Worst rel L2 / cosine over every checkpoint and position, and agreement counts."""
+    """Worst rel L2 / cosine (parity.metrics; a zero row gives nan, which fails) over every checkpoint and position,
+    and agreement counts."""
     names = (*checkpoint_names(n_layers), *(f"blk.{l}.attn" for l in range(n_layers)), "logits")
-    worst_rel, worst_cos = 0.0, 1.0
-    for name in names:
-        a = stack(cand, name)
-        a = a.reshape(len(a), -1).astype(np.float64)
-        b = stack(ref, name).reshape(len(a), -1).astype(np.float64)
-        nb = np.maximum(np.linalg.norm(b, axis=1), 1e-30)
-        worst_rel = max(worst_rel, float((np.linalg.norm(a - b, axis=1) / nb).max()))
-        cos = np.sum(a * b, axis=1) / np.maximum(np.linalg.norm(a, axis=1) * nb, 1e-30)
-        worst_cos = min(worst_cos, float(cos.min()))
+    rel = np.concatenate([metrics.rel_l2(stack(ref, name), stack(cand, name)) for name in names])
+    cos = np.concatenate([metrics.cosine(stack(ref, name), stack(cand, name)) for name in names])
+    worst_rel, worst_cos = float(rel.max()), float(cos.min())
     ta, tb = stack(cand, "logits").argmax(-1), stack(ref, "logits").argmax(-1)
     ids = sel = True
     for l in range(n_layers):
