@@ -47,6 +47,8 @@ def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
     gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
     ax_n, ax_c, ax_h = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
     ticks, labels = _depth_ticks(report)
+    first = report.first_drift
+    first_depth = None if first is None else t.loc[t["checkpoint"] == first["checkpoint"], "depth"].iloc[0]
 
     ax_n.fill_between(depth, by["norm_ratio"].min().to_numpy(), by["norm_ratio"].max().to_numpy(), alpha=0.3,
                       color="tab:blue", label="min..max over positions")
@@ -64,7 +66,9 @@ def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
     for ax in (ax_n, ax_c):
         ax.set_xticks(ticks, labels, fontsize=7 if len(ticks) > 20 else 9)
         ax.grid(alpha=0.3)
-    _mark_first(report, (ax_n, ax_c))
+    if first is not None:
+        for ax in (ax_n, ax_c):
+            ax.axvline(first_depth, color="tab:red", ls=":", lw=1.5, label=f"first drift: {first['checkpoint']}")
     ax_n.legend(fontsize=8, loc="best")
     ax_c.legend(fontsize=8, loc="best")
 
@@ -81,22 +85,11 @@ def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
              xlabel="layer", ylabel="position")
     cb = fig.colorbar(im, ax=ax_h, label="log10 rel-L2")
     cb.ax.axhline(np.log10(th.rel_tol), color="cyan", lw=2)
-    if report.first_drift is not None:
-        d = t[t["checkpoint"] == report.first_drift["checkpoint"]]["depth"].iloc[0]
-        ax_h.axvline(cols.index(d) - 0.5, color="cyan", ls="--", lw=1.5)
-    verdict = "all checkpoints agree" if report.first_drift is None else \
-        f"first drift: {report.first_drift['checkpoint']} ({report.first_drift['reason']})"
+    if first is not None:
+        ax_h.axvline(cols.index(first_depth) - 0.5, color="cyan", ls="--", lw=1.5)
+    verdict = "all checkpoints agree" if first is None else f"first drift: {first['checkpoint']} ({first['reason']})"
     fig.suptitle(f"Drift profile — A = {report.a['engine']} vs B = {report.b['engine']} — {verdict}", fontsize=12)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
-
-
-def _mark_first(report: DiffReport, axes: tuple) -> None:
-    if report.first_drift is None:
-        return
-    t = report.table
-    d = float(t[t["checkpoint"] == report.first_drift["checkpoint"]]["depth"].iloc[0])
-    for ax in axes:
-        ax.axvline(d, color="tab:red", ls=":", lw=1.5, label=f"first drift: {report.first_drift['checkpoint']}")
