@@ -498,14 +498,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                    if per_layer else "-")
     rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est, ""))
     for name, w in (("reference", ref), ("torch", tor)):
-        if w and w.get("tracing"):
+        if w and w["tracing"]:
             tr = w["tracing"]
             rows.append((f"{name}: trace recording / forward ({tr['prompt']} tok, every position)",
                          f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "", f"{100 * tr['overhead']:+.2f} %"))
-    td = report.get("trace_diff")
-    if td:
-        rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
-                     f"{td['from_npz_s']:.2f} s", "", ""))
+    td = report["trace_diff"]
+    rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
+                 f"{td['from_npz_s']:.2f} s", "", ""))
     mem = eng.get("reference_1layer_memory")
     if mem:
         run = mem["runs"][0]

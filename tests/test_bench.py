@@ -138,7 +138,7 @@ def test_tables_from_a_hand_made_report() -> None:
     report = {
         "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
                     "load_avg_start": [0.5, 0, 0]},
-        "device": "cpu", "wall_s": 100.0,
+        "device": "cpu", "wall_s": 100.0, "trace_diff": {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716},
         "engines": {"reference": _worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]),
                     "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem},
         "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
@@ -151,11 +151,12 @@ def test_tables_from_a_hand_made_report() -> None:
     assert rows["model decode estimate: 43 x mean layer decode @ctx 24"][:2] == (
         "30.1 s/tok = 0.033 tok/s", "10.8 s/tok = 0.093 tok/s")  # 43 x 0.7 s and 43 x 0.25 s
     assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 %"
+    assert rows["diff of two .npz traces, 45 checkpoints x 4096 positions"][0] == "0.72 s"
+    assert rows["reference 1 layer, 1.00 GiB cache: prefill 24 / decode"][:2] == ("3.000 s", "0.500 s")
     md = bench.render_markdown(report)
     assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO |" in md
     assert "| 24 | 8.000 / 6.000 | 0.800 / 0.600 | 2.000 / 1.500 | 0.200 / 0.300 |" in md
     assert "Test CPU, 2 cores" in md
-    json.dumps(report)
 
 
 @pytest.mark.slow
