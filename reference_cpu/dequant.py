@@ -194,7 +194,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     blocks = np.ascontiguousarray(raw).reshape(n_blocks, size)
     out = np.empty((n_blocks, block), dtype=np.float32)
     kernel = KERNELS[qtype]
-    step = max(1, CHUNK_VALUES // block)
+    step = CHUNK_VALUES // block  # blocks per chunk (block sizes are 1..256)
     for lo in range(0, n_blocks, step):
         kernel(blocks[lo : lo + step], out[lo : lo + step])
     return out.reshape(shape)
