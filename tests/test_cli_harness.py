@@ -69,6 +69,9 @@ def test_trace_token_sources(traces, tmp_path):
     res = run("trace", "--engine", "reference", "--model", traces["model"], "--tokens", "1,99999", "-o",
               tmp_path / "x.trace", ok=False)
     assert "out of range" in str(res.exception)
+    res = run("trace", "--engine", "reference", "--model", traces["model"], "--follow", traces["ref"], "--decode", 0,
+              "-o", tmp_path / "x.trace", ok=False)
+    assert res.exit_code == 2 and "drop --decode" in res.output
     res = run("trace", "--engine", "nope", "--model", traces["model"], "--tokens", "1", "-o", tmp_path / "x.trace",
               ok=False)
     assert "unknown engine 'nope'" in str(res.exception)

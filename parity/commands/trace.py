@@ -78,6 +78,12 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, follow, posit
     if follow:
         if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
             raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
+        ctx = click.get_current_context()
+        given = [f"--{n}" for n in ("positions", "decode", "chunk")
+                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--follow replays the followed trace's positions, decode steps and chunking; "
+                                   f"drop {', '.join(given)}")
         run = api.follow(follow)
     else:
         ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file)
