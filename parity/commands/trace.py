@@ -50,8 +50,10 @@ def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prom
 @click.option("--positions", default="last", show_default=True,
               help="last | all | comma list of positions (not with --follow: it replays the followed trace's).")
 @click.option("--full", default=None, help="Also store full vectors: 'all' or e.g. blk.2,blk.2.attn,final_norm,logits.")
-@click.option("--decode", default=0, show_default=True, type=click.IntRange(0), help="Greedy decode steps (not with --follow).")
-@click.option("--chunk", default=None, type=click.IntRange(1), help="Prefill chunk size (default: one chunk; not with --follow).")
+@click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
+              help="Greedy decode steps (not with --follow).")
+@click.option("--chunk", default=None, type=click.IntRange(1),
+              help="Prefill chunk size (default: one chunk; not with --follow).")
 @click.option("--no-fp8-kv", is_flag=True, help="Turn off the FP8 KV simulation (on in the model definition).")
 @click.option("--no-fp4-indexer", is_flag=True, help="Turn off the FP4 indexer simulation.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float64", "bfloat16"]),
