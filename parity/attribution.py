@@ -98,7 +98,7 @@ class LayerRouting:
     index_diff_positions: tuple[tuple[int, float], ...] = ()    # (position, selection overlap)
 
 
-def _overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per row |set(a) ∩ set(b)| / max(|set(a)|, |set(b)|), ignoring -1 padding; 1 for two empty rows.
     a, b: int [T, K] -> [T]"""
     out = np.ones(len(a))
@@ -122,11 +122,11 @@ def routing(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], env: Envelop
         def cat(rs: Sequence[ChunkResult], what: str, l: int = l) -> np.ndarray:
             return np.concatenate([getattr(c.diags[l], what) for c in rs])
 
-        ov = _overlap(cat(ref, "expert_ids"), cat(got, "expert_ids"))
+        ov = set_overlap(cat(ref, "expert_ids"), cat(got, "expert_ids"))
         margin = cat(ref, "router_margin")[ov < 1]
         hash_layer = margin.size > 0 and not np.isfinite(margin).all()
         noise = int((np.isfinite(margin) & (margin <= env.margin_tol(l))).sum())
-        iov = _overlap(_selection(ref, l), _selection(got, l))
+        iov = set_overlap(_selection(ref, l), _selection(got, l))
         flips = np.flatnonzero(ov < 1)
         diffs = np.flatnonzero(iov < 1)
         rows.append(LayerRouting(l, float(ov.min()), len(flips), noise,

@@ -24,7 +24,15 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from parity.attribution import LayerAttribution, LayerRouting, attribute, layer_input, routing, teacher_forced
+from parity.attribution import (
+    LayerAttribution,
+    LayerRouting,
+    attribute,
+    layer_input,
+    routing,
+    set_overlap,
+    teacher_forced,
+)
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
 from parity.engine import Engine, LayerDiag, LayerOutput
 from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
@@ -220,15 +228,10 @@ class _Judge:
              margin: np.ndarray | None) -> SubopResult:
         """Per-position set overlap of selected ids (-1 = padding); routing flips judged by the router margin."""
         tol = self.env.margin_tol(self.layer)
-        worst = 0.0
-        for i in range(len(a)):
-            sa, sb = set(a[i][a[i] >= 0].tolist()), set(b[i][b[i] >= 0].tolist())
-            if sa == sb:
-                continue
-            miss = 1 - len(sa & sb) / max(len(sa), len(sb), 1)
-            worst = max(worst, miss)
+        miss = 1 - set_overlap(a, b)
+        worst = float(miss.max(initial=0.0))
+        for i in np.flatnonzero(miss > 0):
             p = int(pos[i])
-            what = f"{name} at position {p}: reference {sorted(sa)}, candidate {sorted(sb)}"
             if self.excused(p):
                 continue
             if margin is not None and np.isfinite(margin[i]) and margin[i] <= tol:
@@ -236,7 +239,9 @@ class _Judge:
                 continue
             why = "" if margin is None else (" (hash routing is a table lookup)" if not np.isfinite(margin[i])
                                              else f" at router margin {margin[i]:.3g} > noise {tol:.3g}")
-            return SubopResult(name, "defect", miss, 0.0, np.inf, p, what + why)
+            ra, rb = (sorted(set(x[i][x[i] >= 0].tolist())) for x in (a, b))
+            return SubopResult(name, "defect", float(miss[i]), 0.0, np.inf, p,
+                               f"{name} at position {p}: reference {ra}, candidate {rb}{why}")
         status = "noise" if worst > 0 else "ok"
         detail = f"near-tie flips (margin <= {tol:.3g}) or cascade from position {self.taint}" if worst else ""
         return SubopResult(name, status, worst, 0.0, 0.0, None, detail)
