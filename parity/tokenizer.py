@@ -66,7 +66,7 @@ def _merge_pairs(merges: list[str], vocab: dict[str, int], path: str) -> list[tu
 
 def build_bpe(tokens: Sequence[str], merges: Sequence[tuple[str, str]]):
     """A `tokenizers.Tokenizer`: byte-level BPE with the DeepSeek-V3 pre-tokenizer, no added tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=list(merges), fuse_unk=False,
                      byte_fallback=False)
@@ -77,7 +77,6 @@ def build_bpe(tokens: Sequence[str], merges: Sequence[tuple[str, str]]):
         pre_tokenizers.Split(Regex(SPLIT_WORDS), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel()
     return tok
 
 
