@@ -11,6 +11,7 @@ drifting checkpoint is the shallowest one (depth order) where any position drift
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -33,6 +34,12 @@ class Thresholds:
 
     rel_tol: float = 1e-3
     norm_tol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("rel_tol", "norm_tol"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ParityError(f"{name} must be a positive finite number, got {v!r}")
 
     def with_overrides(self, **kw: float | None) -> Thresholds:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

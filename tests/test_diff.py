@@ -13,7 +13,7 @@ from fake_engine import FakeEngine
 
 from parity import api, metrics
 from parity.differ import PreflightError, to_markdown
-from parity.errors import TraceError
+from parity.errors import ParityError, TraceError
 from parity.exporter import export_arrays
 
 PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
@@ -95,6 +95,15 @@ def test_full_vectors_give_exact_metrics_and_fingerprints_estimate_them(runs):
     ratio = fp.table["rel_l2"][drifting] / full.table["rel_l2"][drifting]
     assert ratio.min() > 0.5 and ratio.max() < 2.0  # 64-dim JL estimate: ~18% relative spread
     assert full.first_drift["checkpoint"] == fp.first_drift["checkpoint"] == "blk.1.attn"
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, float("nan"), float("inf")])
+def test_thresholds_must_be_positive_and_finite(runs, bad):
+    t = runs()
+    with pytest.raises(ParityError, match="rel_tol must be a positive finite number"):
+        api.diff(t, t, rel_tol=bad)
+    with pytest.raises(ParityError, match="norm_tol must be a positive finite number"):
+        api.diff(t, t, norm_tol=bad)
 
 
 def test_forced_diff_stops_at_the_first_token_difference(runs):
