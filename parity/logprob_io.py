@@ -223,7 +223,7 @@ def read_official_json(path: str | os.PathLike) -> LogprobRun:
         meta["top_k"] = doc["request"]["top_logprobs"]
     if isinstance(doc.get("usage"), dict) and isinstance(doc["usage"].get("prompt_tokens"), int):
         meta["prompt_tokens"] = doc["usage"]["prompt_tokens"]
-    source = doc["source"] if isinstance(doc.get("source"), str) else "official"
+    source = w.get(doc, "source", "str", None, "source")
     return LogprobRun(path, "official-json", source, steps, not any_alternative, meta.get("top_k"), meta)
 
 

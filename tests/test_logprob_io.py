@@ -118,6 +118,8 @@ def test_malformed_official_json(tmp_path):
         read_official_json(path)
     with pytest.raises(LogprobFileError, match="not JSON"):
         read_official_json(_write(tmp_path, "bad.json", '{"schema": '))
+    with pytest.raises(LogprobFileError, match="field 'source': missing"):   # never a guessed source
+        read_official_json(_mutated(tmp_path, "ranked.official.json", lambda d: d.pop("source")))
 
 
 def _write(tmp_path, name, text) -> str:
