@@ -615,4 +615,7 @@ def _read_vectors(path: Path, h: TraceHeader) -> dict[str, np.ndarray]:
     for name, arr in vec.items():
         if len(arr) != len(h.positions):
             raise TraceError(f"{path}: field '{name}': {len(arr)} rows, expected {len(h.positions)} positions")
+        want = None if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
+        if want is not None and arr.shape[1:] != want:
+            raise TraceError(f"{path}: field '{name}': rows of shape {arr.shape[1:]}, expected {want} (header hc, dim)")
     return vec

@@ -272,3 +272,14 @@ def test_binary_header_without_model_identity_is_refused(fake_trace, tmp_path):
     path = write_trace(dataclasses.replace(fake_trace, header=header, vectors=None), tmp_path / "m.npz")
     with pytest.raises(TraceError, match="field 'model': must hold exactly file, size and header_sha256"):
         read_trace(path)
+
+
+def test_vectors_of_the_wrong_shape_are_refused(fake_trace, tmp_path):
+    from parity.trace_io import write_npz
+
+    path = write_trace(fake_trace, tmp_path / "v.trace")
+    vec = {"positions": np.asarray(fake_trace.header.positions), **fake_trace.vectors}
+    vec["blk.1"] = vec["blk.1"][:, :, :-1]
+    write_npz(vectors_path(path), vec)
+    with pytest.raises(TraceError, match=r"field 'blk.1': rows of shape \(4, 255\), expected \(4, 256\)"):
+        read_trace(path)
