@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from parity import metrics
 from parity.engine import FAULTS, RunOptions
 from parity.runner import run_sequence, stack
 
@@ -45,8 +46,8 @@ def _opts(sims: bool, inject: tuple[str, ...] = ()) -> RunOptions:
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.reshape(len(a), -1).astype(np.float64), b.reshape(len(b), -1).astype(np.float64)
-    return np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+    """Per-position ||a - b|| / ||b|| (b the reference), parity.metrics.  [T, ...] x2 -> [T]"""
+    return metrics.rel_l2(b, a)
 
 
 def _forced_run(engine, forced: np.ndarray):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from parity import metrics
 from parity.checkpoints import checkpoint_names
 from parity.engine import RunOptions
 from parity.runner import all_tokens, run_sequence, stack
@@ -35,13 +36,8 @@ def _both(path, opts: RunOptions, n_prompt: int, decode: int):
 
 
 def _rel_cos(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-position relative L2 error of a vs b and cosine.  [T, ...] x2 -> [T], [T]"""
-    a = a.reshape(len(a), -1).astype(np.float64)
-    b = b.reshape(len(b), -1).astype(np.float64)
-    nb, na = np.linalg.norm(b, axis=1), np.linalg.norm(a, axis=1)
-    rel = np.linalg.norm(a - b, axis=1) / np.maximum(nb, 1e-30)
-    cos = np.sum(a * b, axis=1) / np.maximum(na * nb, 1e-30)
-    return rel, cos
+    """Per-position relative L2 error of a vs the reference b and cosine (parity.metrics).  [T, ...] x2 -> [T], [T]"""
+    return metrics.rel_l2(b, a), metrics.cosine(b, a)
 
 
 MODELS = ["tiny_f32", "tiny_realmix", "tiny_mxfp4"]
