@@ -35,7 +35,7 @@ from parity.attribution import (
 )
 from parity.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
 from parity.engine import Engine, LayerDiag, LayerOutput
-from parity.envelope import ROW_CAPTURES, Envelope, checkpoint_errors, gate, rel_l2_rows, weights_by_id
+from parity.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors, gate, rel_l2_rows
 from parity.errors import ParityError
 from parity.runner import ChunkResult, all_tokens, run_sequence, stack
 from parity.trajectory import Trajectory, trajectory
@@ -282,9 +282,8 @@ def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], lay
             elif name == "expert_ids":
                 parts.append(judge.sets(name, a, b, pos, margin))
             elif name == "expert_weights":
-                ia, wa = weights_by_id(_cat(r_outs, "expert_ids", "", layer), a)
-                ib, wb = weights_by_id(_cat(c_outs, "expert_ids", "", layer), b)
-                same = (ia == ib).all(axis=1)
+                wa, wb, same = aligned_weights(_cat(r_outs, "expert_ids", ref_engine.name, layer), a,
+                                               _cat(c_outs, "expert_ids", cand.name, layer), b)
                 parts.append(judge.floats(name, wa[same], wb[same], pos[same]))
             else:
                 parts.append(judge.floats(name, a, b, pos))

@@ -161,13 +161,21 @@ def weights_by_id(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.
     return np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1)
 
 
+def aligned_weights(ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray,
+                    w_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both sides' expert weights sorted by id, and the positions where both chose the same expert set.
+    [T, K] x 4 -> [T, K], [T, K], bool [T]"""
+    ia, wa = weights_by_id(ids_a, w_a)
+    ib, wb = weights_by_id(ids_b, w_b)
+    return wa, wb, (ia == ib).all(axis=1)
+
+
 def _aligned_weights(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], layer: int) -> tuple[np.ndarray, ...]:
     """Expert weights of both runs aligned by id, at the positions where both chose the same set."""
     def cat(rs: Sequence[ChunkResult], name: str) -> np.ndarray:
         return np.concatenate([r.captures[layer][name] for r in rs])
-    ia, wa = weights_by_id(cat(ref, "expert_ids"), cat(ref, "expert_weights"))
-    ib, wb = weights_by_id(cat(got, "expert_ids"), cat(got, "expert_weights"))
-    same = (ia == ib).all(axis=1)
+    wa, wb, same = aligned_weights(cat(ref, "expert_ids"), cat(ref, "expert_weights"),
+                                   cat(got, "expert_ids"), cat(got, "expert_weights"))
     return wa[same], wb[same]
 
 
