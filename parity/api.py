@@ -96,8 +96,12 @@ def follow(path_or_trace: TraceLike) -> dict[str, Any]:
     decode length, decode tokens forced to the trace's generated ones, same positions and chunk size."""
     h = _as_trace(path_or_trace).header
     prefill = h.chunks[: len(h.chunks) - h.decode]
+    chunk = None if len(prefill) == 1 else prefill[0]
+    if chunk_schedule(h.n_prompt, chunk) != prefill:
+        raise TraceError(f"cannot replay the prefill chunks {prefill}: a run prefills in one chunk or in equal "
+                         f"pieces of --chunk (the last one shorter)")
     return {"tokens": h.tokens[: h.n_prompt], "decode": h.decode, "forced": h.tokens[h.n_prompt:],
-            "positions": h.positions, "chunk": None if len(prefill) == 1 else prefill[0]}
+            "positions": h.positions, "chunk": chunk}
 
 
 # Golden traces of the built-in tiny models: a 15-token prompt + 6 greedy decode steps, so the trace covers

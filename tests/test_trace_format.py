@@ -3,6 +3,7 @@ the way a C engine would print it, and malformed traces failing with file:line a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -266,8 +267,6 @@ def test_malformed_binary_traces(fake_trace, tmp_path):
 
 
 def test_binary_header_without_model_identity_is_refused(fake_trace, tmp_path):
-    import dataclasses
-
     header = dataclasses.replace(fake_trace.header, model={"file": "x.gguf", "size": 1}, full=[])
     path = write_trace(dataclasses.replace(fake_trace, header=header, vectors=None), tmp_path / "m.npz")
     with pytest.raises(TraceError, match="field 'model': must hold exactly file, size and header_sha256"):
@@ -283,3 +282,11 @@ def test_vectors_of_the_wrong_shape_are_refused(fake_trace, tmp_path):
     write_npz(vectors_path(path), vec)
     with pytest.raises(TraceError, match=r"field 'blk.1': rows of shape \(4, 255\), expected \(4, 256\)"):
         read_trace(path)
+
+
+def test_follow_replays_the_chunking_or_refuses(fake_trace):
+    run = api.follow(fake_trace)
+    assert run["chunk"] == 3 and run["decode"] == 3 and run["forced"] == fake_trace.header.tokens[7:]
+    odd = dataclasses.replace(fake_trace, header=dataclasses.replace(fake_trace.header, chunks=[2, 5, 1, 1, 1]))
+    with pytest.raises(TraceError, match=r"cannot replay the prefill chunks \[2, 5\]"):
+        api.follow(odd)
