@@ -162,6 +162,3 @@ class DeviceWeights:
         if name not in self.vec:
             raise TensorError(f"tensor {name!r} is missing")
         return self.vec[name]
-
-    def has(self, name: str) -> bool:
-        return name in self.q or name in self.vec or name in self.ints
