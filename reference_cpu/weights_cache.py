@@ -1,8 +1,8 @@
 """Weight access for the reference: lazy dequantization through ONE function, a bounded LRU cache.
 
-Every byte -> float conversion goes through `dequantize` (the fast bit-exact NumPy dequantizers can be
-swapped in there). Dense tensors and routed-expert slices are cached under one byte budget (`cache_gb`);
-the least recently used entry is evicted first and an entry larger than the whole budget is used
+Every byte -> float conversion goes through `reference_cpu.dequant.dequantize` (vectorized, bit-identical to
+gguf.quants: tests/test_dequant.py). Dense tensors and routed-expert slices are cached under one byte budget
+(`cache_gb`); the least recently used entry is evicted first and an entry larger than the whole budget is used
 without being cached, so memory never grows without bound. Embedding rows are dequantized per token.
 """
 
@@ -16,15 +16,7 @@ import numpy as np
 
 from parity.errors import TensorError
 from parity.weights import Weights
-from reference_cpu.dequant import dequantize as fast_dequantize
-
-
-def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 (int32 for I32) array of numpy `shape` from raw tensor bytes of `ggml_type`.
-
-    raw uint8 [nbytes] -> [*shape].
-    """
-    return fast_dequantize(raw, ggml_type, shape)  # bit-identical to gguf.quants (tests/test_dequant.py)
+from reference_cpu.dequant import dequantize
 
 
 class LRUCache:
