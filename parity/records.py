@@ -71,7 +71,7 @@ def checkpoint_depth(name: str, n_layers: int) -> float:
 
 def layers_of(checkpoints: Iterable[str]) -> int:
     """Number of layers a checkpoint list spans: 1 + the highest blk index (0 without blk checkpoints)."""
-    return 1 + max((int(c.split(".")[1]) for c in checkpoints if c.startswith("blk.")), default=-1)
+    return 1 + max((layer for c in checkpoints if (layer := checkpoint_layer(c)) is not None), default=-1)
 
 
 # ----------------------------------------------------------------------------------------------
