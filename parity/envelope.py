@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -279,4 +279,9 @@ def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | No
     if dtype not in doc["dtypes"]:
         raise ParityError(f"{path} has no {dtype} section (has: {', '.join(sorted(doc['dtypes']))}); "
                           f"measure it with `v4parity envelope --dtype {dtype}`")
-    return Envelope(**doc["dtypes"][dtype])
+    section = doc["dtypes"][dtype]
+    want = {f.name for f in fields(Envelope)}
+    if set(section) != want:
+        raise ParityError(f"{path}: {dtype} section has missing fields {sorted(want - set(section))} / unknown fields "
+                          f"{sorted(set(section) - want)}; regenerate it with `v4parity envelope`")
+    return Envelope(**section)

@@ -7,6 +7,7 @@ scales that sub-op's output by 1 + DELTA in that layer only, so the expected ans
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -190,6 +191,11 @@ def test_envelope_is_measured_and_round_trips(env32, envbf16, tmp_path):
     assert back == envbf16
     with pytest.raises(ParityError, match="measured on model"):
         load_envelope(path, "float32", {"file": "other"})
+    doc = json.loads(path.read_text())
+    del doc["dtypes"]["float32"]["k"]                   # a hand-edited section never falls back to the default k
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ParityError, match=r"float32 section has missing fields \['k'\]"):
+        load_envelope(path, "float32", {"file": "m"})
     with pytest.raises(ParityError, match="fp8_kv"):   # an envelope only judges runs with its QAT simulations
         bisect(FakeEngine(), FakeEngine(RunOptions(fp8_kv=False)), PROMPT, 0, env32)
     with pytest.raises(ParityError, match="no router-margin drift for layer 3"):   # never a silent 0
