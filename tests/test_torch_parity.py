@@ -154,13 +154,13 @@ def test_sims_on_match_wherever_no_code_flipped(model, request):
 
 def test_float64_oracle_mode_agrees_to_rounding_with_sims_on(tiny_realmix):
     """In float64 the QAT round trips see (almost) no rounding noise, so no code flips: the two engines then agree
-    to ~1e-15 at every checkpoint and position, sims included (FP8 KV, Hadamard + FP4 indexer)."""
+    to ~1e-15 at every checkpoint and position, sims included (FP8 KV, Hadamard + FP4 indexer); measured 2.2e-15."""
     ref, tor = _both(tiny_realmix, RunOptions(dtype="float64"), 40, 6)
     for name in (*checkpoint_names(6), "logits"):
         a, b = stack(tor, name), stack(ref, name)
         assert a.dtype == np.float64
         rel, _ = _rel_cos(a, b)
-        assert rel.max() < 1e-12, f"{name}: rel {rel.max():.3g}"
+        assert rel.max() < 2e-14, f"{name}: rel {rel.max():.3g}"
 
 
 @pytest.mark.parametrize("chunk", [3, 5, 129])
