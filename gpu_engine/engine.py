@@ -104,7 +104,9 @@ class TorchEngine:
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ParityError(f"embed expects a non-empty 1-D token array, got shape {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ParityError(f"token id out of range [0, {self.cfg.vocab_size}): {tokens.min()}..{tokens.max()}")
         idx = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
         e = self.w.q["token_embd.weight"].rows(idx, self.act)
@@ -119,9 +121,9 @@ class TorchEngine:
         if cache.pos != start_pos:
             raise ParityError(f"layer {layer}: cache holds positions < {cache.pos}, call starts at {start_pos}")
         n = carrier.shape[0]
-        if carrier.shape != (n, cfg.hc_mult, cfg.dim) or len(tokens) != n:
+        if carrier.shape != (n, cfg.hc_mult, cfg.dim) or len(tokens) != n or n < 1:
             raise ParityError(f"layer {layer}: carrier {carrier.shape} / tokens {len(tokens)} do not match "
-                              f"[n, {cfg.hc_mult}, {cfg.dim}]")
+                              f"[n >= 1, {cfg.hc_mult}, {cfg.dim}]")
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
         with torch.inference_mode():

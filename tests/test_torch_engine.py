@@ -166,6 +166,10 @@ def test_options_errors_and_announcements(tiny_f32, capsys):
         e.forward_layer(e.new_state(), 0, e.embed(np.array([3])), np.array([3]), start_pos=5)
     with pytest.raises(ParityError, match="token id out of range"):
         e.embed(np.array([290]))
+    with pytest.raises(ParityError, match="non-empty 1-D"):
+        e.embed(np.array([], dtype=np.int64))
+    with pytest.raises(ParityError, match="do not match"):
+        e.forward_layer(e.new_state(), 0, np.zeros((0, 4, 256), np.float32), np.array([], np.int64), start_pos=0)
 
 
 def test_float64_and_bfloat16_paths(tiny_f32):
