@@ -103,7 +103,6 @@ class DiffReport:
     table: pd.DataFrame
     layers: pd.DataFrame
     first_drift: dict[str, Any] | None
-    n_layers: int
     flags_differ: dict[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -166,11 +165,10 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
         problems.append(f"compared only positions < {cut}: from there on the runs were fed different tokens")
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
-    n_layers = a.n_layers
-    table = _metrics_table(a, b, names, positions, th, n_layers)
+    table = _metrics_table(a, b, names, positions, th, a.n_layers)
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
-        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th), n_layers=n_layers,
+        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th),
         flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
                       if a.header.flags.get(k) != b.header.flags.get(k)},
