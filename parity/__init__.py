@@ -1,7 +1,7 @@
 """v4parity: layer-bisection reference parity for DeepSeek-V4 (deepseek4 GGUF) engines.
 
 The Python API (`parity.trace`, `parity.load_trace`, `parity.save_trace`, `parity.diff`, `parity.gate`,
-`parity.export`, `parity.plot`) lives in `parity.api` and is loaded on first use, so `import parity`
+`parity.export`, `parity.plot`, `parity.follow`) lives in `parity.api` and is loaded on first use, so `import parity`
 stays light (no torch, no pandas).
 """
 

@@ -1,4 +1,4 @@
-"""The Python API mirroring the CLI: `trace`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`.
+"""The Python API mirroring the CLI: `trace`, `follow`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`.
 
 Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult); the CLI
 commands only parse options, call one of these and print. Importing this module does not import
