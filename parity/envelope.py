@@ -140,6 +140,9 @@ def capture_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> di
         for name in ref[0].captures[layer]:
             if name in DISCRETE:
                 continue
+            if any(name not in r.captures[layer] for r in got):
+                raise ParityError(f"a benign run did not fill capture {name!r} at layer {layer}; the envelope needs "
+                                  "every capture of parity.checkpoints.SUBOPS")
             if name == "expert_weights":
                 a, b = _aligned_weights(ref, got, layer)
             elif name in ROW_CAPTURES:

@@ -287,6 +287,8 @@ def test_missing_capture_and_nan_are_clear_errors(env32):
 
     with pytest.raises(ParityError, match="did not fill capture 'attn_out' at layer 1"):
         bisect(FakeEngine(), NoCaptures(defect=(1, "output_proj")), PROMPT, 0, env32)
+    with pytest.raises(ParityError, match="benign run did not fill capture 'attn_out' at layer 0"):
+        measure_envelope(FakeEngine(), NoCaptures(RunOptions(dtype="float64")), FakeEngine(), PROMPT[:10], 3)
 
     class NaNAttention(FakeEngine):
         def forward_layer(self, state, layer, *a, **kw):
