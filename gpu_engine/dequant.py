@@ -46,13 +46,8 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 
 
 def _blocks(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """[..., nbytes] -> [n_blocks, type_size]; the byte count must fill whole blocks."""
-    _, size = GGML_QUANT_SIZES[qtype]
-    if raw.dtype != torch.uint8:
-        raise TensorError(f"{qtype.name}: raw blocks must be uint8, got {raw.dtype}")
-    if raw.shape[-1] % size:
-        raise TensorError(f"{qtype.name}: {raw.shape[-1]} bytes per row is not a multiple of {size}")
-    return raw.reshape(-1, size)
+    """[..., nbytes] -> [n_blocks, type_size] (`dequantize` has checked dtype and whole blocks)."""
+    return raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
 
 
 def _packed(b: torch.Tensor) -> torch.Tensor:
