@@ -18,10 +18,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(VENV)/bin/v4parity bench --out out/bench

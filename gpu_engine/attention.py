@@ -160,10 +160,10 @@ class AttentionLayer:
     # -- pieces ----------------------------------------------------------------------------------------
     @property
     def fp8_on(self) -> bool:
-        return self.ctx.options.fp8_kv and not self.ctx.faults.fp8_kv_off
+        return self.ctx.options.fp8_kv and not self.ctx.switches.fp8_kv_off
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rope(x, pos, self.freqs, inverse, split_halves=self.ctx.faults.rope_split_halves)
+        return rope(x, pos, self.freqs, inverse, split_halves=self.ctx.switches.rope_split_halves)
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_nope(x, self.ctx.cfg.nope_dim) if self.fp8_on else x
@@ -179,7 +179,7 @@ class AttentionLayer:
         kv = ctx.linear(x, self.p + prefix + "_kv.weight")
         score = ctx.linear(x, self.p + prefix + "_gate.weight") + ctx.w.mat(self.p + prefix + "_ape.weight",
                                                                            ctx.act)[pos % m]
-        rows, j = compress(cache, kv, score, start_pos, m, d_c, emit, ctx.faults.csa_halves_swapped)
+        rows, j = compress(cache, kv, score, start_pos, m, d_c, emit, ctx.switches.csa_halves_swapped)
         return rms_norm(rows, ctx.w.v(self.p + prefix + "_norm.weight"), ctx.cfg.norm_eps), j
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class AttentionLayer:
         raw = torch.cat([cache.raw, kv])
         raw0 = start_pos - cache.raw.shape[0]  # position of raw[0]
 
-        emit = not (ctx.faults.no_decode_compression and n == 1)
+        emit = not (ctx.switches.no_decode_compression and n == 1)
         comp = torch.zeros(0, hd, device=dev, dtype=x.dtype)
         n_vis = torch.zeros(n, dtype=torch.int64, device=dev)
         index_sel = None
@@ -212,7 +212,7 @@ class AttentionLayer:
             rows, j = self._compressor(cache.main, "attn_compressor", x, start_pos, hd, m, emit)
             rows = self._fp8(self._rope(rows, j * m))
             cache.main.rows = comp = torch.cat([cache.main.rows, rows])
-            n_vis = torch.clamp(n_visible(pos, m, ctx.faults.compressed_row_visible_late), max=comp.shape[0])
+            n_vis = torch.clamp(n_visible(pos, m, ctx.switches.compressed_row_visible_late), max=comp.shape[0])
             if self.indexer:
                 index_sel = self._indexer(cache, x, qr, pos, start_pos, n_vis, emit, cap if capture else None)
             if capture:
@@ -233,7 +233,7 @@ class AttentionLayer:
                 chosen.scatter_(1, torch.where(index_sel[a:b] >= 0, index_sel[a:b], R), True)
                 comp_mask = comp_mask & chosen[:, :R]
             o[a:b] = sink_attention(q[a:b], torch.cat([raw[lo : start_pos + b - raw0], comp]),
-                                    torch.cat([raw_mask, comp_mask], dim=1), sinks, ctx.faults.sink_dropped)
+                                    torch.cat([raw_mask, comp_mask], dim=1), sinks, ctx.switches.sink_dropped)
         if capture:
             cap["attn_heads"] = o
         o = self._rope(o, pos, inverse=True).reshape(n, cfg.o_groups, cfg.o_group_width)
@@ -266,7 +266,7 @@ class AttentionLayer:
             b = min(n, a + step)
             scores = torch.einsum("nh,nhr->nr", w[a:b], torch.relu(torch.einsum("nhd,rd->nhr", qi[a:b], krows)))
             table[a:b] = self._sel_table(select_rows(scores, n_vis[a:b], cfg.index_topk,
-                                                     ctx.faults.indexer_ties_highest))
+                                                     ctx.switches.indexer_ties_highest))
         return table
 
     def _sel_table(self, sel: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from parity.errors import TensorError
+from parity.contract.errors import TensorError
 
 QK_K = 256
 CHUNK_VALUES = 1 << 19  # CPU: values per piece (2 MiB of float32): temporaries stay in cache, few op dispatches

@@ -1,4 +1,4 @@
-"""`TorchEngine`: the production-style torch implementation of the `parity.engine.Engine` protocol.
+"""`TorchEngine`: the production-style torch implementation of the `parity.contract.engine.Engine` protocol.
 
 Weights stay in their GGUF block formats on the device (CUDA when present with device=auto) and are
 dequantized per use; prefill is batched over all new positions, decode reuses the same code with n = 1
@@ -9,18 +9,20 @@ approximate bfloat16 path also returns float32).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from gpu_engine.attention import AttentionLayer, LayerCache
-from gpu_engine.faults import Faults
+from gpu_engine.dequant import dequantize
+from gpu_engine.faults import FAULTS, Faults
 from gpu_engine.hc import hc_head, hc_post, hc_pre
 from gpu_engine.moe import route, routed_experts, shared_expert
 from gpu_engine.ops import rms_norm, rope_frequencies
 from gpu_engine.weights import DeviceWeights
-from parity.engine import LayerDiag, LayerOutput, RunOptions
-from parity.errors import ParityError
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
+from parity.contract.errors import ParityError
 
 __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 512  # kept dequantized dense matrices (speed only: the cached values are the exact dequantization)
@@ -48,12 +50,13 @@ class TorchState:
 
 class TorchEngine:
     name = "torch"
+    faults = FAULTS  # capability: the porting bugs RunOptions.inject can switch on
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
         if options.dtype not in DTYPES:
             raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
         self.options = options
-        self.faults = Faults.parse(options.inject)
+        self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
         self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
@@ -68,12 +71,13 @@ class TorchEngine:
         if options.fp4_indexer and cfg.index_head_dim % 32:
             raise ParityError(f"--fp4-indexer: indexer head dim {cfg.index_head_dim} is not a multiple of 32")
         # the layer schedule: the compress-ratios-u32 fault reads it as empty (every layer ratio 0)
-        self.ratios = tuple(0 for _ in cfg.compress_ratios) if self.faults.compress_ratios_u32 else cfg.compress_ratios
+        u32 = self.switches.compress_ratios_u32
+        self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.layers = [AttentionLayer(self, l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
         if options.dtype == "bfloat16":
             print("torch engine: APPROXIMATE bfloat16 path (bf16 matmul operands, fp32 state)", file=sys.stderr)
-        if self.faults.active:
-            print(f"torch engine: FAULTS INJECTED: {', '.join(self.faults.active)}", file=sys.stderr)
+        if self.switches.active:
+            print(f"torch engine: FAULTS INJECTED: {', '.join(self.switches.active)}", file=sys.stderr)
 
     def _freqs(self, ratio: int) -> torch.Tensor:
         cfg = self.cfg
@@ -137,7 +141,7 @@ class TorchEngine:
 
     def _layer(self, cache: LayerCache, layer: int, X: torch.Tensor, tokens: torch.Tensor, start_pos: int,
                capture: bool) -> LayerOutput:
-        cfg, p, nt = self.cfg, f"blk.{layer}.", self.faults.comb_not_transposed
+        cfg, p, nt = self.cfg, f"blk.{layer}.", self.switches.comb_not_transposed
         u, pre_a, post_a, C_a = self._hc_pre(X, layer, "attn")
         x = rms_norm(u, self.w.v(p + "attn_norm.weight"), cfg.norm_eps)
         att = self.layers[layer].forward(cache, x, start_pos, capture)
@@ -188,3 +192,17 @@ class TorchEngine:
             final = rms_norm(z, self.w.v("output_norm.weight"), cfg.norm_eps)
             logits = self.linear(final, "output.weight")
         return self._out(final), self._out(logits)
+
+    @staticmethod
+    def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:
+        """Capability for benchmarks: the bytes staged on `device` once; the callable dequantizes them."""
+        dev = torch.device(device)
+        raw_t = torch.from_numpy(raw).to(dev)
+
+        def run() -> np.ndarray:
+            y = dequantize(raw_t, ggml_type).reshape(shape)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            return y.cpu().numpy()
+
+        return run

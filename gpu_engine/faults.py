@@ -1,6 +1,6 @@
 """Fault injection: known porting bugs, each a one-line switch read at the exact place the bug lives.
 
-`Faults.parse(names)` validates the names (`parity.engine.FAULTS`) and yields an object with one
+`Faults.parse(names)` validates the names (`FAULTS`, the keys of `FAULT_TABLE`) and yields an object with one
 boolean per fault (dashes become underscores). The engine consults the switch where the correct code
 runs; there is no separate faulty code path. `FAULT_TABLE` documents each fault for `--help`/docs.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parity.engine import FAULTS
-from parity.errors import ParityError
+from parity.contract.errors import ParityError
 
 # name -> (where the switch lives, what it breaks, first layer kind where it acts)
 FAULT_TABLE: dict[str, tuple[str, str, str]] = {
@@ -35,6 +34,9 @@ FAULT_TABLE: dict[str, tuple[str, str, str]] = {
     "compressed-row-visible-late": ("attention.n_visible", "row j visible only when (j+1)*m <= t (one token late)",
                                     "first compressed layer, first block end"),
 }
+
+
+FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)
 
 
 @dataclass(frozen=True)

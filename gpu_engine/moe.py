@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gpu_engine.ops import swiglu
-from parity.errors import ParityError
+from parity.contract.errors import ParityError
 
 
 @dataclass
@@ -38,7 +38,7 @@ def route(ctx, layer: int, x: torch.Tensor, tokens: torch.Tensor, start_pos: int
         ids = ctx.w.ints[p + "ffn_gate_tid2eid.weight"][tokens]
     if ctx.options.expert_override is not None:
         ids = _replayed(ctx, layer, start_pos, n, s.device)  # the margin stays the router's own
-    src = s + bias if (ctx.faults.router_bias_in_weights and bias is not None) else s
+    src = s + bias if (ctx.switches.router_bias_in_weights and bias is not None) else s
     w = torch.gather(src, 1, ids)
     return Routing(ids, w / w.sum(dim=-1, keepdim=True) * cfg.route_scale, margin)
 
@@ -72,7 +72,7 @@ def routed_experts(ctx, layer: int, x: torch.Tensor, r: Routing) -> torch.Tensor
         xe = x[t].to(ctx.mm)
         g = ctx.w.expert_linear(gate_w, e, xe).to(ctx.act)
         u = ctx.w.expert_linear(up_w, e, xe).to(ctx.act)
-        h = swiglu(g, u, limit, ctx.faults.swiglu_symmetric_clamp) * wk[:, None]
+        h = swiglu(g, u, limit, ctx.switches.swiglu_symmetric_clamp) * wk[:, None]
         out.index_add_(0, t, ctx.w.expert_linear(down_w, e, h.to(ctx.mm)).to(ctx.act))
         start += c
     return out
@@ -82,5 +82,5 @@ def shared_expert(ctx, layer: int, x: torch.Tensor) -> torch.Tensor:
     """S = W_down swiglu(W_gate x, W_up x) with the shared-expert clamp, no routing weight.  [n, D] -> [n, D]"""
     p = f"blk.{layer}."
     h = swiglu(ctx.linear(x, p + "ffn_gate_shexp.weight"), ctx.linear(x, p + "ffn_up_shexp.weight"),
-               ctx.cfg.swiglu_limit_shexp[layer], ctx.faults.swiglu_symmetric_clamp)
+               ctx.cfg.swiglu_limit_shexp[layer], ctx.switches.swiglu_symmetric_clamp)
     return ctx.linear(h, p + "ffn_down_shexp.weight")

@@ -22,10 +22,10 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from gpu_engine.dequant import CHUNK_VALUES, dequantize
-from parity.config import ModelConfig
-from parity.errors import TensorError
-from parity.inventory import expected_tensors
-from parity.weights import Weights
+from parity.contract.errors import TensorError
+from parity.gguf.config import ModelConfig
+from parity.gguf.inventory import expected_tensors
+from parity.gguf.weights import Weights
 
 SCRATCH_MAX_BYTES = 256 << 20  # larger matrices (e.g. a real-vocabulary output head) get fresh memory per use
 

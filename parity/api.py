@@ -2,7 +2,7 @@
 
 Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult); the CLI
 commands only parse options, call one of these and print. Importing this module does not import
-torch; engines are loaded through `parity.engine.load_engine` only when a trace is run.
+torch; engines are loaded through `parity.contract.engine.load_engine` only when a trace is run.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from parity.engine import Engine, RunOptions, load_engine
-from parity.errors import TraceError
-from parity.records import Recorder, Trace, TraceHeader, resolve_full, resolve_positions, trace_checkpoints
-from parity.runner import ChunkResult, chunk_schedule, run_sequence
-from parity.trace_io import read_trace, write_trace
+from parity.contract.engine import Engine, RunOptions, load_engine
+from parity.contract.errors import TraceError
+from parity.tracing.io import read_trace, write_trace
+from parity.tracing.records import Recorder, Trace, TraceHeader, resolve_full, resolve_positions, trace_checkpoints
+from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
 
 TraceLike = Trace | str | os.PathLike
 
@@ -39,7 +39,7 @@ def _as_trace(t: TraceLike) -> Trace:
 
 def model_identity(model: str | os.PathLike) -> dict[str, Any]:
     """Size + header hash of a GGUF (all shards), as stored in trace headers."""
-    from parity.weights import Weights
+    from parity.gguf.weights import Weights
 
     return Weights(model).identity()
 
@@ -117,7 +117,7 @@ def golden(out: str | os.PathLike, echo: Callable[[str], None] = print) -> list[
     """Regenerate traces/tiny-<quant>.trace with the reference engine on freshly synthesized tiny models."""
     import tempfile
 
-    from parity.synth import synthesize
+    from parity.gguf.synth import synthesize
 
     paths = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,7 +137,7 @@ def n_chunks(n_prompt: int, decode: int, chunk: int | None) -> int:
 def diff(a: TraceLike, b: TraceLike, *, force: bool = False, rel_tol: float | None = None,
          norm_tol: float | None = None) -> Any:
     """Compare trace `a` (reference) with `b` (candidate): preflight, metrics, first drift -> DiffReport."""
-    from parity.differ import Thresholds, diff_traces
+    from parity.compare.differ import Thresholds, diff_traces
 
     th = Thresholds().with_overrides(rel_tol=rel_tol, norm_tol=norm_tol)
     return diff_traces(_as_trace(a), _as_trace(b), thresholds=th, force=force)
@@ -146,20 +146,20 @@ def diff(a: TraceLike, b: TraceLike, *, force: bool = False, rel_tol: float | No
 def gate(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike | dict | None = None,
          force: bool = False) -> Any:
     """CI gate of `candidate` against `golden` with a tolerance table -> GateResult (bool = passed)."""
-    from parity.ci_gate import run_gate
+    from parity.compare.gate import run_gate
 
     return run_gate(_as_trace(golden), _as_trace(candidate), tolerances, force=force)
 
 
 def export(t: TraceLike, out: str | os.PathLike) -> Path:
     """Write every full vector of a trace as plain arrays named by checkpoint to an .npz."""
-    from parity.exporter import export_npz
+    from parity.tracing.export import export_npz
 
     return export_npz(_as_trace(t), out)
 
 
 def plot(report: Any, out: str | os.PathLike) -> Path:
     """Drift-profile figure of a DiffReport to `out` (PNG/PDF/SVG by extension)."""
-    from parity.drift_plot import plot_drift
+    from parity.compare.plot import plot_drift
 
     return plot_drift(report, out)

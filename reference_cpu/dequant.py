@@ -14,7 +14,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from parity.errors import TensorError
+from parity.contract.errors import TensorError
 
 CHUNK_VALUES = 1 << 18  # values per chunk: 1 MiB of float32 output, so temporaries stay in L2
 

@@ -1,4 +1,4 @@
-"""`ReferenceEngine`: the pure-NumPy reference behind the `parity.engine.Engine` protocol.
+"""`ReferenceEngine`: the pure-NumPy reference behind the `parity.contract.engine.Engine` protocol.
 
     engine = ReferenceEngine("model.gguf", RunOptions(fp8_kv=True, fp4_indexer=True, dtype="float64"))
     state = engine.new_state()
@@ -9,12 +9,15 @@ Any chunk size at any start position runs through the same caches (prefill, chun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from parity.config import ModelConfig
-from parity.engine import LayerOutput, RunOptions
-from parity.errors import ParityError
-from parity.weights import Weights
+from parity.contract.engine import LayerOutput, RunOptions
+from parity.contract.errors import ParityError
+from parity.gguf.config import ModelConfig
+from parity.gguf.weights import Weights
+from reference_cpu.dequant import dequantize
 from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.linear import linear
 from reference_cpu.model import Numerics, block_forward
@@ -108,3 +111,15 @@ class ReferenceEngine:
                     cfg.hc_eps)
         final = rms_norm(z, s.dense("output_norm.weight"), cfg.norm_eps)
         return final, linear(final, s.dense("output.weight"))
+
+    def cache_stats(self) -> dict[str, int]:
+        """Capability: statistics of the dequantized-weight LRU cache."""
+        return self.store.cache.stats()
+
+    @staticmethod
+    def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:
+        """Capability for benchmarks: a callable dequantizing `raw` on the CPU (the only device it has)."""
+        if device != "cpu":
+            raise ParityError(f"reference engine: dequantizer runs on the CPU only, not {device!r}")
+        flat = raw.reshape(-1)
+        return lambda: dequantize(flat, ggml_type, shape)

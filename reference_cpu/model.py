@@ -4,7 +4,7 @@
     v, pre', post', C' = HC_pre(Y);  f = MoE(ffn_norm(v), tokens);  X' = HC_post(f, Y, post', C')
 
 Weights come from a `WeightStore`; caches from the layer's `LayerState`. When `cap` is a dict, every
-sub-op output named in `parity.checkpoints.SUBOPS` is stored in it.
+sub-op output named in `parity.contract.checkpoints.SUBOPS` is stored in it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.config import ModelConfig
-from parity.engine import LayerDiag, LayerOutput
-from parity.errors import ParityError
+from parity.contract.engine import LayerDiag, LayerOutput
+from parity.contract.errors import ParityError
+from parity.gguf.config import ModelConfig
 from reference_cpu.attention import attend, grouped_output, kv_latent, q_path
 from reference_cpu.compressor import compressor_project, compressor_update, index_row_post, main_row_post
 from reference_cpu.hc import hc_post, hc_pre

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity.config import ModelConfig
+from parity.gguf.config import ModelConfig
 
 
 @dataclass

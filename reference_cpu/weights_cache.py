@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from parity.errors import TensorError
-from parity.weights import Weights
+from parity.contract.errors import TensorError
+from parity.gguf.weights import Weights
 from reference_cpu.dequant import dequantize
 
 

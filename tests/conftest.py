@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch CPU intra-op threads: sam
 
 import pytest
 
-from parity.synth import synthesize
+from parity.gguf.synth import synthesize
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.engine import LayerDiag, LayerOutput, RunOptions
-from parity.weights import Weights
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
+from parity.gguf.weights import Weights
 
 
 class FakeEngine:

@@ -1,4 +1,4 @@
-"""parity.bench / parity.synth_real: real-dimension layout, timing plumbing, memory watch, report tables."""
+"""parity.bench.measure / parity.gguf.synth_real: real-dimension layout, timing plumbing, memory watch, tables."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import pytest
 from fake_engine import FakeEngine
 from gguf.constants import GGMLQuantizationType as Q
 
-from parity import bench, synth_real
-from parity.engine import RunOptions
-from parity.errors import ParityError
-from parity.gguf_io import tensor_nbytes
-from parity.inventory import REAL_RELEASE_TYPES, expected_tensors
-from parity.weights import Weights
+from parity.bench import measure as bench
+from parity.contract.engine import RunOptions
+from parity.contract.errors import ParityError
+from parity.gguf import synth_real
+from parity.gguf.container import tensor_nbytes
+from parity.gguf.inventory import REAL_RELEASE_TYPES, expected_tensors
+from parity.gguf.weights import Weights
 
 SMALL_LAYER = {  # every V4 constraint kept (nope 64, indexer head 64, experts a multiple of 16), tiny sizes
     "dim": 256, "n_heads": 4, "head_dim": 128, "rope_head_dim": 64, "q_lora_rank": 64, "o_groups": 2,
@@ -60,7 +61,7 @@ def test_write_real_types_shapes_and_expert_scale(small_real) -> None:
     assert w.info("blk.0.attn_q_b.weight").ggml_type == Q.Q8_0
     assert w.info("blk.0.indexer.proj.weight").ggml_type == Q.F16
     assert not any(p.name.endswith(".scratch") for p in small_real.parent.iterdir())
-    # every expert piece is drawn with the linear-map scale 1/sqrt(in) (the same rule as parity.synth);
+    # every expert piece is drawn with the linear-map scale 1/sqrt(in) (the same rule as parity.gguf.synth);
     # measured (seed 3): std within 3.0 % of 1/16 for experts of the first, a middle and the last piece
     for e in (0, 7, 15):
         assert np.std(w.expert("blk.0.ffn_gate_exps.weight", e)) == pytest.approx(1 / 16, rel=0.06)
@@ -75,8 +76,8 @@ def test_write_real_refuses_unknown_ratio(tmp_path) -> None:
 
 def test_reference_runs_on_the_real_layout(small_real) -> None:
     """The worker path end to end on the small real-layout file: finite logits, one time per layer and step."""
-    from parity.engine import load_engine
-    from parity.runner import forward_chunk
+    from parity.contract.engine import load_engine
+    from parity.tracing.runner import forward_chunk
 
     timed = bench.TimedEngine(load_engine("reference", str(small_real), RunOptions()))
     res = forward_chunk(timed, timed.new_state(), bench.prompt_tokens(12, timed.config.vocab_size), 0)

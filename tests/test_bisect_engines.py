@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from parity.bisect import bisect, builtin_prompt
-from parity.checkpoints import block
+from gpu_engine.faults import FAULTS
+from parity.bisect.envelope import load_envelope
+from parity.bisect.search import bisect, builtin_prompt
 from parity.cli import cli
-from parity.engine import FAULTS, RunOptions, load_engine
-from parity.envelope import load_envelope
-from parity.runner import run_sequence
-from parity.weights import Weights
+from parity.contract.checkpoints import block
+from parity.contract.engine import RunOptions, load_engine
+from parity.gguf.weights import Weights
+from parity.tracing.runner import run_sequence
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 DECODE = 4
@@ -152,7 +153,7 @@ def test_probe_non_perturbation(tiny_f32, prompt, engine, dtype):
 
 
 def test_routing_replay_uses_reference_experts(tiny_f32, ref_f32, prompt):
-    from parity.bisect import ReplayRouter
+    from parity.bisect.search import ReplayRouter
 
     router = ReplayRouter()
     cand = load_engine("torch", str(tiny_f32), RunOptions(dtype="bfloat16", expert_override=router))

@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from parity.bisect import bisect, is_code_flip
-from parity.checkpoints import SUBOP_NAMES
-from parity.engine import LayerDiag, LayerOutput, RunOptions
-from parity.envelope import gate, load_envelope, measure_envelope, rel_l2_rows, save_envelope
-from parity.errors import ParityError
-from parity.trajectory import classify_steps
-from parity.verdict import StepVerdict
+from parity.bisect.envelope import gate, load_envelope, measure_envelope, rel_l2_rows, save_envelope
+from parity.bisect.search import bisect, is_code_flip
+from parity.bisect.trajectory import classify_steps
+from parity.compare.verdict import StepVerdict
+from parity.contract.checkpoints import SUBOP_NAMES
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
+from parity.contract.errors import ParityError
 
 DELTA = 0.01
 H, D, NH, HD, E, K, TOPK, V = 2, 8, 2, 6, 4, 2, 2, 16
@@ -270,7 +270,7 @@ def test_routing_replay_removes_router_defect(env32):
     base = bisect(ref, bad, PROMPT[:6], 0, env32)
     assert base.culprit.subop == "router"
     assert base.routing[0].flips == 6 and base.routing[0].noise_flips == 0 and base.routing[0].expert_overlap_min < 1
-    from parity.runner import run_sequence
+    from parity.tracing.runner import run_sequence
     diags = run_sequence(ref, PROMPT[:6]).pop().diags
     replay = FakeEngine(RunOptions(expert_override=lambda l, s, n: diags[l].expert_ids[s:s + n]),
                         defect=(0, "router"))
@@ -329,7 +329,7 @@ def test_tie_case_is_tie_flip_not_wrong(env32):
 
 
 def test_trajectory_continues_after_tie_flip_and_maps_steps_to_layers(env32):
-    from parity.trajectory import trajectory
+    from parity.bisect.trajectory import trajectory
 
     n_prompt, L = 3, len(RATIOS)
     ref = np.zeros((5, 4))
@@ -350,7 +350,7 @@ def test_trajectory_continues_after_tie_flip_and_maps_steps_to_layers(env32):
 
 
 def test_probe_non_perturbation():
-    from parity.runner import run_sequence
+    from parity.tracing.runner import run_sequence
     for eng in (FakeEngine(), FakeEngine(RunOptions(dtype="bfloat16"))):
         on = run_sequence(eng, PROMPT, 2, capture=True)
         off = run_sequence(eng, PROMPT, 2, capture=False)

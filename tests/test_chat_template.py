@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from parity.chat import ChatTemplateError, chat_messages, ds4_layout, render_chat
-from parity.gguf_io import GGUFFile
-from parity.vocab import BOS, CHAT_TEMPLATE, EOS
+from parity.gguf.chat import ChatTemplateError, chat_messages, ds4_layout, render_chat
+from parity.gguf.container import GGUFFile
+from parity.gguf.vocab import BOS, CHAT_TEMPLATE, EOS
 
 B, U, A, E = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from parity.cli import cli
-from parity.gguf_io import VT, GGUFFile, TensorData, Value, write_gguf
+from parity.gguf.container import VT, GGUFFile, TensorData, Value, write_gguf
 
 
 def test_synth_then_inspect_json(tmp_path):

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.config import config_from_metadata
-from parity.errors import MetadataError
-from parity.gguf_io import INTEGER_TYPES, VT, Value
-from parity.synth import metadata, preset_config
-from parity.vocab import synthetic_vocab
+from parity.contract.errors import MetadataError
+from parity.gguf.config import config_from_metadata
+from parity.gguf.container import INTEGER_TYPES, VT, Value
+from parity.gguf.synth import metadata, preset_config
+from parity.gguf.vocab import synthetic_vocab
 
 VOCAB = len(synthetic_vocab().tokens)
 BASE_CFG = preset_config("tiny", VOCAB)

@@ -8,7 +8,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from parity.errors import TensorError
+from parity.contract.errors import TensorError
 from reference_cpu import dequant as dq
 
 # f16 bit patterns of the edge scales: 0, -0, smallest subnormal, largest subnormal, smallest normal,

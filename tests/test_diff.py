@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine
 
-from parity import api, metrics
-from parity.differ import PreflightError, to_markdown
-from parity.errors import ParityError, TraceError
-from parity.exporter import export_arrays
+from parity import api
+from parity.compare import metrics
+from parity.compare.differ import PreflightError, to_markdown
+from parity.contract.errors import ParityError, TraceError
+from parity.tracing.export import export_arrays
 
 PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
 

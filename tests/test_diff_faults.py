@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_engine.faults import FAULTS
 from parity import api
-from parity.engine import FAULTS, RunOptions
-from parity.gguf_io import GGUFFile, TensorData, write_gguf
+from parity.contract.engine import RunOptions
+from parity.gguf.container import GGUFFile, TensorData, write_gguf
 
 # fault -> (layer where it first acts on the tiny schedule 0,0,4,128,4,128 with hash layers 0-2, first position)
 FIRST_ACTS = {

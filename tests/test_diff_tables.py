@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 
 from parity import api
-from parity.errors import TraceError
-from parity.records import FP_DIM, Trace, TraceHeader, make_table, trace_checkpoints
-from parity.trace_io import write_trace
+from parity.contract.errors import TraceError
+from parity.tracing.io import write_trace
+from parity.tracing.records import FP_DIM, Trace, TraceHeader, make_table, trace_checkpoints
 
 L, P, H, E, S, K = 4, 7, 2, 3, 6, 3  # layers, positions, streams, active experts, index width, top-k
 

@@ -13,14 +13,14 @@ from gguf.constants import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.config import config_from_metadata
-from parity.errors import GGUFError, ParityError
-from parity.gguf_io import VT, GGUFFile, TensorData, Value, write_gguf
-from parity.inventory import REAL_RELEASE_TYPES, expected_tensors, layout_bytes, validate
-from parity.quant_blocks import random_blocks
-from parity.synth import init_weight, metadata, preset_config, synthesize, tensor_type
-from parity.vocab import synthetic_vocab
-from parity.weights import Weights
+from parity.contract.errors import GGUFError, ParityError
+from parity.gguf.config import config_from_metadata
+from parity.gguf.container import VT, GGUFFile, TensorData, Value, write_gguf
+from parity.gguf.inventory import REAL_RELEASE_TYPES, expected_tensors, layout_bytes, validate
+from parity.gguf.quant_blocks import random_blocks
+from parity.gguf.synth import init_weight, metadata, preset_config, synthesize, tensor_type
+from parity.gguf.vocab import synthetic_vocab
+from parity.gguf.weights import Weights
 
 V4_FLASH = preset_config("tiny", 129280).__class__(
     dim=4096, n_layers=43, vocab_size=129280, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024,

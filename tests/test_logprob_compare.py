@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.logprob_io import read_run
-from parity.logprobs import compare_runs, truncated_divergence
+from parity.logprobs.compare import compare_runs, truncated_divergence
+from parity.logprobs.io import read_run
 
 FIX = Path(__file__).parent / "fixtures" / "logprobs"
 e = math.exp

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity.engine import RunOptions, load_engine
-from parity.logprob_io import read_ds4_dump, write_ds4_dump
-from parity.logprobs import compare_runs
-from parity.runner import run_sequence
-from parity.tokenizer import encode_chat, load_tokenizer
+from parity.contract.engine import RunOptions, load_engine
+from parity.gguf.tokenizer import encode_chat, load_tokenizer
+from parity.logprobs.compare import compare_runs
+from parity.logprobs.io import read_ds4_dump, write_ds4_dump
+from parity.tracing.runner import run_sequence
 
 STEPS = 5
 # Both engines compute in float32 on the CPU. Measured on this prompt: max |Δlogprob| over the listed tokens

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.errors import ParityError
-from parity.logprob_io import (
+from parity.contract.errors import ParityError
+from parity.gguf.vocab import EOS
+from parity.logprobs.io import (
     LogprobFileError,
     ds4_dump_text,
     json_piece,
@@ -21,7 +22,6 @@ from parity.logprob_io import (
     read_run,
     write_ds4_dump,
 )
-from parity.vocab import EOS
 
 FIX = Path(__file__).parent / "fixtures" / "logprobs"
 EOS_BYTES = EOS.encode()                       # 27 bytes, single U+FF5C bars

@@ -7,12 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from parity import metrics
-from parity.checkpoints import SUBOPS
-from parity.engine import Engine, RunOptions, load_engine
-from parity.errors import ParityError
-from parity.runner import run_sequence, stack
-from parity.weights import Weights
+from parity.compare import metrics
+from parity.contract.checkpoints import SUBOPS
+from parity.contract.engine import Engine, RunOptions, load_engine
+from parity.contract.errors import ParityError
+from parity.gguf.weights import Weights
+from parity.tracing.runner import run_sequence, stack
 from reference_cpu.engine import ReferenceEngine, check_options
 from reference_cpu.quant_sim import count_code_flips, e2m1_codes, e4m3_codes
 
@@ -25,7 +25,7 @@ PROMPT = np.random.default_rng(7).integers(2, 290, 48)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
-    """||a - b|| / ||b|| over the whole array (b the reference), through parity.metrics."""
+    """||a - b|| / ||b|| over the whole array (b the reference), through parity.compare.metrics."""
     return float(metrics.rel_l2(b.reshape(1, -1), a.reshape(1, -1))[0])
 
 

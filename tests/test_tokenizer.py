@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parity.cli import cli
-from parity.errors import MetadataError
-from parity.gguf_io import VT, GGUFFile, Value
-from parity.tokenizer import chat_ids, encode_chat, load_tokenizer, tokenizer_from_metadata
-from parity.vocab import ASSISTANT, BOS, DSML, END_THINK, THINK, USER, byte_decoder
+from parity.contract.errors import MetadataError
+from parity.gguf.container import VT, GGUFFile, Value
+from parity.gguf.tokenizer import chat_ids, encode_chat, load_tokenizer, tokenizer_from_metadata
+from parity.gguf.vocab import ASSISTANT, BOS, DSML, END_THINK, THINK, USER, byte_decoder
 
 DEC = byte_decoder()
 

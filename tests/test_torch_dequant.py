@@ -10,8 +10,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
 from gpu_engine.dequant import dequantize
-from parity.errors import TensorError
-from parity.quant_blocks import random_blocks
+from parity.contract.errors import TensorError
+from parity.gguf.quant_blocks import random_blocks
 
 # f16 bit patterns for edge scales: zero, -zero, smallest subnormal, largest subnormal, smallest normal,
 # one, large (65504), negatives of those; every block type gets them written into its scale fields.

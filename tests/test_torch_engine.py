@@ -13,11 +13,11 @@ from gpu_engine import attention as attn_mod
 from gpu_engine.attention import select_rows, sink_attention
 from gpu_engine.engine import TorchEngine
 from gpu_engine.ops import e2m1_round, e4m3_round, fp8_nope, hadamard_matrix, rope, rope_frequencies
-from parity import metrics
-from parity.checkpoints import checkpoint_names
-from parity.engine import Engine, RunOptions
-from parity.errors import ParityError
-from parity.runner import forward_chunk, run_sequence, stack
+from parity.compare import metrics
+from parity.contract.checkpoints import checkpoint_names
+from parity.contract.engine import Engine, RunOptions
+from parity.contract.errors import ParityError
+from parity.tracing.runner import forward_chunk, run_sequence, stack
 
 OFF = RunOptions(fp8_kv=False, fp4_indexer=False)
 
@@ -30,7 +30,7 @@ def engine(tiny_f32):
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    """||a - b|| / ||b|| over the whole array (b the reference), through parity.metrics."""
+    """||a - b|| / ||b|| over the whole array (b the reference), through parity.compare.metrics."""
     return float(metrics.rel_l2(b.reshape(1, -1), a.reshape(1, -1))[0])
 
 
@@ -237,9 +237,9 @@ def test_dequant_cache_changes_speed_only(tiny_realmix):
 @pytest.mark.parametrize("name", ["blk.3.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight"])
 def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monkeypatch, name):
     """Experts applied a few rows at a time (pieces of 3 x 256 values, last one partial) through one reused buffer
-    equal x Wᵀ with W from the independent NumPy/gguf dequantization (parity.weights)."""
+    equal x Wᵀ with W from the independent NumPy/gguf dequantization (parity.gguf.weights)."""
     import gpu_engine.weights as wmod
-    from parity.weights import Weights
+    from parity.gguf.weights import Weights
 
     w = TorchEngine(str(tiny_realmix), RunOptions(), cache_mb=0).w
     monkeypatch.setattr(wmod, "CHUNK_VALUES", 3 * w.q[name].shape[-1])

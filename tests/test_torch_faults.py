@@ -1,4 +1,4 @@
-"""Each injected fault, compared per layer with the NumPy reference (parity.runner + numpy), drifts first
+"""Each injected fault, compared per layer with the NumPy reference (parity.tracing.runner + numpy), drifts first
 at the checkpoint where the bug lives, and only from the position where it first acts.
 
 Prompt of 40 tokens (one prefill chunk) then 6 decode steps (positions 40..45; the CSA block ending at
@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity import metrics
-from parity.engine import FAULTS, RunOptions
-from parity.runner import run_sequence, stack
+from gpu_engine.faults import FAULTS
+from parity.compare import metrics
+from parity.contract.engine import RunOptions
+from parity.tracing.runner import run_sequence, stack
 
 N_PROMPT, DECODE, DRIFT = 40, 6, 1e-4
 DEPTH = ("embed", *(n for l in range(6) for n in (f"blk.{l}.attn", f"blk.{l}")), "final_norm")
@@ -46,7 +47,7 @@ def _opts(sims: bool, inject: tuple[str, ...] = ()) -> RunOptions:
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-position ||a - b|| / ||b|| (b the reference), parity.metrics.  [T, ...] x2 -> [T]"""
+    """Per-position ||a - b|| / ||b|| (b the reference), parity.compare.metrics.  [T, ...] x2 -> [T]"""
     return metrics.rel_l2(b, a)
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity import metrics
-from parity.checkpoints import checkpoint_names
-from parity.engine import RunOptions
-from parity.runner import all_tokens, run_sequence, stack
+from parity.compare import metrics
+from parity.contract.checkpoints import checkpoint_names
+from parity.contract.engine import RunOptions
+from parity.tracing.runner import all_tokens, run_sequence, stack
 
 PROMPT_LEN, DECODE = 200, 64
 REL_TOL, COS_MIN = 1e-5, 0.99999
@@ -36,7 +36,8 @@ def _both(path, opts: RunOptions, n_prompt: int, decode: int):
 
 
 def _rel_cos(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-position relative L2 error of a vs the reference b and cosine (parity.metrics).  [T, ...] x2 -> [T], [T]"""
+    """Per-position relative L2 error of a vs the reference b and cosine (parity.compare.metrics).
+    [T, ...] x2 -> [T], [T]"""
     return metrics.rel_l2(b, a), metrics.cosine(b, a)
 
 

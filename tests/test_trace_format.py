@@ -13,9 +13,9 @@ import pytest
 from fake_engine import FakeEngine
 
 from parity import api
-from parity.errors import TraceError
-from parity.records import FP_DIM, FP_SEED, carrier_stats, fingerprint, sign_matrix
-from parity.trace_io import format_text, parse_text, read_trace, vectors_path, write_trace
+from parity.contract.errors import TraceError
+from parity.tracing.io import format_text, parse_text, read_trace, vectors_path, write_trace
+from parity.tracing.records import FP_DIM, FP_SEED, carrier_stats, fingerprint, sign_matrix
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 M64 = (1 << 64) - 1
@@ -274,7 +274,7 @@ def test_binary_header_without_model_identity_is_refused(fake_trace, tmp_path):
 
 
 def test_vectors_of_the_wrong_shape_are_refused(fake_trace, tmp_path):
-    from parity.trace_io import write_npz
+    from parity.tracing.io import write_npz
 
     path = write_trace(fake_trace, tmp_path / "v.trace")
     vec = {"positions": np.asarray(fake_trace.header.positions), **fake_trace.vectors}

@@ -10,9 +10,9 @@ from fake_engine import FakeEngine
 
 from parity import api
 from parity.cli import cli
-from parity.errors import TraceError
-from parity.importers import import_ds4, import_llamacpp
-from parity.weights import Weights
+from parity.contract.errors import TraceError
+from parity.gguf.weights import Weights
+from parity.tracing.importers import import_ds4, import_llamacpp
 
 PROMPT = [0, 5, 7, 9, 11, 13]
 

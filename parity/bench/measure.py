@@ -1,0 +1,564 @@
+"""Real-dimension performance of both engines, measured side by side (`v4parity bench`).
+
+Every engine measurement runs in its own worker process (`python -m parity.bench.measure worker SPEC_JSON`):
+peak memory is then per engine, BLAS threading is fixed before NumPy loads, and one engine's caches
+never warm the other's. Inside a worker each number is the median of several runs. The orchestrator
+(`run_bench`) writes/caches the real-dimension GGUFs, measures the dequantizers in-process, starts the
+workers, and returns one JSON-able report; `render_markdown` turns it into the table for the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.contract.errors import ParityError
+
+BENCH_VERSION = 1            # part of the cached file names: bump when synth_real's output changes
+DEQUANT_VALUES = 1 << 23     # 8 M values per type = one 2048 x 4096 routed expert
+# prompt length -> runs per engine (the median of the runs is reported); the scaling lengths run once. The torch
+# engine on CPU gets the two main lengths only: it is dequantization-bound there, and `make bench` must fit 15 min.
+PLANS = {
+    "reference": {"lengths": {24: 3, 128: 2, 512: 1}, "decode_steps": 2, "trace_reps": 2},
+    "torch-cpu": {"lengths": {24: 2, 128: 1}, "decode_steps": 2, "trace_reps": 0},
+    "torch-cuda": {"lengths": {24: 3, 128: 3, 256: 1, 512: 1, 1024: 1}, "decode_steps": 3, "trace_reps": 3},
+    "quick": {"lengths": {8: 2, 16: 2}, "decode_steps": 2, "trace_reps": 2},
+}
+DEQUANT_REPS = 3
+REAL_LAYERS = 43             # V4-Flash: the one-layer run gets its 1/43 share of the default cache budget
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side: one engine, one model, timed through the harness's own forward loop
+
+
+class TimedEngine:
+    """An Engine proxy recording the wall time of every forward_layer call (in call order)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.layer_s: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def forward_layer(self, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = self.engine.forward_layer(*args, **kwargs)
+        self.layer_s.append(time.perf_counter() - t)
+        return out
+
+
+class MemoryWatch:
+    """Peak anonymous RSS (memory beyond the mapped model file) and peak total RSS of this process, sampled."""
+
+    def __init__(self, every_s: float = 0.01) -> None:
+        self.every_s, self.peak_anon, self.peak_total = every_s, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def sample() -> tuple[int, int]:
+        """(RssAnon, VmRSS) in bytes from /proc/self/status (Linux); a ParityError where either is unavailable."""
+        status = Path("/proc/self/status")
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except OSError as exc:
+            raise ParityError(f"bench measures memory from {status}, which cannot be read here: {exc}") from exc
+        missing = [key for key in ("RssAnon", "VmRSS") if key not in fields]
+        if missing:
+            raise ParityError(f"{status} has no {', '.join(missing)} field: peak memory cannot be measured")
+        return int(fields["RssAnon"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            anon, total = self.sample()
+            self.peak_anon, self.peak_total = max(self.peak_anon, anon), max(self.peak_total, total)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> MemoryWatch:
+        self.sample()  # an unreadable /proc fails here, not silently inside the sampling thread
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        anon, total = self.sample()
+        self.peak_anon, self.peak_total = max(self.peak_anon, anon), max(self.peak_total, total)
+
+
+def prompt_tokens(n: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """A fixed pseudo-random prompt of n ids in [2, vocab) (0 and 1 are BOS/EOS in synthetic vocabularies)."""
+    return np.random.default_rng(seed).integers(2, vocab_size, size=n).astype(np.int64)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int) -> dict[str, Any]:
+    """Median wall time of an n-token prefill and of each following decode step, total and per layer.
+
+    The decode step at context c (= n_prompt + i) sees the window and every compressed row up to c.
+    """
+    from parity.tracing.runner import forward_chunk
+
+    n_layers = timed.config.n_layers
+    prompt = prompt_tokens(n_prompt, timed.config.vocab_size)
+    prefill, prefill_layers, decode, decode_layers = [], [], [], []
+    for _ in range(reps):
+        state = timed.new_state()
+        timed.layer_s = []
+        t = time.perf_counter()
+        res = forward_chunk(timed, state, prompt, 0)
+        prefill.append(time.perf_counter() - t)
+        prefill_layers.append(timed.layer_s[-n_layers:])
+        for i in range(decode_steps):
+            tok = np.array([int(np.argmax(res.logits[-1]))])
+            timed.layer_s = []
+            t = time.perf_counter()
+            res = forward_chunk(timed, state, tok, n_prompt + i)
+            decode.append(time.perf_counter() - t)
+            decode_layers.append(timed.layer_s[-n_layers:])
+    return {
+        "prompt": n_prompt, "reps": reps, "decode_steps": decode_steps,
+        "prefill_s": _median(prefill), "prefill_all_s": prefill,
+        "prefill_layer_s": [_median([r[l] for r in prefill_layers]) for l in range(n_layers)],
+        "decode_s": _median(decode) if decode else None,
+        "decode_layer_s": [_median([r[l] for r in decode_layers]) for l in range(n_layers)] if decode else [],
+    }
+
+
+def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) -> dict[str, Any]:
+    """Cost of recording a fingerprint trace of every position (what `v4parity trace --positions all` adds).
+
+    The recorder's own time (per-chunk `Recorder.add` plus building the tables) is measured inside the same
+    run as the forward pass, so the ratio does not depend on how busy a shared machine is.
+    """
+    from parity.tracing.records import Recorder, trace_checkpoints
+    from parity.tracing.runner import run_sequence
+
+    cfg = timed.config
+    prompt = prompt_tokens(n_prompt, cfg.vocab_size).tolist()
+    forward, record = [], []
+    for _ in range(reps):
+        rec = Recorder(trace_checkpoints(cfg.n_layers), list(range(n_prompt)), [], top_k, cfg.hc_mult)
+        spent = [0.0]
+
+        def add(r: Any, rec: Recorder = rec, spent: list[float] = spent) -> None:
+            t = time.perf_counter()
+            rec.add(r)
+            spent[0] += time.perf_counter() - t
+
+        t = time.perf_counter()
+        run_sequence(timed, prompt, on_chunk=add)
+        total = time.perf_counter() - t
+        t = time.perf_counter()
+        rec.tables()
+        record.append(spent[0] + time.perf_counter() - t)
+        forward.append(total - spent[0])
+    return {"prompt": n_prompt, "reps": reps, "forward_s": _median(forward), "record_s": _median(record),
+            "overhead": _median(record) / _median(forward)}
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load one engine through `load_engine` and run the measurements the spec asks for."""
+    from parity.contract.engine import RunOptions, load_engine
+
+    options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"])
+    with MemoryWatch() as mem:
+        t = time.perf_counter()
+        engine = load_engine(spec["engine"], spec["model"], options)
+        load_s = time.perf_counter() - t
+        timed = TimedEngine(engine)
+        runs = [time_prefill_decode(timed, int(n), int(reps), spec["decode_steps"])
+                for n, reps in spec["lengths"].items()]
+        tracing = time_tracing(timed, spec["trace_prompt"], spec["trace_reps"]) if spec["trace_reps"] else None
+    from parity.contract.engine import CacheStats
+
+    return {
+        "engine": spec["engine"], "engine_version": engine.version, "device": spec["device"],
+        "model": spec["model"], "n_layers": engine.config.n_layers, "ratios": list(engine.config.compress_ratios),
+        "load_s": load_s, "runs": runs, "tracing": tracing,
+        "peak_rss_anon_gb": mem.peak_anon / 2**30, "peak_rss_gb": mem.peak_total / 2**30,
+        "model_file_gb": Path(spec["model"]).stat().st_size / 2**30,
+        "cache": engine.cache_stats() if isinstance(engine, CacheStats) else None,
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+    }
+
+
+def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: float) -> dict[str, Any]:
+    """Run `run_worker(spec)` in a fresh Python process and return its JSON answer."""
+    env = dict(os.environ)
+    if blas_threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(blas_threads)
+    cmd = [sys.executable, "-m", "parity.bench.measure", "worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ParityError(f"bench worker for {spec['engine']} ran past {timeout_s:.0f} s") from exc
+    if proc.returncode != 0:
+        raise ParityError(f"bench worker for {spec['engine']} failed (exit {proc.returncode}):\n"
+                          f"{proc.stderr.strip()[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Dequantizer throughput: reference (NumPy) vs torch engine vs gguf.quants, same bytes
+
+
+def dequant_sources(model: Path | None, n_values: int, rng: np.random.Generator) -> dict[str, tuple[int, np.ndarray]]:
+    """type name -> (ggml type, raw bytes [rows, row_bytes]) of n_values values; real tensors where the
+    model file has that type (expert 0 of gate/down, attention q_b rows), random valid blocks otherwise."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from parity.gguf.quant_blocks import random_blocks
+
+    width = 4096
+    rows = n_values // width
+    normal = rng.standard_normal((rows, width)).astype(np.float32) * 0.02
+    mx = rng.integers(0, 256, size=(rows * width // 32, 17), dtype=np.uint8)
+    mx[:, 0] = rng.integers(118, 128, size=len(mx))  # scales 2^-10 .. 2^-1: finite, realistic
+    out = {
+        "F32": (Q.F32, normal.view(np.uint8)),
+        "F16": (Q.F16, normal.astype(np.float16).view(np.uint8)),
+        "BF16": (Q.BF16, quants.quantize(normal, Q.BF16).view(np.uint8)),
+        "Q8_0": (Q.Q8_0, quants.quantize(normal, Q.Q8_0)),
+        "Q4_K": (Q.Q4_K, random_blocks(Q.Q4_K, (rows, width), 0.02, rng)),
+        "Q2_K": (Q.Q2_K, random_blocks(Q.Q2_K, (rows, width), 0.02, rng)),
+        "IQ2_XXS": (Q.IQ2_XXS, random_blocks(Q.IQ2_XXS, (rows, width), 0.02, rng)),
+        "MXFP4": (Q.MXFP4, mx.reshape(rows, -1)),
+    }
+    if model is not None:
+        from parity.gguf.weights import Weights
+
+        w = Weights(model)
+        for name, tensor in (("IQ2_XXS", "blk.0.ffn_gate_exps.weight"), ("Q2_K", "blk.0.ffn_down_exps.weight"),
+                             ("Q8_0", "blk.0.attn_q_b.weight")):
+            info = w.info(tensor)
+            row_bytes = info.nbytes // int(np.prod(info.shape[:-1]))
+            n_rows = n_values // info.shape[-1]
+            out[name] = (info.ggml_type, np.array(w.raw(tensor)[: n_rows * row_bytes]).reshape(n_rows, row_bytes))
+    return out
+
+
+def _median_of(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """Median seconds of `reps` calls after one warm-up call; returns (seconds, last result)."""
+    result = fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return _median(times), result
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal float32 bit patterns (any NaN equals any NaN)."""
+    a, b = np.asarray(a, np.float32).ravel(), np.asarray(b, np.float32).ravel()
+    nan = np.isnan(a)
+    return a.shape == b.shape and bool(np.array_equal(nan, np.isnan(b))
+                                       and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
+
+
+def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str) -> dict[str, Any]:
+    """One type: median seconds of gguf.quants and of each engine's dequantizer capability on the same bytes."""
+    from gguf import quants
+
+    from parity.contract.engine import engine_class
+
+    n_values = raw.shape[0] * int(quants.quant_shape_from_byte_shape(raw.shape, qtype)[-1])
+    shape = (raw.shape[0], n_values // raw.shape[0])
+    t_gguf, want = _median_of(lambda: quants.dequantize(raw, qtype).astype(np.float32, copy=False), reps)
+    ref_run = engine_class("reference").dequantizer(raw, qtype, shape, "cpu")
+    torch_run = engine_class("torch").dequantizer(raw, qtype, shape, device)
+    t_ref, got = _median_of(ref_run, reps)
+    t_torch, got_t = _median_of(torch_run, reps)
+    return {
+        "type": name, "values": n_values, "gguf_mvs": n_values / t_gguf / 1e6, "reference_mvs": n_values / t_ref / 1e6,
+        "torch_mvs": n_values / t_torch / 1e6, "reference_speedup": t_gguf / t_ref, "torch_speedup": t_gguf / t_torch,
+        "reference_exact": _same_bits(got, want), "torch_exact": _same_bits(got_t, want),
+    }
+
+
+def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -> list[dict[str, Any]]:
+    """Throughput (M values/s) of every type for the three dequantizers, and bit-exactness against gguf."""
+    sources = dequant_sources(model, n_values, np.random.default_rng(0))
+    return [_dequant_row(name, qtype, raw, reps, device) for name, (qtype, raw) in sources.items()]
+
+
+# ------------------------------------------------------------------------------------------------
+# Trace diff at real-model size: 45 carrier checkpoints (embed, blk.0..42, final_norm) x 4096 positions
+
+
+def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: Any = None,
+                    drift_from: int | None = None) -> Any:
+    """A fingerprint-only trace of real-model size (tables only, no vectors). With `base`, a copy whose
+    fingerprints carry a relative perturbation of 1e-2 from checkpoint index `drift_from` on."""
+    from parity.contract.checkpoints import EMBED, FINAL_NORM, block
+    from parity.tracing.records import FP_DIM, Trace, TraceHeader, make_table
+
+    names = [EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM]
+    H, K, E, S = 4, 20, 6, 512
+    if base is not None:
+        fp = base.ckpt["fp"].copy()
+        drifting = base.ckpt["ck"] >= drift_from
+        fp[drifting] *= 1 + 1e-2 * rng.standard_normal((int(drifting.sum()), FP_DIM)).astype(np.float32)
+        return Trace(base.header, make_table("ckpt", {**base.ckpt.cols, "fp": fp}, {"H": H, "F": FP_DIM, "K": K}),
+                     base.hc, base.moe, base.attn)
+    n_ck = len(names)
+    ck, pos = np.repeat(np.arange(n_ck), n_pos), np.tile(np.arange(n_pos), n_ck)
+    rows = len(ck)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    ckpt = {"ck": ck, "pos": pos, "tok": pos % 290, "min": -np.abs(f32(rows)), "max": np.abs(f32(rows)),
+            "rms": 1 + np.abs(f32(rows)), "l2s": 1 + np.abs(f32(rows, H)), "sum_l2": 1 + np.abs(f32(rows)),
+            "fp": f32(rows, FP_DIM), "argmax": np.where(ck == n_ck - 1, pos % 290, -1),
+            "top_ids": np.full((rows, K), -1), "top_logits": np.full((rows, K), np.nan)}
+    lp = np.repeat(np.arange(n_layers), n_pos), np.tile(np.arange(n_pos), n_layers)
+    n_lp = len(lp[0])
+    hc = {"layer": np.repeat(lp[0], 2), "sub": np.tile([0, 1], n_lp), "pos": np.repeat(lp[1], 2),
+          "pre": f32(2 * n_lp, H), "post": f32(2 * n_lp, H), "comb": f32(2 * n_lp, H * H)}
+    moe = {"layer": lp[0], "pos": lp[1], "ids": rng.integers(0, 256, (n_lp, E)), "w": f32(n_lp, E),
+           "margin": f32(n_lp)}
+    attn = {"layer": lp[0], "pos": lp[1], "n_comp": lp[1] // 4, "has_sel": lp[0] % 2 == 0,
+            "sel": rng.integers(-1, 1024, (n_lp, S))}
+    widths = {"H": H, "F": FP_DIM, "K": K, "E": E, "S": S}
+    header = TraceHeader(engine="synthetic", engine_version="0", model={"file": "x.gguf", "size": 0,
+                         "header_sha256": "0"}, dtype="float32", n_hc=H, dim=4096, top_k=K,
+                         tokens=(np.arange(n_pos) % 290).tolist(), n_prompt=n_pos, chunks=[n_pos], decode=0,
+                         positions=list(range(n_pos)), checkpoints=names, full=[], flags={})
+    return Trace(header, make_table("ckpt", ckpt, widths), make_table("hc", hc, widths),
+                 make_table("moe", moe, widths), make_table("attn", attn, widths))
+
+
+def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tuple[float, Any]:
+    """Seconds of fn(): one call, and the median of `reps` more when that call took under `slow_s`."""
+    t = time.perf_counter()
+    result = fn()
+    first = time.perf_counter() - t
+    return (first, result) if first >= slow_s else _median_of(fn, reps)
+
+
+def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
+    """Seconds of `api.diff` on two traces written as .npz files (what `v4parity diff A.npz B.npz` does)."""
+    from parity.api import diff
+    from parity.tracing.io import write_trace
+
+    rng = np.random.default_rng(0)
+    a = synthetic_trace(n_layers, n_pos, rng)
+    b = synthetic_trace(n_layers, n_pos, rng, base=a, drift_from=n_layers // 2)
+    tmp.mkdir(parents=True, exist_ok=True)
+    pa, pb = write_trace(a, tmp / "a.npz"), write_trace(b, tmp / "b.npz")
+    del a, b
+    from_files, report = _timed_median(lambda: diff(pa, pb), reps)
+    first = report.first_drift or {}
+    return {"checkpoints": n_layers + 2, "positions": n_pos, "from_npz_s": from_files,
+            "first_drift": first.get("checkpoint"), "npz_mb": (pa.stat().st_size + pb.stat().st_size) / 2**20}
+
+
+# ------------------------------------------------------------------------------------------------
+# Orchestration
+
+
+def bench_models(cache_dir: Path, quick: bool, log: Callable[[str], None]) -> dict[str, Path]:
+    """The benchmark GGUFs, written once and cached: real-dimension 1- and 2-layer files (quick: tiny synth)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if quick:
+        from parity.gguf.synth import synthesize
+
+        path = cache_dir / f"tiny-real-mix-v{BENCH_VERSION}.gguf"
+        if not path.exists():
+            synthesize(path, "tiny", "real-mix", seed=0)
+        return {"1layer": path, "2layer": path}
+    from parity.gguf.synth_real import LAYOUTS, write_real
+
+    out = {}
+    for name, ratios in LAYOUTS.items():
+        path = cache_dir / f"v4flash-{name}-v{BENCH_VERSION}.gguf"
+        if not path.exists():
+            log(f"writing {path} (real V4-Flash layer dimensions, ratios {ratios}) ...")
+            t = time.perf_counter()
+            write_real(path, ratios)
+            log(f"  {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t:.0f} s")
+        out[name] = path
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on (CPU model, cores, memory, load at start)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30  # Linux, as MemoryWatch
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb, "python": platform.python_version(),
+            "numpy": np.__version__, "torch": torch.__version__, "load_avg_start": list(os.getloadavg()),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = 1,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
+    from parity.contract.engine import RunOptions
+
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"bench_version": BENCH_VERSION, "quick": quick, "device": device,
+                              "torch_threads": torch_threads, "machine": machine_info()}
+    models = bench_models(cache_dir, quick, log)
+    report["models"] = {k: {"path": str(v), "gib": v.stat().st_size / 2**30} for k, v in models.items()}
+    log("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
+    n_values = (1 << 18) if quick else DEQUANT_VALUES
+    report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
+    log("trace diff at real-model size (45 checkpoints x 4096 positions) ...")
+    report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
+    timeout = 600 if quick else 1800
+    workers = {}
+    for engine in engines:
+        dev = device if engine == "torch" else "cpu"
+        plan = PLANS["quick" if quick else engine if engine == "reference" else f"torch-{dev}"]
+        log(f"{engine} engine ({dev}) on the 2-layer file: prefill {list(plan['lengths'])} tokens, decode steps ...")
+        spec = {"engine": engine, "model": str(models["2layer"]), "device": dev, "lengths": plan["lengths"],
+                "decode_steps": plan["decode_steps"], "trace_prompt": min(plan["lengths"]),
+                "trace_reps": plan["trace_reps"], "cache_gb": RunOptions.cache_gb}
+        # the reference parallelises over experts itself; a second BLAS thread pool would only contend
+        workers[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout)
+    if "reference" in engines:
+        cache_gb = RunOptions.cache_gb / REAL_LAYERS
+        log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
+        n = min(PLANS["quick" if quick else "reference"]["lengths"])
+        spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu", "lengths": {n: 1},
+                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb}
+        workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
+    report["engines"] = workers
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Presentation
+
+
+def _run(worker: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+    """The worker's run at prompt length n; None where that engine was not run or not at that length."""
+    return next((r for r in worker["runs"] if r["prompt"] == n), None) if worker else None
+
+
+def _per_layer(worker: dict[str, Any] | None, n: int, key: str) -> list[float] | None:
+    """Per-layer seconds `key` of the worker's run at length n; None where absent (e.g. no decode steps)."""
+    run = _run(worker, n)
+    return run[key] if run and run[key] else None
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(measure, reference, torch, torch speed-up) rows of the main table, per real layer."""
+    eng = report["engines"]
+    ref, tor = eng.get("reference"), eng.get("torch")
+    rows = []
+    lengths = sorted({r["prompt"] for w in (ref, tor) if w for r in w["runs"]})[:2]  # the rest: scaling table
+    ratios = (ref or tor)["ratios"]
+    fmt = lambda x: "-" if x is None else f"{x:.3f} s"  # noqa: E731
+    for n in lengths:
+        for l, ratio in enumerate(ratios):
+            kind = {4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
+            for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
+                r, t = (times[l] if times else None for times in (_per_layer(ref, n, key), _per_layer(tor, n, key)))
+                rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x" if r and t else "-"))
+    est = []
+    for w in (ref, tor):
+        decode = _per_layer(w, lengths[0], "decode_layer_s")
+        per_layer = float(np.mean(decode)) if decode else None
+        est.append(f"{REAL_LAYERS * per_layer:.1f} s/tok = {1 / (REAL_LAYERS * per_layer):.3f} tok/s"
+                   if per_layer else "-")
+    rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est, ""))
+    for name, w in (("reference", ref), ("torch", tor)):
+        if w and w["tracing"]:
+            tr = w["tracing"]
+            rows.append((f"{name}: trace recording / forward ({tr['prompt']} tok, every position)",
+                         f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "", f"{100 * tr['overhead']:+.2f} %"))
+    td = report["trace_diff"]
+    rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
+                 f"{td['from_npz_s']:.2f} s", "", ""))
+    mem = eng.get("reference_1layer_memory")
+    if mem:
+        run = mem["runs"][0]
+        share = f"1 layer, {mem['cache']['budget'] / 2**30:.2f} GiB cache"
+        rows.append((f"reference {share}: prefill {run['prompt']} / decode", fmt(run["prefill_s"]),
+                     fmt(run["decode_s"]), ""))
+        rows.append((f"reference peak RSS, {share} (anon / total)",
+                     f"{mem['peak_rss_anon_gb']:.2f} / {mem['peak_rss_gb']:.2f} GiB", "", ""))
+    if tor:
+        rows.append(("torch peak RSS, 2 layers (anon / total)",
+                     "", f"{tor['peak_rss_anon_gb']:.2f} / {tor['peak_rss_gb']:.2f} GiB", ""))
+    return rows
+
+
+def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
+    """Per prompt length: per-layer prefill and decode seconds of each engine ('a / b' over the layers)."""
+    eng = report["engines"]
+    lengths = sorted({r["prompt"] for w in (eng.get("reference"), eng.get("torch")) if w for r in w["runs"]})
+    out = []
+    for n in lengths:
+        cells = []
+        for w in (eng.get("reference"), eng.get("torch")):
+            for key in ("prefill_layer_s", "decode_layer_s"):
+                times = _per_layer(w, n, key)
+                cells.append(" / ".join(f"{x:.3f}" for x in times) if times else "-")
+        out.append((n, cells))
+    return out
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The tables of docs/bench.md: machine, per-layer times, dequantizer throughput."""
+    m = report["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB; numpy {m['numpy']}, "
+             f"torch {m['torch']}; load average at start {m['load_avg_start'][0]:.1f}; "
+             f"device {report['device']}; total bench wall time {report['wall_s']:.0f} s.", "",
+             "| measure (per real layer) | reference | torch | torch speed-up |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in summary_rows(report)]
+    lines += ["", "Scaling (seconds per layer, layer 0 CSA / layer 1 HCA; decode = one step at that context):", "",
+              "| prompt = context | reference prefill | reference decode | torch prefill | torch decode |",
+              "|---|---|---|---|---|"]
+    for n, cells in scaling_rows(report):
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "
+              "(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants):", "",
+              "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in report["dequant"]:
+        yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
+        lines.append(f"| {r['type']} | {r['gguf_mvs']:.0f} | {r['reference_mvs']:.0f} | {r['reference_speedup']:.1f}x"
+                     f" | {yes(r['reference_exact'])} | {r['torch_mvs']:.0f} | {r['torch_speedup']:.1f}x"
+                     f" | {yes(r['torch_exact'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    """`python -m parity.bench.measure worker SPEC_JSON`: one measurement process; prints its JSON on the last line."""
+    if len(argv) != 2 or argv[0] != "worker":
+        raise SystemExit("usage: python -m parity.bench.measure worker SPEC_JSON")
+    spec = json.loads(argv[1])
+    spec["lengths"] = {int(k): int(v) for k, v in spec["lengths"].items()}
+    print(json.dumps(run_worker(spec)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,290 @@
+"""Noise-floor envelope: the benign drift per checkpoint and per sub-op capture, measured, not guessed.
+
+A quantity passes when `err <= K * floor + EPS` (`gate`), where `floor` is the largest per-position
+relative L2 seen between benign pairs of runs on a calibration prompt:
+* `oracle`: reference float32 vs reference float64 (the reference's own round-off, QAT code flips included);
+* `rechunk`: the candidate engine, one batched prefill vs a chunked prefill (summation order, cache layout);
+* `dtype` (bf16 sections only): candidate bfloat16 vs the same candidate in float32.
+K = 10: on 30 random clean prompts (tiny f32, real-mix, mxfp4; docs/bisect.md) the err/floor ratio of the
+prompts that stayed inside the envelope was 1.2-11 (median 1.4), while every injected fault sits > 1e3 floors
+out; prompts with a QAT code flip exceed any K (up to 1e5 floors) and are told apart by the drill-down's flip
+recognition, not by the gate, so a tighter K costs more NOISE verdicts, never a false DEFECT.
+EPS = 1e-6 (~16 float32 ulps) covers quantities whose floor measures 0.
+Envelopes are stored next to golden traces as `traces/<name>.envelope.json`, one section per candidate dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from parity.compare.metrics import l2, max_abs
+from parity.contract.checkpoints import LOGITS
+from parity.contract.engine import Engine, RunOptions
+from parity.contract.errors import ParityError
+from parity.tracing.runner import ChunkResult, run_sequence, stack
+
+ENVELOPE_VERSION = 1
+K = 10.0
+EPS = 1e-6
+MARGIN_EPS = 1e-6   # router-key gaps are O(1) (sqrt-softplus scores): ~16 float32 ulps
+TINY = 1e-30
+# Calibration prompt: BOS + seeded random ids, so verdicts are judged on other prompts than the envelope's.
+CALIBRATION_SEED, CALIBRATION_LEN, CALIBRATION_DECODE = 11, 28, 6
+# Captures that hold discrete choices; they are compared as sets, not by rel-L2 (see bisect.compare_captures).
+DISCRETE = ("index_sel", "expert_ids")
+# Captures that hold rows emitted so far (cumulative per chunk), compared row by row.
+ROW_CAPTURES = ("comp_rows", "index_rows")
+
+
+def rel_l2_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """e_t = ||got_t - ref_t||_2 / ||ref_t||_2 per leading index (0 when both rows are 0; inf on non-finite got).
+    ref, got: [T, ...] -> [T]"""
+    if ref.shape != got.shape:
+        raise ParityError(f"shape mismatch: reference {ref.shape} vs candidate {got.shape}")
+    r = np.asarray(ref, np.float64).reshape(len(ref), -1)
+    g = np.asarray(got, np.float64).reshape(len(got), -1)
+    bad = ~np.isfinite(g).all(axis=1)
+    num, den = l2(np.where(np.isfinite(g), g, 0.0) - r), l2(r)
+    # unlike metrics.rel_l2, a zero reference row with a nonzero candidate stays finite (num / TINY)
+    err = np.where(num == 0, 0.0, num / np.maximum(den, TINY))
+    err[bad] = np.inf
+    return err
+
+
+def logit_rel_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """m_t = max_v |got_tv - ref_tv| / max_v |ref_tv|  (the logit noise at that logit size).
+    ref, got: [T, V] -> [T]"""
+    return max_abs(ref, got) / np.maximum(np.abs(np.asarray(ref, np.float64)).max(axis=1), TINY)
+
+
+def gate(err: np.ndarray | float, floor: float, k: float = K, eps: float = EPS) -> np.ndarray | float:
+    """excess = err / (k * floor + eps); > 1 means outside the envelope."""
+    return np.asarray(err, np.float64) / (k * floor + eps)
+
+
+def subop_key(layer: int, capture: str) -> str:
+    return f"{layer}:{capture}"
+
+
+@dataclass
+class Envelope:
+    """Measured floors for one candidate dtype. Keys: checkpoint names (+ 'logits'), `layer:capture`."""
+
+    dtype: str
+    checkpoints: dict[str, float]
+    subops: dict[str, float]
+    router_margin: dict[str, float]       # per layer: largest |margin_ref - margin_other| on benign pairs
+    logit_rel: float                      # largest logit_rel_rows on benign pairs
+    components: dict[str, dict[str, float]] = field(default_factory=dict)  # pair -> checkpoint -> floor
+    calibration: dict = field(default_factory=dict)  # prompt length, decode steps, chunking used
+    k: float = K
+    eps: float = EPS
+
+    def check_options(self, options: RunOptions) -> None:
+        """Refuse to judge a run whose QAT simulations differ from the calibration's."""
+        for flag in ("fp8_kv", "fp4_indexer"):
+            if self.calibration.get(flag) != getattr(options, flag):
+                raise ParityError(f"envelope ({self.dtype}) was measured with {flag}={self.calibration.get(flag)}, "
+                                  f"the candidate runs {flag}={getattr(options, flag)}: measure a matching envelope "
+                                  "(`v4parity envelope ... -o OTHER.envelope.json`)")
+
+    def floor(self, name: str) -> float:
+        if name not in self.checkpoints:
+            raise ParityError(f"envelope ({self.dtype}) has no floor for checkpoint {name!r}")
+        return self.checkpoints[name]
+
+    def subop_floor(self, layer: int, capture: str) -> float:
+        key = subop_key(layer, capture)
+        if key not in self.subops:
+            raise ParityError(f"envelope ({self.dtype}) has no floor for sub-op capture {capture!r} of layer {layer}")
+        return self.subops[key]
+
+    def margin_tol(self, layer: int) -> float:
+        """A routing flip at a reference router margin <= this is noise: k * measured key drift + MARGIN_EPS."""
+        if str(layer) not in self.router_margin:
+            raise ParityError(f"envelope ({self.dtype}) has no router-margin drift for layer {layer}")
+        return self.k * self.router_margin[str(layer)] + MARGIN_EPS
+
+    def tie_margin(self, logit: float) -> float:
+        """Largest top-1/top-2 gap that noise can reorder at logit size |logit|: k * logit_rel * |logit| + eps."""
+        return self.k * self.logit_rel * abs(logit) + self.eps
+
+
+# ---------------------------------------------------------------- measuring
+
+def calibration_prompt(vocab_size: int, bos: int) -> list[int]:
+    """BOS + CALIBRATION_LEN - 1 ids drawn with CALIBRATION_SEED from [2, vocab_size)."""
+    rng = np.random.default_rng(CALIBRATION_SEED)
+    return [bos, *(int(t) for t in rng.integers(2, vocab_size, CALIBRATION_LEN - 1))]
+
+
+def checkpoint_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
+    """Per-position rel-L2 of every checkpoint and of the logits: name -> [T]."""
+    names = list(ref[0].checkpoints)
+    out = {n: rel_l2_rows(stack(ref, n), stack(got, n)) for n in names}
+    out[LOGITS] = rel_l2_rows(stack(ref, LOGITS), stack(got, LOGITS))
+    return out
+
+
+def capture_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
+    """Largest per-position (per-row for emitted rows) rel-L2 of every float capture: 'layer:name' -> err.
+    Discrete captures (ids) are skipped: they are judged by margins, not floors."""
+    out: dict[str, float] = {}
+    for layer in range(len(ref[0].captures)):
+        for name in ref[0].captures[layer]:
+            if name in DISCRETE:
+                continue
+            if any(name not in r.captures[layer] for r in got):
+                raise ParityError(f"a benign run did not fill capture {name!r} at layer {layer}; the envelope needs "
+                                  "every capture of parity.contract.checkpoints.SUBOPS")
+            if name == "expert_weights":
+                a, b = _aligned_weights(ref, got, layer)
+            elif name in ROW_CAPTURES:
+                a, b = ref[-1].captures[layer][name], got[-1].captures[layer][name]
+                if a.shape != b.shape:  # a benign pair never differs in emitted rows
+                    raise ParityError(f"benign runs emitted different {name} at layer {layer}: {a.shape} vs {b.shape}")
+            else:
+                a = np.concatenate([r.captures[layer][name] for r in ref])
+                b = np.concatenate([r.captures[layer][name] for r in got])
+            e = rel_l2_rows(a, b) if len(a) else np.zeros(1)
+            out[subop_key(layer, name)] = float(e.max())
+    return out
+
+
+def weights_by_id(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort each position's (id, weight) pairs by id so two engines' choices line up.
+    ids, weights: [T, K] -> [T, K], [T, K]"""
+    order = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1)
+
+
+def aligned_weights(ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray,
+                    w_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both sides' expert weights sorted by id, and the positions where both chose the same expert set.
+    [T, K] x 4 -> [T, K], [T, K], bool [T]"""
+    ia, wa = weights_by_id(ids_a, w_a)
+    ib, wb = weights_by_id(ids_b, w_b)
+    return wa, wb, (ia == ib).all(axis=1)
+
+
+def _aligned_weights(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], layer: int) -> tuple[np.ndarray, ...]:
+    """Expert weights of both runs aligned by id, at the positions where both chose the same set."""
+    def cat(rs: Sequence[ChunkResult], name: str) -> np.ndarray:
+        return np.concatenate([r.captures[layer][name] for r in rs])
+    wa, wb, same = aligned_weights(cat(ref, "expert_ids"), cat(ref, "expert_weights"),
+                                   cat(got, "expert_ids"), cat(got, "expert_weights"))
+    return wa[same], wb[same]
+
+
+def margin_drift(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
+    """Per layer: largest |router_margin_ref - router_margin_got| where both chose the same expert set."""
+    out = {}
+    for layer in range(len(ref[0].diags)):
+        ma = np.concatenate([r.diags[layer].router_margin for r in ref])
+        mb = np.concatenate([r.diags[layer].router_margin for r in got])
+        ia = np.sort(np.concatenate([r.diags[layer].expert_ids for r in ref]), axis=1)
+        ib = np.sort(np.concatenate([r.diags[layer].expert_ids for r in got]), axis=1)
+        same = (ia == ib).all(axis=1) & np.isfinite(ma) & np.isfinite(mb)
+        out[str(layer)] = float(np.abs(ma - mb)[same].max()) if same.any() else 0.0
+    return out
+
+
+def pair_floors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
+    """All floors of one benign pair: checkpoints, 'logit_rel', 'layer:capture', 'margin:layer'."""
+    out = {n: float(e.max()) for n, e in checkpoint_errors(ref, got).items()}
+    out["logit_rel"] = float(logit_rel_rows(stack(ref, LOGITS), stack(got, LOGITS)).max())
+    if ref[0].captures and got[0].captures:
+        out.update(capture_errors(ref, got))
+    out.update({f"margin:{k}": v for k, v in margin_drift(ref, got).items()})
+    return out
+
+
+def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequence[int], decode: int = 0,
+                     chunk: int = 5, cand_f32: Engine | None = None,
+                     progress: Callable[[str], None] | None = None) -> Envelope:
+    """Run the benign pairs on `prompt` (+ `decode` greedy steps of the float32 reference, teacher-forced on
+    every side) and keep the largest floor of each quantity. `cand_f32` (the candidate in float32) adds the
+    `dtype` pair for a bf16 candidate."""
+    say = progress or (lambda _m: None)
+    say("envelope: reference float32")
+    base = run_sequence(ref32, prompt, decode, capture=True)
+    forced = [int(t) for t in np.concatenate([r.tokens for r in base])[len(prompt):]]
+
+    def run(engine: Engine, ch: int | None) -> list[ChunkResult]:
+        return run_sequence(engine, prompt, decode, chunk=ch, forced=forced, capture=True)
+
+    say("envelope: reference float64")
+    pairs = {"oracle": (base, run(ref64, None))}
+    say(f"envelope: {cand.name} {cand.options.dtype}, prefill in one chunk and in chunks of {chunk}")
+    one = run(cand, None)
+    pairs["rechunk"] = (one, run(cand, chunk))
+    if cand_f32 is not None:
+        say(f"envelope: {cand_f32.name} float32 (dtype pair)")
+        pairs["dtype"] = (run(cand_f32, None), one)
+    floors = {name: pair_floors(a, b) for name, (a, b) in pairs.items()}
+    merged: dict[str, float] = {}
+    for f in floors.values():
+        for key, v in f.items():
+            merged[key] = max(merged.get(key, 0.0), v)
+    ckpt_names = [*base[0].checkpoints, LOGITS]
+    return Envelope(
+        dtype=cand.options.dtype,
+        checkpoints={n: merged[n] for n in ckpt_names},
+        subops={k: v for k, v in merged.items() if ":" in k and not k.startswith("margin:")},
+        router_margin={k.split(":", 1)[1]: v for k, v in merged.items() if k.startswith("margin:")},
+        logit_rel=merged["logit_rel"],
+        components={name: {n: f[n] for n in ckpt_names} for name, f in floors.items()},
+        calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk, "pairs": sorted(pairs),
+                     "engine": cand.name, "fp8_kv": cand.options.fp8_kv, "fp4_indexer": cand.options.fp4_indexer},
+    )
+
+
+# ---------------------------------------------------------------- storage
+
+def save_envelope(path: str | os.PathLike, env: Envelope, model_identity: dict) -> Path:
+    """Add/replace the `env.dtype` section of the envelope file at `path` (atomic write)."""
+    path = Path(path)
+    doc = {"format": "v4parity-envelope", "version": ENVELOPE_VERSION, "model": model_identity, "dtypes": {}}
+    if path.exists():
+        old = _read(path)
+        if old["model"] == model_identity:
+            doc["dtypes"] = old["dtypes"]
+    doc["dtypes"][env.dtype] = asdict(env)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _read(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParityError(f"cannot read envelope {path}: {e}") from None
+    if doc.get("format") != "v4parity-envelope" or doc.get("version") != ENVELOPE_VERSION:
+        raise ParityError(f"{path}: not a v4parity envelope of version {ENVELOPE_VERSION}; "
+                          "regenerate it with `v4parity envelope`")
+    return doc
+
+
+def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | None = None) -> Envelope:
+    """The `dtype` section of an envelope file; refuses a file measured on another model."""
+    path = Path(path)
+    doc = _read(path)
+    if model_identity is not None and doc["model"] != model_identity:
+        raise ParityError(f"{path} was measured on model {doc['model']}, not {model_identity}")
+    if dtype not in doc["dtypes"]:
+        raise ParityError(f"{path} has no {dtype} section (has: {', '.join(sorted(doc['dtypes']))}); "
+                          f"measure it with `v4parity envelope --dtype {dtype}`")
+    section = doc["dtypes"][dtype]
+    want = {f.name for f in fields(Envelope)}
+    if set(section) != want:
+        raise ParityError(f"{path}: {dtype} section has missing fields {sorted(want - set(section))} / unknown fields "
+                          f"{sorted(set(section) - want)}; regenerate it with `v4parity envelope`")
+    return Envelope(**section)

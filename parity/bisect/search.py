@@ -1,0 +1,584 @@
+"""Automatic bisection: which layer, which sub-op, which step, and whether it is a defect or noise.
+
+Algorithm (L layers, T positions, every run on the reference's chunk schedule and tokens):
+1. reference greedy run (prompt + decode steps), candidate run teacher-forced on the reference's tokens
+   -> per-checkpoint per-position errors over the envelope, and the step trajectory;
+   nothing outside the envelope and no WRONG step -> "no defect" (2 runs in total);
+2. teacher-forced pass: every candidate layer on the reference's input carrier -> local vs free error;
+3. mirror-splice bisection: M(k) = candidate for layers < k (its recorded run from step 1), reference from
+   k on (own state); M(k) is clean for k <= j and outside the envelope for k > j, j = the first layer where
+   the candidate departs; binary search over k in 1 + ceil(log2 L) spliced runs, each costing L - k
+   reference layers. The culprit must also depart locally in step 2 (a splice can see sub-envelope drift
+   amplified by a QAT code flip downstream); if no layer departs locally, the verdict is noise;
+4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and the sub-ops
+   are compared in `SUBOPS` order; the first whose local error exceeds its envelope (and is not a
+   legitimate QAT code flip or near-tie routing flip, or their cascade) is named, with the first position
+   and, past the prompt, the decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from parity.bisect.attribution import (
+    LayerAttribution,
+    LayerRouting,
+    attribute,
+    layer_input,
+    routing,
+    set_overlap,
+    teacher_forced,
+)
+from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors, gate, rel_l2_rows
+from parity.bisect.trajectory import Trajectory, trajectory
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
+from parity.contract.engine import Engine, LayerDiag, LayerOutput
+from parity.contract.errors import ParityError
+from parity.tracing.runner import ChunkResult, all_tokens, run_sequence, stack
+
+# Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
+QUANT_MBITS = {"rope_kv": 3, "comp_rows": 3, "index_rows": 1}   # e4m3, e4m3, e2m1
+# An isolated code flip touches at most this fraction of a row's elements (at least one element).
+FLIP_FRACTION = 1 / 32
+
+Progress = Callable[[str], None]
+
+# Built-in prompt: BOS + a 4-token motif repeated. The repetition makes compressed rows alike, so the indexer
+# meets exactly tied scores at its top-k cut (tie-breaking gets exercised); 27 + 1 tokens put 7 CSA rows and
+# 5+ candidates per indexer query in the prefill, and with 4 decode steps the last decode step (position 31)
+# emits a CSA row (ratio 4).
+BUILTIN_MOTIF = (243, 77, 33, 87)
+BUILTIN_LEN = 28
+
+
+def builtin_prompt(vocab_size: int, bos: int) -> list[int]:
+    """BOS + BUILTIN_MOTIF repeated, BUILTIN_LEN tokens."""
+    if vocab_size <= max(BUILTIN_MOTIF):
+        raise ParityError(f"the built-in prompt needs a vocabulary above {max(BUILTIN_MOTIF)} ids "
+                          f"(model has {vocab_size}); pass --tokens")
+    return [bos, *(list(BUILTIN_MOTIF) * BUILTIN_LEN)[: BUILTIN_LEN - 1]]
+
+
+# ---------------------------------------------------------------- splicing
+
+def first_visibility_mismatch(ref: Sequence[ChunkResult], diags: Sequence[Sequence[LayerDiag]],
+                              layers: Sequence[int]) -> tuple[int, int] | None:
+    """(layer, position) of the first position whose count of visible compressed rows differs from the
+    reference's. The count is structural (it depends only on positions and on which rows were emitted), so any
+    difference is a defect even when the attention output happens not to change (the row was not selected).
+    diags: one per chunk, each indexed by layer."""
+    for l in layers:
+        for chunk, d in zip(ref, diags, strict=True):
+            bad = np.flatnonzero(chunk.diags[l].n_comp_visible != d[l].n_comp_visible)
+            if len(bad):
+                return l, int(chunk.start_pos + bad[0])
+    return None
+
+
+def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
+                  ref: Sequence[ChunkResult]) -> tuple[dict[str, np.ndarray], tuple[int, int] | None]:
+    """Layers < k from the recorded run `lower` (its carrier leaving layer k-1, chunk by chunk), layers >= k
+    run by `upper` with its own state. Recorded runs are reused because engines are deterministic: the
+    lower part of a splice is exactly the lower part of that engine's own run on the same tokens and chunks.
+    Returns the per-position rel-L2 against the reference of every checkpoint from layer k on, final_norm and
+    logits (name -> [T]), and the first visible-row-count mismatch of the lower layers, if any."""
+    state = upper.new_state()
+    got: dict[str, list[np.ndarray]] = {}
+    for chunk in lower:
+        x = layer_input(chunk, k)
+        for l in range(k, upper.config.n_layers):
+            out = upper.forward_layer(state, l, x, chunk.tokens, chunk.start_pos)
+            got.setdefault(block_attn(l), []).append(out.attn_carrier)
+            got.setdefault(block(l), []).append(out.carrier)
+            x = out.carrier
+        f, lg = upper.head(x)
+        got.setdefault(FINAL_NORM, []).append(f)
+        got.setdefault(LOGITS, []).append(lg)
+    errs = {name: rel_l2_rows(stack(ref, name), np.concatenate(parts)) for name, parts in got.items()}
+    return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
+
+
+@dataclass(frozen=True)
+class SpliceProbe:
+    k: int                 # candidate below k, reference from k
+    excess: float          # max excess over the candidate's checkpoints below k and the spliced ones from k on
+    clean: bool
+    row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
+
+
+def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: dict[str, np.ndarray],
+                  ref: Sequence[ChunkResult], env: Envelope, say: Progress) -> tuple[int, list[SpliceProbe]]:
+    """Smallest k with M(k) outside the envelope, minus one: the first layer where the candidate departs.
+    M(k) = the candidate's run `free` below k, the reference from k on. M(k) is outside the envelope when a
+    candidate checkpoint below k is (free_errs), when a reference checkpoint from k on is (the departure
+    shows downstream), or when a visible-row count below k differs. M(0) is the reference itself (clean).
+    Returns (layer, probes); layer = L when M(L) is clean."""
+    L = ref_engine.config.n_layers
+
+    def probe(k: int) -> SpliceProbe:
+        say(f"splice: candidate layers < {k}, reference from {k}")
+        errs, mismatch = splice_output(free, ref_engine, k, ref)
+        below = {n: free_errs[n] for l in range(k) for n in (block_attn(l), block(l))}
+        ex = max(float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in (errs | below).items())
+        return SpliceProbe(k, ex, ex <= 1 and mismatch is None, mismatch)
+
+    probes = [probe(L)]
+    if probes[-1].clean:
+        return L, probes
+    lo, hi = 0, L  # M(lo) clean, M(hi) outside
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probes.append(probe(mid))
+        lo, hi = (mid, hi) if probes[-1].clean else (lo, mid)
+    return hi - 1, probes
+
+
+# ---------------------------------------------------------------- drill-down
+
+@dataclass
+class SubopResult:
+    """Local comparison of one sub-op inside the culprit layer (both engines on the reference's inputs)."""
+
+    name: str
+    status: str            # ok | noise | defect
+    err: float             # largest local error over the positions judged (rel-L2, or 1 - overlap for sets)
+    floor: float           # envelope floor (0 for set comparisons)
+    excess: float
+    position: int | None   # first position outside the envelope
+    detail: str = ""
+
+
+def _cat(outs: Sequence[LayerOutput], name: str, engine: str, layer: int) -> np.ndarray:
+    for o in outs:
+        if name not in o.captures:
+            raise ParityError(f"{engine} engine did not fill capture {name!r} at layer {layer}; "
+                              "the drill-down needs every capture of parity.contract.checkpoints.SUBOPS")
+    return np.concatenate([o.captures[name] for o in outs])
+
+
+def is_code_flip(ref_row: np.ndarray, got_row: np.ndarray, noise_rel: float, mbits: int) -> bool:
+    """True when the rows differ only by isolated one-code steps of a float format with `mbits` mantissa
+    bits: at most max(1, FLIP_FRACTION * n) elements off by more than noise_rel * rms(ref_row), each by at
+    most two quanta 2^(floor(log2 max(|a|,|b|)) - mbits) (power-of-two block scales; two quanta cover
+    sub-normal codes)."""
+    a, b = np.asarray(ref_row, np.float64).ravel(), np.asarray(got_row, np.float64).ravel()
+    d = np.abs(a - b)
+    off = d > noise_rel * np.sqrt(np.mean(a * a))
+    if not off.any() or off.sum() > max(1, FLIP_FRACTION * a.size):
+        return False
+    m = np.maximum(np.abs(a), np.abs(b))[off]
+    quantum = np.exp2(np.floor(np.log2(m)) - mbits)
+    return bool((d[off] <= 2 * quantum).all())
+
+
+class _Judge:
+    """Compares captures position by position, remembering where a legitimate flip started a cascade."""
+
+    def __init__(self, layer: int, env: Envelope, positions: np.ndarray, ratio: int) -> None:
+        self.layer, self.env, self.positions, self.ratio = layer, env, positions, ratio
+        self.taint: int | None = None   # first position touched by a legitimate flip
+
+    def excused(self, pos: int) -> bool:
+        return self.taint is not None and pos >= self.taint
+
+    def flip(self, pos: int) -> None:
+        self.taint = pos if self.taint is None else min(self.taint, pos)
+
+    def floats(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> SubopResult:
+        floor = self.env.subop_floor(self.layer, name)
+        tol = self.env.k * floor + self.env.eps
+        err = rel_l2_rows(a, b) if len(a) else np.zeros(0)
+        bad = [i for i in np.flatnonzero(err > tol) if not self.excused(int(pos[i]))]
+        flips = [i for i in bad if name in QUANT_MBITS and is_code_flip(a[i], b[i], tol, QUANT_MBITS[name])]
+        real = [i for i in bad if i not in flips]
+        for i in flips:
+            self.flip(int(pos[i]))
+        worst = float(err.max()) if len(err) else 0.0
+        if real:
+            i = real[0]
+            what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
+                    f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
+            return SubopResult(name, "defect", float(err[i]), floor, float(gate(err[i], floor, self.env.k,
+                               self.env.eps)), int(pos[i]), f"{name}: {what} at position {pos[i]}")
+        status = "noise" if (flips or (err > tol).any()) else "ok"
+        detail = f"{len(flips)} isolated FP8/FP4 code flip(s) from position {self.taint}" if flips else (
+            f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")
+        return SubopResult(name, status, worst, floor, float(gate(worst, floor, self.env.k, self.env.eps)),
+                           None, detail)
+
+    def rows(self, name: str, ref_outs: Sequence[LayerOutput], cand_outs: Sequence[LayerOutput]) -> SubopResult:
+        """Emitted rows: a row missing or extra at some chunk is a defect at the position that emits it."""
+        for o_r, o_c in zip(ref_outs, cand_outs, strict=True):
+            nr, nc = len(o_r.captures[name]), len(o_c.captures[name])
+            if nr != nc:
+                j = min(nr, nc)
+                pos = (j + 1) * self.ratio - 1 if self.ratio else int(self.positions[0])
+                return SubopResult(name, "defect", 1.0, 0.0, np.inf, pos,
+                                   f"{name}: candidate has {nc} rows, reference {nr} (row {j} missing or extra, "
+                                   f"emitted at position {pos})")
+        a, b = ref_outs[-1].captures[name], cand_outs[-1].captures[name]
+        row_pos = (np.arange(len(a)) + 1) * max(self.ratio, 1) - 1
+        return self.floats(name, a, b, row_pos)
+
+    def sets(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray,
+             margin: np.ndarray | None) -> SubopResult:
+        """Per-position set overlap of selected ids (-1 = padding); routing flips judged by the router margin."""
+        tol = self.env.margin_tol(self.layer)
+        miss = 1 - set_overlap(a, b)
+        worst = float(miss.max(initial=0.0))
+        for i in np.flatnonzero(miss > 0):
+            p = int(pos[i])
+            if self.excused(p):
+                continue
+            if margin is not None and np.isfinite(margin[i]) and margin[i] <= tol:
+                self.flip(p)
+                continue
+            why = "" if margin is None else (" (hash routing is a table lookup)" if not np.isfinite(margin[i])
+                                             else f" at router margin {margin[i]:.3g} > noise {tol:.3g}")
+            ra, rb = (sorted(set(x[i][x[i] >= 0].tolist())) for x in (a, b))
+            return SubopResult(name, "defect", float(miss[i]), 0.0, np.inf, p,
+                               f"{name} at position {p}: reference {ra}, candidate {rb}{why}")
+        status = "noise" if worst > 0 else "ok"
+        detail = f"near-tie flips (margin <= {tol:.3g}) or cascade from position {self.taint}" if worst else ""
+        return SubopResult(name, status, worst, 0.0, 0.0, None, detail)
+
+
+def _worst(results: list[SubopResult], name: str) -> SubopResult:
+    """Combine the captures of one sub-op: the first defect, else the worst status."""
+    for r in results:
+        if r.status == "defect":
+            r.name = name
+            return r
+    best = max(results, key=lambda r: (r.status == "noise", r.excess))
+    return SubopResult(name, best.status, best.err, best.floor, best.excess, best.position,
+                       "; ".join(r.detail for r in results if r.detail))
+
+
+def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], layer: int,
+               env: Envelope) -> list[SubopResult]:
+    """Every sub-op of `layer`, in SUBOPS order, both engines fed the reference's inputs."""
+    r_outs = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
+    c_outs = teacher_forced(cand, ref, [layer], capture=True)[layer]
+    pos = np.concatenate([c.start_pos + np.arange(len(c.tokens)) for c in ref])
+    ratio = cand.config.ratio(layer)
+    judge = _Judge(layer, env, pos, ratio)
+    margin = np.concatenate([o.diag.router_margin for o in r_outs])
+    results = []
+    for sub, caps in SUBOPS:
+        parts = []
+        for name in caps:
+            if name in ROW_CAPTURES:
+                _cat(r_outs, name, ref_engine.name, layer)
+                _cat(c_outs, name, cand.name, layer)
+                parts.append(judge.rows(name, r_outs, c_outs))
+                continue
+            a, b = _cat(r_outs, name, ref_engine.name, layer), _cat(c_outs, name, cand.name, layer)
+            if name == "index_sel":
+                parts.append(judge.sets(name, a, b, pos, None))
+            elif name == "expert_ids":
+                parts.append(judge.sets(name, a, b, pos, margin))
+            elif name == "expert_weights":
+                wa, wb, same = aligned_weights(_cat(r_outs, "expert_ids", ref_engine.name, layer), a,
+                                               _cat(c_outs, "expert_ids", cand.name, layer), b)
+                parts.append(judge.floats(name, wa[same], wb[same], pos[same]))
+            else:
+                parts.append(judge.floats(name, a, b, pos))
+        results.append(_worst(parts, sub))
+    return results
+
+
+# ---------------------------------------------------------------- orchestration
+
+class ReplayRouter:
+    """Routing replay: an `expert_override` that hands the candidate the reference's expert ids, so routing
+    amplification is separated from arithmetic error. Filled by `bisect(..., replay=router)` after the
+    reference run; construct the candidate with RunOptions(expert_override=router)."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] | None = None   # per layer [T, K]
+
+    def fill(self, ref: Sequence[ChunkResult]) -> None:
+        self.ids = [np.concatenate([c.diags[l].expert_ids for c in ref]) for l in range(len(ref[0].diags))]
+
+    def __call__(self, layer: int, start_pos: int, n: int) -> np.ndarray:
+        """ids [n, K] of the reference at positions start_pos..start_pos+n-1."""
+        if self.ids is None:
+            raise ParityError("routing replay used before the reference run filled it")
+        if start_pos + n > len(self.ids[layer]):
+            raise ParityError(f"routing replay: position {start_pos + n - 1} is past the reference run "
+                              f"({len(self.ids[layer])} positions)")
+        return self.ids[layer][start_pos : start_pos + n]
+
+
+@dataclass
+class Culprit:
+    layer: int | str               # layer index, or "embed" / "head"
+    subop: str | None
+    position: int | None
+    decode_step: int | None        # 0-based decode step when the position is past the prompt
+    detail: str
+
+
+@dataclass
+class BisectReport:
+    verdict: str                   # "defect" | "no defect" | "noise"
+    summary: str
+    culprit: Culprit | None
+    n_prompt: int
+    decode: int
+    tokens: list[int]
+    envelope: dict                 # k, eps, dtype, calibration
+    max_excess: dict[str, float]   # checkpoint -> free-running max excess
+    row_mismatch: tuple[int, int] | None = None   # free run: first (layer, position) with another visible-row count
+    attribution: list[LayerAttribution] = field(default_factory=list)
+    routing: list[LayerRouting] = field(default_factory=list)
+    probes: list[SpliceProbe] = field(default_factory=list)
+    subops: list[SubopResult] = field(default_factory=list)
+    trajectory: Trajectory | None = None
+    runs: dict[str, int] = field(default_factory=dict)     # engine runs by kind
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """Plain JSON-able dict (numpy arrays as nested lists)."""
+        def conv(x):
+            if isinstance(x, np.ndarray):
+                return conv(x.tolist())
+            if isinstance(x, dict):
+                return {str(k): conv(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [conv(v) for v in x]
+            if isinstance(x, float) and not np.isfinite(x):
+                return str(x)
+            if hasattr(x, "value") and not isinstance(x, (int, float, str)):
+                return x.value
+            return x
+
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["culprit"] = asdict(self.culprit) if self.culprit else None
+        d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
+        d["probes"] = [asdict(p) for p in self.probes]
+        d["routing"] = [asdict(r) for r in self.routing]
+        d["subops"] = [asdict(s) for s in self.subops]
+        if self.trajectory is not None:
+            t = self.trajectory
+            fd = t.first_divergent
+            d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
+                               "first_divergent_step": fd.step if fd else None,
+                               "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
+        return conv(d)
+
+
+def _where(pos: int | None, n_prompt: int) -> tuple[int | None, str]:
+    if pos is None:
+        return None, "position unknown"
+    if pos >= n_prompt:
+        return pos - n_prompt, f"decode step {pos - n_prompt} (position {pos})"
+    return None, f"prefill position {pos}"
+
+
+def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
+           chunk: int | None = None, progress: Progress | None = None,
+           replay: ReplayRouter | None = None) -> BisectReport:
+    """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
+    `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
+    say = progress or (lambda _m: None)
+    env.check_options(cand.options)
+    L, P = cand.config.n_layers, len(prompt)
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    runs = {"full": 0, "teacher_forced": 0, "splice": 0, "drill_down_layers": 0}
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        seconds[name] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+
+    say(f"reference: {P} prompt tokens + {decode} greedy decode steps")
+    ref = run_sequence(ref_engine, prompt, decode, chunk=chunk)
+    tokens = [int(t) for t in all_tokens(ref)]
+    if replay is not None:
+        replay.fill(ref)
+    say(f"{cand.name}: same tokens (teacher-forced)")
+    free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:])
+    runs["full"] = 2
+    lap("full_runs")
+    errs = checkpoint_errors(ref, free)
+    excess = {n: float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()}
+    logits = [np.concatenate([c.logits for c in run]) for run in (ref, free)]
+    traj = trajectory(*logits, errs, P, L, env)
+    report = BisectReport("no defect", "", None, P, decode, tokens,
+                          {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration},
+                          excess, trajectory=traj, runs=runs, seconds=seconds)
+    report.row_mismatch = first_visibility_mismatch(ref, [c.diags for c in free], range(L))
+    report.routing = routing(ref, free, env)
+    worst = max(excess, key=excess.get)
+    if excess[worst] <= 1 and traj.first_wrong is None and report.row_mismatch is None:
+        first_pos = int(errs[worst].argmax())
+        flips = sum(r.flips for r in report.routing)
+        report.summary = (f"NO DEFECT: every checkpoint within the envelope (max excess {excess[worst]:.2g} at "
+                          f"{worst}, position {first_pos}); steps {_counts(traj)}"
+                          + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
+        lap("verdict")
+        return report
+
+    return _localise(report, ref_engine, cand, ref, free, errs, env, say, lap)
+
+
+def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult],
+              free: Sequence[ChunkResult], errs: dict[str, np.ndarray], env: Envelope, say: Progress,
+              lap: Callable[[str], None]) -> BisectReport:
+    """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
+    L, P, runs = ref_engine.config.n_layers, report.n_prompt, report.runs
+    say("teacher-forced pass: every candidate layer on the reference's inputs")
+    tf = teacher_forced(cand, ref, list(range(L)))
+    runs["teacher_forced"] = 1
+    report.attribution = attribute(ref, tf, errs, env)
+    lap("teacher_forced")
+    if report.max_excess[EMBED] > 1:
+        pos = int(np.argmax(errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
+        report.culprit = Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs"))
+        return _finish(report, "defect", env, lap)
+    layer, report.probes = mirror_bisect(ref_engine, free, errs, ref, env, say)
+    runs["splice"] = len(report.probes)
+    lap("splice")
+    if layer == L:
+        report.culprit = Culprit("head", None, None, None, "layers clean; final norm / output head differ")
+        return _finish(report, "defect", env, lap)
+    local = [a.layer for a in report.attribution if a.kind == "local"]
+    if not local:
+        worst = max(report.max_excess, key=report.max_excess.get)
+        report.culprit = Culprit(layer, None, None, None, (
+            f"no candidate layer departs on the reference's inputs; the excess ({report.max_excess[worst]:.3g} at "
+            f"{worst}; the splice first departs after layer {layer}) is amplified sub-envelope drift (QAT code "
+            "flips or near-ties downstream)"))
+        return _finish(report, "noise", env, lap)
+    if layer not in local:  # the splice saw amplified sub-envelope drift: trust the local evidence
+        say(f"splice points at layer {layer}, which does not depart locally; using layer {local[0]}")
+        layer = local[0]
+    for cand_layer in [layer, *(l for l in local if l != layer)]:
+        say(f"drill-down: layer {cand_layer}, {len(SUBOPS)} sub-ops")
+        subs = drill_down(ref_engine, cand, ref, cand_layer, env)
+        runs["drill_down_layers"] += 1
+        hit = next((s for s in subs if s.status == "defect"), None)
+        if hit or cand_layer == layer:
+            report.subops = subs
+        if hit:
+            step, where = _where(hit.position, P)
+            report.culprit = Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}")
+            lap("drill_down")
+            return _finish(report, "defect", env, lap)
+    lap("drill_down")
+    att = report.attribution[layer]
+    if not any(s.status == "noise" for s in report.subops):
+        pos = att.worst_position
+        step, where = _where(pos, P)
+        report.culprit = Culprit(layer, None, pos, step, f"{where}; no captured sub-op differs: the defect is "
+                                 "between captures")
+        return _finish(report, "defect", env, lap)
+    noisy = next(s for s in report.subops if s.status == "noise")
+    report.culprit = Culprit(layer, noisy.name, None, None, noisy.detail)
+    return _finish(report, "noise", env, lap)
+
+
+def _step_detail(pos: int, n_prompt: int, what: str) -> tuple[int | None, str]:
+    step, where = _where(pos, n_prompt)
+    return step, f"{where}; {what}"
+
+
+def _counts(traj: Trajectory) -> str:
+    return ", ".join(f"{n} {v}" for v, n in traj.counts.items() if n) or "none"
+
+
+def _finish(report: BisectReport, verdict: str, env: Envelope, lap: Callable[[str], None]) -> BisectReport:
+    report.verdict = verdict
+    report.summary = summarize(report, env)
+    lap("verdict")
+    return report
+
+
+def summarize(report: BisectReport, env: Envelope) -> str:
+    """The verdict in a few lines: where, local vs propagated, noise or defect, the evidence numbers."""
+    c, lines = report.culprit, []
+    assert c is not None
+    head = "DEFECT" if report.verdict == "defect" else "NOISE (no defect)"
+    where = f" at layer {c.layer}" if isinstance(c.layer, int) else f" at {c.layer}"
+    if report.verdict == "noise" and c.subop is None:
+        where = ""
+    lines.append(f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}")
+    if isinstance(c.layer, int) and report.attribution:
+        a = report.attribution[c.layer]
+        lines.append(f"  layer {a.layer}: local (teacher-forced) rel-L2 {a.local:.3g}, free-running {a.free:.3g}, "
+                     f"envelope floor {a.floor:.3g} (k={env.k:g}) -> local excess {a.local_excess:.3g}, "
+                     f"free excess {a.free_excess:.3g}: {a.kind}"
+                     + (f" (visible compressed-row count differs from position {a.row_mismatch})"
+                        if a.row_mismatch is not None else ""))
+        sub = next((s for s in report.subops if s.name == c.subop), None)
+        if sub is not None and sub.floor > 0:
+            lines.append(f"  sub-op {sub.name}: local error {sub.err:.3g} vs floor {sub.floor:.3g} "
+                         f"(excess {sub.excess:.3g})")
+    if report.probes:
+        pr = ", ".join(f"k={p.k} " + ("clean" if p.clean else f"excess {p.excess:.2g}" if p.row_mismatch is None
+                       else "visible-row count differs at layer {} position {}".format(*p.row_mismatch))
+                       for p in report.probes)
+        lines.append(f"  mirror splice (candidate below k, reference from k): {pr}")
+    flips = [r for r in report.routing if r.flips or r.index_diffs]
+    if flips:
+        def one(r: LayerRouting) -> str:
+            parts = [f"{r.flips} expert-set flips ({r.noise_flips} within router-margin noise, largest margin "
+                     f"{r.largest_flip_margin:.3g})"] if r.flips else []
+            parts += [f"{r.index_diffs} indexer-selection differences"] if r.index_diffs else []
+            return f"layer {r.layer}: " + ", ".join(parts)
+
+        lines.append("  routing (free-running): " + "; ".join(one(r) for r in flips[:3]))
+    t = report.trajectory
+    if t is not None:
+        fd = t.first_divergent
+        first = "no divergent step"
+        if fd:
+            hot = t.first_layer_at(fd.step)
+            cause = f"layer excursion from layer {hot}" if hot is not None else "no layer outside the envelope"
+            first = (f"first divergent step {fd.step} ({fd.verdict.value}, reference margin {fd.ref_margin:.3g} vs "
+                     f"tie margin {fd.tie_margin:.3g}; {cause})")
+        lines.append(f"  trajectory: {len(t.steps)} steps ({_counts(t)}); {first}; "
+                     f"divergence rate {t.divergence_rate:.2f}")
+    return "\n".join(lines)
+
+
+def plot_report(report: BisectReport, path: str) -> object:
+    """Two panels from the report only: the step x layer excess map, and local vs free excess per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    t = report.trajectory
+    if t is not None:
+        im = ax1.imshow(np.log10(np.maximum(t.step_layer_excess, 1e-3)), aspect="auto", cmap="magma",
+                        vmin=-3, vmax=max(1.0, float(np.log10(max(t.step_layer_excess.max(), 1e-3)))))
+        fig.colorbar(im, ax=ax1, label="log10 excess over envelope")
+        ax1.set_xlabel("layer")
+        ax1.set_ylabel("generated step")
+        ax1.set_title("free-running excess (> 0 = outside the envelope)")
+    if report.attribution:
+        ls = [a.layer for a in report.attribution]
+        ax2.semilogy(ls, [max(a.local_excess, 1e-3) for a in report.attribution], "o-", label="local (teacher-forced)")
+        ax2.semilogy(ls, [max(a.free_excess, 1e-3) for a in report.attribution], "s--", label="free-running")
+        ax2.axhline(1, color="gray", lw=1)
+        if report.culprit is not None and isinstance(report.culprit.layer, int):
+            ax2.axvline(report.culprit.layer, color="red", lw=1, label=f"culprit: layer {report.culprit.layer}")
+        ax2.set_xlabel("layer")
+        ax2.set_ylabel("excess over envelope")
+        ax2.legend()
+    else:
+        ax2.text(0.5, 0.5, "no attribution needed:\nevery checkpoint inside the envelope", ha="center", va="center")
+        ax2.set_axis_off()
+    fig.suptitle(report.summary.splitlines()[0][:110], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig

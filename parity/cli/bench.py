@@ -1,0 +1,65 @@
+"""`v4parity bench`: both engines at real DeepSeek-V4-Flash layer dimensions, measured side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+ENGINES = ("reference", "torch")
+
+
+@click.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Device of the torch engine and the torch dequantizers (the reference always runs on CPU).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Directory for bench.json and bench.md (the tables).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=".bench", show_default=True,
+              help="Where the generated benchmark GGUFs are cached (about 6 GiB for the real-dimension files).")
+@click.option("--engines", default=",".join(ENGINES), show_default=True,
+              help="Comma-separated engines to run, e.g. 'torch' on a GPU machine.")
+@click.option("--torch-threads", type=int, default=1, show_default=True,
+              help="Torch CPU threads of the torch worker (0: torch's default). On a shared 2-core box more "
+                   "threads mostly spin; the reference always runs one BLAS thread and parallelises over experts.")
+@click.option("--quick", is_flag=True,
+              help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
+                   "not meaningful).")
+def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads: int, quick: bool) -> None:
+    """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,
+    scaling to 512 tokens, tracing overhead, peak memory, and the dequantizers of every ggml type against
+    gguf.quants. Prints the tables and writes OUT/bench.json and OUT/bench.md.
+
+    The first run writes the 1-layer (CSA) and 2-layer (CSA + HCA) GGUFs into --cache-dir (a few minutes);
+    later runs reuse them. Every engine number is a median of several runs in one worker process.
+    """
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from parity.bench.measure import render_markdown, run_bench
+    from parity.contract.errors import ParityError
+
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    unknown = [e for e in chosen if e not in ENGINES]
+    if unknown or not chosen:
+        raise ParityError(f"--engines: unknown engine(s) {unknown or [engines]}; choose from {', '.join(ENGINES)}")
+    console = Console(stderr=True)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParityError("--device cuda: torch sees no CUDA device on this machine (use --device cpu)")
+    if torch_threads < 0:
+        raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
+    report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
+                       log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    table = render_markdown(report)
+    (out / "bench.md").write_text(table)
+    Console().print(Markdown(table))
+    click.echo(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+
+
+COMMANDS = [bench]

@@ -1,0 +1,158 @@
+"""`v4parity bisect` and `v4parity envelope`: localise a candidate engine's first departure from the reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+def _tokens(tokens: str | None, tokens_file: str | None, vocab: int, bos: int) -> list[int]:
+    """--tokens / --tokens-file (parsed by `trace`'s reader), else the built-in prompt; ids checked against vocab."""
+    from parity.cli.trace import read_token_list
+
+    if tokens is not None and tokens_file is not None:
+        raise click.UsageError("give --tokens or --tokens-file, not both")
+    if tokens is None and tokens_file is None:
+        from parity.bisect.search import builtin_prompt
+
+        return builtin_prompt(vocab, bos)
+    ids = (read_token_list(tokens, "--tokens") if tokens is not None
+           else read_token_list(Path(tokens_file).read_text(), tokens_file))
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise click.BadParameter(f"token ids must be in [0, {vocab}); out of range: {bad[:5]}")
+    return ids
+
+
+def _stderr(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _options(dtype: str, device: str, no_fp8_kv: bool, no_fp4_indexer: bool, inject=()):
+    from parity.contract.engine import RunOptions
+
+    return RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
+                      inject=tuple(inject))
+
+
+def _measure(model: str, engine: str, opts, say):
+    """Benign pairs for the envelope of `engine` (never with faults injected)."""
+    from dataclasses import replace
+
+    from parity.bisect.envelope import CALIBRATION_DECODE, calibration_prompt, measure_envelope
+    from parity.contract.engine import load_engine
+
+    clean = replace(opts, inject=(), expert_override=None)
+    ref = load_engine("reference", model, _options("float32", "cpu", not opts.fp8_kv, not opts.fp4_indexer))
+    ref64 = load_engine("reference", model, _options("float64", "cpu", not opts.fp8_kv, not opts.fp4_indexer))
+    cand = load_engine(engine, model, clean)
+    cand32 = load_engine(engine, model, replace(clean, dtype="float32")) if clean.dtype != "float32" else None
+    prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
+    return measure_envelope(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=say)
+
+
+def _default_envelope_path(model: str) -> Path:
+    return Path("traces") / (Path(model).stem + ".envelope.json")
+
+
+model_opt = click.option("--model", "-m", required=True, type=click.Path(exists=True, dir_okay=False),
+                         help="deepseek4 GGUF file.")
+engine_opt = click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
+dtype_opt = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+                         help="Candidate precision (the reference always runs float32; bf16 has its own envelope).")
+device_opt = click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="cpu", show_default=True,
+                          help="Candidate device (torch engine; auto = CUDA when present).")
+fp8_opt = click.option("--no-fp8-kv", is_flag=True, help="Both engines: skip the FP8 KV simulation.")
+fp4_opt = click.option("--no-fp4-indexer", is_flag=True, help="Both engines: skip the FP4 indexer simulation.")
+
+
+@click.command()
+@model_opt
+@engine_opt
+@dtype_opt
+@device_opt
+@fp8_opt
+@fp4_opt
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Envelope file (default traces/<model stem>.envelope.json); a section per dtype is added.")
+def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
+    """Measure the noise envelope of ENGINE on MODEL: reference f32 vs f64, the engine with two prefill
+    chunkings (and, for bf16, bf16 vs its own f32) on a seeded calibration prompt.
+
+    Example: v4parity envelope -m tiny-f32.gguf --engine torch --dtype bfloat16
+    """
+    from parity.bisect.envelope import save_envelope
+    from parity.gguf.weights import Weights
+
+    env = _measure(model, engine, _options(dtype, device, no_fp8_kv, no_fp4_indexer), _stderr)
+    path = save_envelope(output or _default_envelope_path(model), env, Weights(model).identity())
+    worst = max(env.checkpoints, key=env.checkpoints.get)
+    click.echo(f"wrote {dtype} envelope to {path} (k={env.k:g}, eps={env.eps:g}; largest floor "
+               f"{env.checkpoints[worst]:.3g} at {worst}; logit_rel {env.logit_rel:.3g})")
+
+
+@click.command()
+@model_opt
+@engine_opt
+@click.option("--tokens", default=None, help="Prompt token ids, e.g. '0 17 42' (default: a built-in prompt).")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File with whitespace/comma separated prompt token ids.")
+@click.option("--decode", type=click.IntRange(0), default=4, show_default=True,
+              help="Greedy decode steps after the prompt (decode-only defects show up here).")
+@click.option("--chunk", type=click.IntRange(1), default=None, help="Prefill chunk size (default: one chunk).")
+@click.option("--inject", multiple=True, help="Fault to inject into the candidate (repeatable; torch engine).")
+@dtype_opt
+@device_opt
+@fp8_opt
+@fp4_opt
+@click.option("--envelope", "envelope_path", type=click.Path(dir_okay=False), default=None,
+              help="Envelope file (default traces/<model stem>.envelope.json when present, else measured now).")
+@click.option("--routing-replay", is_flag=True,
+              help="Force the candidate to use the reference's expert choices (separates routing flips from "
+                   "arithmetic error).")
+@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
+def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, device, no_fp8_kv, no_fp4_indexer,
+           envelope_path, routing_replay, as_json, plot):
+    """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
+
+    Exit status: 0 no defect (or noise only), 1 defect.
+
+    Example: v4parity bisect -m tiny-f32.gguf --engine torch --inject no-decode-compression
+    """
+    from dataclasses import replace
+
+    from parity.bisect.envelope import load_envelope
+    from parity.bisect.search import ReplayRouter
+    from parity.bisect.search import bisect as run_bisect
+    from parity.contract.engine import load_engine
+    from parity.gguf.weights import Weights
+
+    opts = _options(dtype, device, no_fp8_kv, no_fp4_indexer, inject)
+    path = Path(envelope_path) if envelope_path else _default_envelope_path(model)
+    if path.exists():
+        _stderr(f"envelope: {path} ({dtype})")
+        env = load_envelope(path, dtype, Weights(model).identity())
+    elif envelope_path:
+        raise click.BadParameter(f"{path} does not exist", param_hint="--envelope")
+    else:
+        _stderr(f"envelope: no {path}; measuring it now (save one with `v4parity envelope`)")
+        env = _measure(model, engine, opts, _stderr)
+    ref = load_engine("reference", model, _options("float32", "cpu", no_fp8_kv, no_fp4_indexer))
+    router = ReplayRouter() if routing_replay else None
+    cand = load_engine(engine, model, replace(opts, expert_override=router))
+    prompt = _tokens(tokens, tokens_file, ref.config.vocab_size, ref.config.bos_token_id)
+    report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=_stderr, replay=router)
+    if plot:
+        from parity.bisect.search import plot_report
+
+        plot_report(report, plot)
+        _stderr(f"plot: {plot}")
+    click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.summary)
+    sys.exit(1 if report.verdict == "defect" else 0)
+
+
+COMMANDS = [bisect, envelope]

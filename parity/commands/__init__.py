@@ -1,1 +1,0 @@
-"""One module per command noun; each exposes `COMMANDS`, a list of click commands."""

@@ -1,0 +1,511 @@
+"""Compare two traces: preflight, per-(checkpoint, position) metrics, the first drifting checkpoint.
+
+`a` is the reference, `b` the candidate. Preflight refuses (PreflightError) when token ids, model
+identity, checkpoint sets or traced positions differ, unless `force=True` (then the intersection
+is compared and the refusals are kept as warnings). Metrics use the full vectors when both traces
+recorded them for a checkpoint ("full"), else the 64-number fingerprints ("fp": cosine and rel-L2
+are then Johnson-Lindenstrauss estimates, max-abs is unknown). A position drifts when its rel-L2
+exceeds `rel_tol` or its RMS ratio leaves 1 +- `norm_tol` or any statistic is non-finite; the first
+drifting checkpoint is the shallowest one (depth order) where any position drifts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from parity.compare import metrics
+from parity.contract.errors import ParityError, TraceError
+from parity.tracing.records import Trace, checkpoint_depth, checkpoint_layer
+
+
+class PreflightError(ParityError):
+    """The two traces are not comparable (different tokens, model, checkpoints or positions)."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Drift thresholds. rel_tol 1e-3 sits ~1000x above float32 engine-vs-reference noise (~1e-6)
+    and ~10x below the smallest injected fault's rel-L2 at its first checkpoint (1.3e-2, docs/metrics.md)."""
+
+    rel_tol: float = 1e-3
+    norm_tol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("rel_tol", "norm_tol"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ParityError(f"{name} must be a positive finite number, got {v!r}")
+
+    def with_overrides(self, **kw: float | None) -> Thresholds:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def cos_tol(self) -> float:
+        """The cosine threshold equivalent to rel_tol for equal-norm vectors: 1 - rel_tol^2 / 2."""
+        return float(metrics.cosine_at_rel_l2(self.rel_tol))
+
+
+def preflight(a: Trace, b: Trace) -> list[str]:
+    """Reasons the traces are not comparable one-to-one (empty list: comparable)."""
+    ha, hb = a.header, b.header
+    problems = []
+    i = _first_token_difference(ha.tokens, hb.tokens)
+    if i is not None:
+        at = lambda t: t[i] if i < len(t) else "end"  # noqa: E731
+        problems.append(f"token ids differ at position {i} (A: {at(ha.tokens)}, B: {at(hb.tokens)}; "
+                        f"A has {len(ha.tokens)} tokens, B {len(hb.tokens)})")
+    if _model_key(ha.model) != _model_key(hb.model):
+        problems.append(f"model identity differs: A {_model_str(ha.model)} vs B {_model_str(hb.model)}")
+    if ha.checkpoints != hb.checkpoints:
+        only_a = [c for c in ha.checkpoints if c not in hb.checkpoints]
+        only_b = [c for c in hb.checkpoints if c not in ha.checkpoints]
+        problems.append(f"checkpoint sets differ: only in A {only_a or '-'}, only in B {only_b or '-'}")
+    if ha.positions != hb.positions:
+        problems.append(f"traced positions differ: A {_short(ha.positions)} vs B {_short(hb.positions)}")
+    if ha.n_hc != hb.n_hc:
+        problems.append(f"stream counts differ: A {ha.n_hc} vs B {hb.n_hc}")
+    return problems
+
+
+def _first_token_difference(ta: list[int], tb: list[int]) -> int | None:
+    """First position whose input token differs (or where one run ends), None if identical."""
+    if ta == tb:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+
+
+def _model_key(m: dict) -> tuple:
+    """What identifies a model: size + header hash (the file name is informational)."""
+    return m["size"], m["header_sha256"]
+
+
+def _model_str(m: dict) -> str:
+    return f"{m['file']} ({m['size']} bytes, header {m['header_sha256']})"
+
+
+def _short(xs: list) -> str:
+    return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
+
+
+@dataclass
+class DiffReport:
+    """Everything a diff found. `table`: one row per (checkpoint, position); `summary`: one per checkpoint."""
+
+    a: dict[str, Any]
+    b: dict[str, Any]
+    thresholds: Thresholds
+    warnings: list[str]
+    table: pd.DataFrame
+    layers: pd.DataFrame
+    first_drift: dict[str, Any] | None
+    flags_differ: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.first_drift is None
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.table["exact"].all())
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """Per checkpoint (depth order): worst position by rel-L2 and its metrics, drift count."""
+        t = self.table
+        worst = t.loc[t.assign(key=t["rel_l2"].fillna(np.inf)).groupby("checkpoint", sort=False)["key"].idxmax()]
+        agg = t.groupby("checkpoint", sort=False).agg(
+            positions=("pos", "size"), drifting=("drift", "sum"), exact=("exact", "all"),
+            cosine_min=("cosine", "min"), max_abs=("max_abs", "max"),
+            stream_ratio_min=("stream_ratio_min", "min"), stream_ratio_max=("stream_ratio_max", "max"))
+        w = worst.set_index("checkpoint")[["depth", "layer", "method", "pos", "norm_ratio", "rel_l2", "sqnr_db"]]
+        out = w.rename(columns={"pos": "worst_pos"}).join(agg)
+        return out.reset_index().sort_values("depth", kind="stable").reset_index(drop=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        def records(df: pd.DataFrame) -> list[dict]:
+            return [{k: _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+        return {"a": self.a, "b": self.b, "thresholds": {**asdict(self.thresholds), "cos_tol": self.thresholds.cos_tol},
+                "warnings": self.warnings, "flags_differ": self.flags_differ, "agree": bool(self),
+                "exact": self.exact, "first_drift": self.first_drift, "checkpoints": records(self.summary),
+                "positions": records(self.table), "layers": records(self.layers)}
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, (np.bool_, bool)):
+        return bool(v)
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return None if np.isnan(v) else (str(v) if np.isinf(v) else v)
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# Computing the diff
+
+def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force: bool = False) -> DiffReport:
+    """Preflight, then metrics for every common (checkpoint, position); raises PreflightError unless forced."""
+    th = thresholds or Thresholds()
+    problems = preflight(a, b)
+    if problems and not force:
+        raise PreflightError("refusing to compare these traces (use --force / force=True to compare the "
+                             "overlap anyway):\n  - " + "\n  - ".join(problems))
+    names = [c for c in a.header.checkpoints if c in set(b.header.checkpoints)]
+    in_b = set(b.header.positions)
+    positions = [p for p in a.header.positions if p in in_b]
+    cut = _first_token_difference(a.header.tokens, b.header.tokens)
+    if cut is not None and any(p >= cut for p in positions):
+        positions = [p for p in positions if p < cut]
+        problems.append(f"compared only positions < {cut}: from there on the runs were fed different tokens")
+    if not names or not positions:
+        raise PreflightError("the traces share no (checkpoint, position) to compare")
+    table = _metrics_table(a, b, names, positions, th, a.n_layers)
+    return DiffReport(
+        a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
+        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th),
+        flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
+                      for k in sorted(set(a.header.flags) | set(b.header.flags))
+                      if a.header.flags.get(k) != b.header.flags.get(k)},
+    )
+
+
+def _side(t: Trace) -> dict[str, Any]:
+    h = t.header
+    return {"engine": h.engine, "version": h.engine_version, "model": h.model, "dtype": h.dtype, "flags": h.flags,
+            "n_tokens": len(h.tokens)}
+
+
+def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
+    """The `ckpt` row of every (checkpoint, position), checkpoint-major.  -> int [len(names) * len(positions)]"""
+    ck, pos = t.ckpt["ck"], t.ckpt["pos"]
+    at = np.asarray(positions)
+    listed = np.flatnonzero(np.isin(pos, at))
+    where = np.full((len(t.header.checkpoints), len(at)), -1)
+    where[ck[listed], np.searchsorted(at, pos[listed])] = listed
+    rows = where[[t.header.checkpoints.index(n) for n in names]]
+    if (rows < 0).any():
+        i, j = np.argwhere(rows < 0)[0]
+        raise TraceError(f"{t.header.engine} trace: no ckpt row for checkpoint {names[i]} at position {positions[j]}")
+    return rows.ravel()
+
+
+def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], th: Thresholds,
+                   n_layers: int) -> pd.DataFrame:
+    """One row per (checkpoint, position), checkpoint-major: metrics on full vectors or fingerprints (`method`)."""
+    n = len(positions)
+    ra, rb = _rows_at(a, names, positions).reshape(len(names), n), _rows_at(b, names, positions).reshape(len(names), n)
+    full = [a.vectors is not None and b.vectors is not None and name in a.vectors and name in b.vectors
+            for name in names]
+    parts = [_checkpoint_metrics(a, b, name, positions, ra[i], rb[i], full[i], th) for i, name in enumerate(names)]
+    layers = [checkpoint_layer(name) for name in names]
+    return pd.DataFrame({
+        "checkpoint": [name for name in names for _ in range(n)],
+        "depth": np.repeat([checkpoint_depth(name, n_layers) for name in names], n),
+        "layer": np.repeat([-1 if layer is None else layer for layer in layers], n).astype(np.int64),
+        "pos": np.tile(np.asarray(positions, np.int64), len(names)),
+        "method": [("full" if f else "fp") for f in full for _ in range(n)],
+        **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]},
+    })
+
+
+def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra: np.ndarray, rb: np.ndarray,
+                        full: bool, th: Thresholds) -> dict[str, np.ndarray]:
+    """The metric columns of one checkpoint (rows ra of a.ckpt against rb of b.ckpt, one per position)."""
+    ca, cb = a.ckpt.cols, b.ckpt.cols
+    if full:
+        va, vb = a.vectors[name][_indices(a, positions)], b.vectors[name][_indices(b, positions)]
+        max_abs = metrics.max_abs(va, vb)
+        exact_vec = np.all(va.reshape(len(va), -1) == vb.reshape(len(vb), -1), axis=1)
+    else:
+        va, vb = ca["fp"][ra], cb["fp"][rb]
+        max_abs, exact_vec = np.full(len(positions), np.nan), np.ones(len(positions), bool)
+    rel = metrics.rel_l2(va, vb)
+    cos = metrics.cosine(va, vb)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norm_ratio = cb["rms"][rb].astype(np.float64) / ca["rms"][ra]
+        stream = cb["l2s"][rb].astype(np.float64) / ca["l2s"][ra]
+    stats = ("min", "max", "rms", "sum_l2")
+    finite = np.all([np.isfinite(ca[s][ra]) & np.isfinite(cb[s][rb]) for s in stats], axis=0)
+    finite &= np.isfinite(ca["fp"][ra]).all(axis=1) & np.isfinite(cb["fp"][rb]).all(axis=1)
+    exact = exact_vec & np.all([_same(ca[s][ra], cb[s][rb]) for s in (*stats, "l2s", "fp")], axis=0)
+    drift = ~finite | ~(rel <= th.rel_tol) | ~(np.abs(norm_ratio - 1.0) <= th.norm_tol)
+    with np.errstate(all="ignore"):
+        smin, smax = np.nanmin(stream, axis=1), np.nanmax(stream, axis=1)
+    return {"norm_ratio": norm_ratio, "cosine": cos, "rel_l2": rel, "nmse": rel ** 2,
+            "sqnr_db": metrics.sqnr_from_rel_l2(rel), "max_abs": max_abs, "stream_ratio_min": smin,
+            "stream_ratio_max": smax, "finite": finite, "exact": exact, "drift": drift,
+            "argmax_a": ca["argmax"][ra], "argmax_b": cb["argmax"][rb]}
+
+
+def _indices(t: Trace, positions: list[int]) -> np.ndarray:
+    """Rows of t.vectors (one per header position) holding `positions`."""
+    return np.searchsorted(np.asarray(t.header.positions), positions)
+
+
+def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise exact equality (NaN equal to NaN)."""
+    eq = (x == y) | (np.isnan(x) & np.isnan(y))
+    return eq.reshape(len(eq), -1).all(axis=1)
+
+
+def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
+    d = table[table["drift"]]
+    if d.empty:
+        return None
+    depth = d["depth"].min()
+    at = d[d["depth"] == depth].sort_values("pos")
+    row = at.loc[at["rel_l2"].fillna(np.inf).idxmax()]
+    reason = ("non-finite values" if not row["finite"] else
+              f"rel-L2 {row['rel_l2']:.3g} > {th.rel_tol:g}" if not row["rel_l2"] <= th.rel_tol else
+              f"RMS ratio {row['norm_ratio']:.6g} outside 1 +- {th.norm_tol:g}")
+    return {"checkpoint": row["checkpoint"], "layer": None if row["layer"] < 0 else int(row["layer"]),
+            "first_pos": int(at["pos"].iloc[0]), "worst_pos": int(row["pos"]), "positions": at["pos"].tolist(),
+            "method": row["method"], "rel_l2": _json_value(row["rel_l2"]), "norm_ratio": _json_value(row["norm_ratio"]),
+            "cosine": _json_value(row["cosine"]), "reason": reason}
+
+
+LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "n_comp_mismatch",
+                 "sel_mismatch"]
+_BLOCK = 1024  # rows per block when comparing [rows, S] indexer selections (temporaries stay in cache)
+
+
+def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
+    """Per layer: HC mix max-abs difference, expert-set flips, compressed-row and indexer mismatches.
+
+    Rows are joined on their keys ((layer, sub, pos) / (layer, pos), positions in `positions`; a key listed twice
+    counts its last row). hc_max_abs = max |b - a| over pre/post/comb, NaN ignored; weight_max_abs = max over rows
+    whose expert ids are identical (same order) of the row's max |b - a| (a row with a NaN counts as no row).
+    """
+    keep = np.asarray(positions)
+    out: dict[int, dict[str, Any]] = {}
+
+    def entries(layers: np.ndarray) -> list[dict[str, Any]]:
+        return [out.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
+                                       "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
+                for layer in layers.tolist()]
+
+    ia, ib = _join(a.hc, b.hc, ("layer", "sub", "pos"), keep)
+    if len(ia):
+        layers, starts = _runs(a.hc["layer"][ia])
+        hc_max = np.zeros(len(layers))
+        for c in ("pre", "post", "comb"):
+            d = np.subtract(a.hc[c].take(ia, axis=0), b.hc[c].take(ib, axis=0), dtype=np.float64)
+            hc_max = np.fmax(hc_max, np.fmax.reduceat(np.abs(d, out=d).reshape(-1), starts * d.shape[1]))
+        for e, v in zip(entries(layers), hc_max.tolist(), strict=True):
+            e["hc_max_abs"] = v
+
+    ia, ib = _join(a.moe, b.moe, ("layer", "pos"), keep)
+    if len(ia):
+        ids_a, ids_b = a.moe["ids"][ia], b.moe["ids"][ib]
+        same = _rows_equal(ids_a, ids_b)
+        flip = _sets_differ(ids_a, ids_b, same, nonneg=False)
+        weight = np.zeros(len(ia))
+        if same.any():
+            w = np.abs(a.moe["w"][ia[same]].astype(np.float64) - b.moe["w"][ib[same]]).max(axis=1, initial=0.0)
+            weight[same] = np.where(np.isnan(w), 0.0, w)
+        pos = np.where(flip, a.moe["pos"][ia].astype(np.int64), np.iinfo(np.int64).max)
+        layers, starts = _runs(a.moe["layer"][ia])
+        n_flip = np.add.reduceat(flip.astype(np.int64), starts).tolist()
+        first = np.minimum.reduceat(pos, starts).tolist()
+        w_max = np.maximum.reduceat(weight, starts).tolist()
+        for e, n, f, wm in zip(entries(layers), n_flip, first, w_max, strict=True):
+            e.update(expert_flips=n, first_flip_pos=f if n else -1, weight_max_abs=wm)
+
+    ia, ib = _join(a.attn, b.attn, ("layer", "pos"), keep)
+    if len(ia):
+        n_comp = a.attn["n_comp"][ia] != b.attn["n_comp"][ib]
+        blocks = [(ia[i:i + _BLOCK], ib[i:i + _BLOCK]) for i in range(0, len(ia), _BLOCK)]
+        sel = np.concatenate([_sel_differ(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks])
+        layers, starts = _runs(a.attn["layer"][ia])
+        n_comp_count = np.add.reduceat(n_comp.astype(np.int64), starts).tolist()
+        sel_count = np.add.reduceat(sel.astype(np.int64), starts).tolist()
+        for e, nc, ns in zip(entries(layers), n_comp_count, sel_count, strict=True):
+            e.update(n_comp_mismatch=nc, sel_mismatch=ns)
+    return pd.DataFrame([out[k] for k in sorted(out)], columns=LAYER_COLUMNS)
+
+
+def _join(ta: Any, tb: Any, key: tuple[str, ...], keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (ia, ib) of the keys both tables hold at positions in `keep`, in ascending key order.
+
+    Each key column is coded densely (value - min, or its rank when the values are spread wider than the rows),
+    so the mixed-radix code of a key (int64; re-ranked if it would overflow) orders keys lexicographically.
+    """
+    rows = [np.flatnonzero(np.isin(t["pos"], keep)) for t in (ta, tb)]
+    n = len(rows[0]) + len(rows[1])
+    code, span = np.zeros(n, np.int64), 1
+    for c in key if n else ():
+        both = np.concatenate([ta[c][rows[0]], tb[c][rows[1]]]).astype(np.int64)
+        lo, hi = int(both.min()), int(both.max())
+        if hi - lo < n:
+            dense, radix = both - lo, hi - lo + 1
+        else:
+            values, dense = np.unique(both, return_inverse=True)
+            radix = len(values)
+        if span * radix >= 2**63:  # re-rank the partial codes (span <= n afterwards)
+            values, code = np.unique(code, return_inverse=True)
+            span = len(values)
+        code, span = code * radix + dense, span * radix
+    ua, ra = _last_of_each(code[: len(rows[0])], rows[0])
+    ub, rb = _last_of_each(code[len(rows[0]):], rows[1])
+    _, ja, jb = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
+    return ra[ja], rb[jb]
+
+
+def _last_of_each(code: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct codes ascending and, for each, the last of `rows` carrying it (as a dict built in row order)."""
+    order = np.argsort(code, kind="stable")
+    c = code[order]
+    last = np.ones(len(c), bool)
+    last[:-1] = c[1:] != c[:-1]
+    return c[last], rows[order[last]]
+
+
+def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values and start indices of the runs of equal values in x (non-empty)."""
+    starts = np.flatnonzero(np.concatenate([[True], x[1:] != x[:-1]]))
+    return x[starts], starts
+
+
+def _take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """x[rows], as a view when rows is an ascending run of consecutive indices (rows non-empty)."""
+    if rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+        return x[rows[0]: rows[-1] + 1]
+    return x[rows]
+
+
+def _rows_equal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise array equality (same width, same values in the same order).  [n, p] x [n, q] -> bool [n]"""
+    if x.shape[1] != y.shape[1]:
+        return np.zeros(len(x), bool)
+    return (x == y).all(axis=1)
+
+
+def _sel_differ(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """set(x[i] >= 0) != set(y[i] >= 0) per row (indexer selections, -1 = empty slot).  [n, S] x 2 -> bool [n]"""
+    return _sets_differ(x, y, _rows_equal(x, y), nonneg=True)
+
+
+def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray, nonneg: bool) -> np.ndarray:
+    """set(x[i]) != set(y[i]) per row, or of the values >= 0 only when `nonneg`; rows known equal (`same`) skip.
+
+    x [n, p], y [n, q] int -> bool [n]. Sets compare as canonical rows: sorted, duplicates replaced by the row
+    minimum, sorted again, left-padded with the minimum to a common width (equal sets <=> equal rows).
+    """
+    out = ~same
+    rows = np.flatnonzero(out)
+    if len(rows):
+        cx, cy = _canonical_set(x[rows], nonneg), _canonical_set(y[rows], nonneg)
+        width = max(cx.shape[1], cy.shape[1])
+        out[rows] = (_pad_left(cx, width) != _pad_left(cy, width)).any(axis=1)
+    return out
+
+
+def _canonical_set(x: np.ndarray, nonneg: bool) -> np.ndarray:
+    """A row form that depends only on the row's value set (and width); see `_sets_differ`.  [n, p] -> [n, p(+1)]"""
+    x = x.astype(np.int64)
+    if nonneg:  # every negative becomes -1, and each row gets one -1 more: the set is {-1} + its values >= 0
+        x = np.concatenate([np.full((len(x), 1), -1), np.maximum(x, -1)], axis=1)
+    s = np.sort(x, axis=1)
+    if s.shape[1] > 1:
+        s[:, 1:] = np.where(s[:, 1:] == s[:, :-1], s[:, :1], s[:, 1:])
+        s.sort(axis=1)
+    return s
+
+
+def _pad_left(s: np.ndarray, width: int) -> np.ndarray:
+    """Prepend copies of column 0 (the row minimum) up to `width` columns."""
+    return np.concatenate([np.repeat(s[:, :1], width - s.shape[1], axis=1), s], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printers (pure functions of the report)
+
+def verdict_line(r: DiffReport) -> str:
+    th = r.thresholds
+    if r.first_drift is None:
+        kind = "bit-exact" if r.exact else f"within rel-L2 <= {th.rel_tol:g} and RMS ratio 1 +- {th.norm_tol:g}"
+        return f"all {r.table['checkpoint'].nunique()} checkpoints agree ({kind})"
+    f = r.first_drift
+    where = f"layer {f['layer']}" if f["layer"] is not None else f["checkpoint"]
+    return (f"first drifting checkpoint: {f['checkpoint']} ({where}) from position {f['first_pos']}: {f['reason']} "
+            f"[{f['method']}]")
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def summary_rows(r: DiffReport) -> list[list[str]]:
+    """Summary cells per checkpoint, in SUMMARY_HEADERS order."""
+    out = []
+    for s in r.summary.to_dict(orient="records"):
+        status = "exact" if s["exact"] else ("DRIFT" if s["drifting"] else "ok")
+        if s["drifting"]:
+            status += f" ({s['drifting']}/{s['positions']} pos)"
+        streams = f"{_fmt(s['stream_ratio_min'], '.4f')}..{_fmt(s['stream_ratio_max'], '.4f')}"
+        out.append([s["checkpoint"], s["method"], str(s["worst_pos"]), _fmt(s["norm_ratio"], ".6f"),
+                    _fmt(s["cosine_min"], ".8f"), _fmt(s["rel_l2"], ".3e"), _fmt(s["sqnr_db"], ".1f"),
+                    _fmt(s["max_abs"], ".3e"), streams, status])
+    return out
+
+
+SUMMARY_HEADERS = ["checkpoint", "method", "worst pos", "norm ratio", "cosine", "rel-L2", "SQNR dB", "max-abs",
+                   "stream ratios", "status"]
+
+
+def to_markdown(r: DiffReport) -> str:
+    """The report as GitHub Markdown: verdict, warnings, summary table, layer diagnostics with differences."""
+    lines = [f"**v4parity diff**: A = {r.a['engine']} {r.a['version']}, B = {r.b['engine']} {r.b['version']}", "",
+             f"**{verdict_line(r)}**", ""]
+    lines += [f"> warning (forced): {w}" for w in r.warnings]
+    lines += [f"> flags differ: `{k}` A={v[0]} B={v[1]}" for k, v in r.flags_differ.items()]
+    lines += ["", "| " + " | ".join(SUMMARY_HEADERS) + " |", "|" + "---|" * len(SUMMARY_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in summary_rows(r)]
+    bad = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)
+                   | (r.layers["hc_max_abs"] > 0)] if len(r.layers) else r.layers
+    if len(bad):
+        lines += ["", "| layer | HC max-abs | expert flips | n_comp mismatches | indexer mismatches |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e.layer} | {e.hc_max_abs:.3e} | {e.expert_flips} | {e.n_comp_mismatch} | {e.sel_mismatch} |"
+                  for e in bad.itertuples()]
+    lines += ["", f"Thresholds: rel-L2 <= {r.thresholds.rel_tol:g}, |RMS ratio - 1| <= {r.thresholds.norm_tol:g} "
+                  f"(cosine >= {r.thresholds.cos_tol:.10g} for equal norms). method fp = 64-dim fingerprint estimate."]
+    return "\n".join(lines) + "\n"
+
+
+def print_report(r: DiffReport, console: Any = None) -> None:
+    """Rich console rendering: warnings, summary table, layer diagnostics, verdict."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = console or Console(width=None if Console().is_terminal else 150)
+    for w in r.warnings:
+        console.print(f"[yellow]warning (forced):[/] {w}")
+    for k, v in r.flags_differ.items():
+        console.print(f"[cyan]flags differ:[/] {k}: A={v[0]} B={v[1]}")
+    tab = RichTable(title=f"A = {r.a['engine']} ({r.a['dtype']})  vs  B = {r.b['engine']} ({r.b['dtype']})")
+    for h in SUMMARY_HEADERS:
+        tab.add_column(h, justify="left" if h in ("checkpoint", "method", "status") else "right")
+    first = r.first_drift["checkpoint"] if r.first_drift else None
+    for row in summary_rows(r):
+        style = "bold red" if row[0] == first else ("red" if "DRIFT" in row[-1] else None)
+        tab.add_row(*row, style=style)
+    console.print(tab)
+    flagged = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)]
+    for e in flagged.itertuples():
+        parts = [f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}" if e.expert_flips else "",
+                 f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)" if e.n_comp_mismatch else "",
+                 f"{e.sel_mismatch} indexer selection mismatch(es)" if e.sel_mismatch else ""]
+        console.print(f"layer {e.layer}: " + ", ".join(p for p in parts if p))
+    color = "green" if r else "bold red"
+    console.print(f"[{color}]{verdict_line(r)}[/]")
+    console.print(f"thresholds: rel-L2 <= {r.thresholds.rel_tol:g}, |RMS ratio - 1| <= {r.thresholds.norm_tol:g}; "
+                  "method 'fp' = fingerprint estimate, 'full' = full vectors")

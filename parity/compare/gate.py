@@ -1,0 +1,163 @@
+"""CI gate: a candidate trace against a golden one, with per-checkpoint tolerances.
+
+Tolerance file (JSON, or TOML with a .toml extension):
+    {"default": {"rel_tol": 1e-3, "norm_tol": 1e-3},
+     "checkpoints": {"final_norm": {"rel_tol": 2e-3}, "blk.*.attn": {"rel_tol": 1e-3}},
+     "require_top1": true}
+Checkpoint keys are shell patterns (fnmatch); the first matching key in file order wins. Unknown
+keys are an error. The result reports, per failing checkpoint, the smallest tolerance that would
+have passed, and renders as JUnit XML and a Markdown summary.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape, quoteattr
+
+import numpy as np
+
+from parity.compare.differ import DiffReport, Thresholds, diff_traces
+from parity.contract.errors import ParityError
+from parity.tracing.records import Trace
+
+TOP_KEYS = {"default", "checkpoints", "require_top1"}
+TOL_KEYS = {"rel_tol", "norm_tol"}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    default: Thresholds = field(default_factory=Thresholds)
+    checkpoints: tuple[tuple[str, Thresholds], ...] = ()
+    require_top1: bool = True
+
+    def for_checkpoint(self, name: str) -> Thresholds:
+        return next((th for pat, th in self.checkpoints if fnmatch.fnmatchcase(name, pat)), self.default)
+
+
+def _thresholds(d: Any, base: Thresholds, where: str) -> Thresholds:
+    if not isinstance(d, dict):
+        raise ParityError(f"tolerances: {where} must be an object with rel_tol / norm_tol")
+    unknown = set(d) - TOL_KEYS
+    if unknown:
+        raise ParityError(f"tolerances: {where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(TOL_KEYS)})")
+    for k, v in d.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ParityError(f"tolerances: {where}.{k} must be a positive number, got {v!r}")
+    return base.with_overrides(**{k: float(v) for k, v in d.items()})
+
+
+def load_tolerances(src: str | os.PathLike | dict | None) -> Tolerances:
+    """Parse a tolerance file (or dict); None gives the defaults."""
+    if src is None:
+        return Tolerances()
+    if isinstance(src, dict):
+        d = src
+    else:
+        path = Path(src)
+        if not path.is_file():
+            raise ParityError(f"tolerances: no such file {path}")
+        try:
+            if path.suffix == ".toml":
+                import tomllib
+
+                d = tomllib.loads(path.read_text())
+            else:
+                d = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ParityError(f"tolerances: {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {e}") from None
+    unknown = set(d) - TOP_KEYS
+    if unknown:
+        raise ParityError(f"tolerances: unknown top-level key(s) {sorted(unknown)} (allowed: {sorted(TOP_KEYS)})")
+    default = _thresholds(d.get("default", {}), Thresholds(), "default")
+    per = tuple((pat, _thresholds(v, default, f"checkpoints.{pat}")) for pat, v in d.get("checkpoints", {}).items())
+    top1 = d.get("require_top1", True)
+    if not isinstance(top1, bool):
+        raise ParityError(f"tolerances: require_top1 must be true or false, got {top1!r}")
+    return Tolerances(default, per, top1)
+
+
+@dataclass
+class GateResult:
+    """passed + one entry per checkpoint (name, status, worst metrics, tolerance, minimal passing tolerance)."""
+
+    passed: bool
+    cases: list[dict[str, Any]]
+    report: DiffReport
+    golden: str
+    candidate: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "golden": self.golden, "candidate": self.candidate, "cases": self.cases,
+                "first_drift": self.report.first_drift, "warnings": self.report.warnings}
+
+
+def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | dict | None = None,
+             force: bool = False, names: tuple[str, str] = ("golden", "candidate")) -> GateResult:
+    """Diff candidate against golden and judge every checkpoint by its own tolerance."""
+    tol = load_tolerances(tolerances)
+    report = diff_traces(golden, candidate, Thresholds(), force=force)
+    cases = []
+    for name, rows in report.table.groupby("checkpoint", sort=False):
+        th = tol.for_checkpoint(name)
+        rel = rows["rel_l2"].to_numpy()
+        dev = np.abs(rows["norm_ratio"].to_numpy() - 1.0)
+        problems = []
+        if not rows["finite"].all():
+            problems.append("non-finite statistics")
+        if not np.all(rel <= th.rel_tol):
+            problems.append(f"rel-L2 {np.nanmax(rel):.3e} > {th.rel_tol:g} (would pass at rel_tol >= "
+                            f"{np.nanmax(rel):.3e})")
+        if not np.all(dev <= th.norm_tol):
+            problems.append(f"|RMS ratio - 1| {np.nanmax(dev):.3e} > {th.norm_tol:g} (would pass at norm_tol >= "
+                            f"{np.nanmax(dev):.3e})")
+        if tol.require_top1 and name == "final_norm":
+            flips = rows[rows["argmax_a"] != rows["argmax_b"]]
+            problems += [f"top-1 token differs at position {p}: golden {a}, candidate {b}"
+                         for p, a, b in zip(flips["pos"], flips["argmax_a"], flips["argmax_b"], strict=True)]
+        cases.append({"checkpoint": name, "passed": not problems, "problems": problems,
+                      "method": rows["method"].iloc[0], "max_rel_l2": float(np.nanmax(rel)),
+                      "max_norm_dev": float(np.nanmax(dev)),
+                      "rel_tol": th.rel_tol, "norm_tol": th.norm_tol})
+    return GateResult(all(c["passed"] for c in cases), cases, report, *names)
+
+
+def junit_xml(r: GateResult) -> str:
+    """JUnit XML: one testsuite, one testcase per checkpoint (failures carry the problems)."""
+    fails = sum(not c["passed"] for c in r.cases)
+    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
+             f'<testsuite name="v4parity-gate" tests="{len(r.cases)}" failures="{fails}" errors="0">']
+    for c in r.cases:
+        attrs = f'classname={quoteattr("v4parity." + Path(r.golden).name)} name={quoteattr(c["checkpoint"])}'
+        if c["passed"]:
+            lines.append(f"  <testcase {attrs}/>")
+        else:
+            msg = "; ".join(c["problems"])
+            lines += [f"  <testcase {attrs}>", f"    <failure message={quoteattr(msg)}>{escape(msg)}</failure>",
+                      "  </testcase>"]
+    return "\n".join([*lines, "</testsuite>"]) + "\n"
+
+
+def markdown(r: GateResult) -> str:
+    """Markdown summary for CI annotations: verdict, failing checkpoints, then the full table."""
+    head = "PASSED" if r.passed else "FAILED"
+    lines = [f"### v4parity gate: {head}", "", f"golden `{r.golden}` vs candidate `{r.candidate}`", ""]
+    lines += [f"> warning (forced): {w}" for w in r.report.warnings]
+    if r.report.first_drift:
+        f = r.report.first_drift
+        lines += [f"First drifting checkpoint: **{f['checkpoint']}** from position {f['first_pos']} ({f['reason']})",
+                  ""]
+    lines += ["| checkpoint | status | method | max rel-L2 | rel_tol | max abs(RMS ratio - 1) | norm_tol |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {c['checkpoint']} | {'pass' if c['passed'] else '**FAIL**'} | {c['method']} | {c['max_rel_l2']:.3e} "
+              f"| {c['rel_tol']:g} | {c['max_norm_dev']:.3e} | {c['norm_tol']:g} |" for c in r.cases]
+    for c in r.cases:
+        lines += [f"- `{c['checkpoint']}`: {p}" for p in c["problems"]]
+    return "\n".join(lines) + "\n"

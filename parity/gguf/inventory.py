@@ -1,0 +1,148 @@
+"""The exact tensor set a deepseek4 GGUF must hold, derived from its `ModelConfig` (spec §4).
+
+`expected_tensors(cfg)` lists every tensor with its numpy shape (reversed ne) and the ggml types
+allowed for it; `validate(tensors, cfg)` reports *all* problems at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gguf.constants import GGMLQuantizationType as Q
+
+from parity.gguf.config import ModelConfig
+from parity.gguf.container import TensorInfo, tensor_nbytes
+
+FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
+DENSE = FLOATS | {Q.Q8_0}
+EXPERTS = DENSE | {Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4}
+F32_ONLY = frozenset({Q.F32})
+I32_ONLY = frozenset({Q.I32})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One expected tensor: numpy shape (out, in) order, allowed types, required or optional."""
+
+    name: str
+    shape: tuple[int, ...]
+    types: frozenset
+    klass: str          # tensor class, used to pick per-class quant types (synth, real-release layout)
+    required: bool = True
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape))
+
+
+def expected_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """All tensors of the main model in file order: globals, then each layer's tensors."""
+    D, H, V = cfg.dim, cfg.hc_mult, cfg.vocab_size
+    E, F, K = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.n_activated_experts
+    hd, nh, mix = cfg.head_dim, cfg.n_heads, cfg.n_hc_mix
+    specs = [
+        TensorSpec("token_embd.weight", (V, D), DENSE, "embedding"),
+        TensorSpec("output_hc_fn.weight", (H, H * D), FLOATS, "hc"),
+        TensorSpec("output_hc_base.weight", (H,), F32_ONLY, "f32"),
+        TensorSpec("output_hc_scale.weight", (1,), F32_ONLY, "f32"),
+        TensorSpec("output_norm.weight", (D,), F32_ONLY, "f32"),
+        TensorSpec("output.weight", (V, D), DENSE, "output"),
+    ]
+    for l in range(cfg.n_layers):
+        b = f"blk.{l}."
+        specs += [
+            TensorSpec(b + "hc_attn_fn.weight", (mix, H * D), FLOATS, "hc"),
+            TensorSpec(b + "hc_attn_scale.weight", (3,), F32_ONLY, "f32"),
+            TensorSpec(b + "hc_attn_base.weight", (mix,), F32_ONLY, "f32"),
+            TensorSpec(b + "attn_norm.weight", (D,), F32_ONLY, "f32"),
+            TensorSpec(b + "attn_q_a.weight", (cfg.q_lora_rank, D), DENSE, "attention"),
+            TensorSpec(b + "attn_q_a_norm.weight", (cfg.q_lora_rank,), F32_ONLY, "f32"),
+            TensorSpec(b + "attn_q_b.weight", (nh * hd, cfg.q_lora_rank), DENSE, "attention"),
+            TensorSpec(b + "attn_kv.weight", (hd, D), DENSE, "attention"),
+            TensorSpec(b + "attn_kv_a_norm.weight", (hd,), F32_ONLY, "f32"),
+            TensorSpec(b + "attn_sinks.weight", (nh,), F32_ONLY, "f32"),
+            TensorSpec(b + "attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, cfg.o_group_width),
+                       DENSE, "attention"),
+            TensorSpec(b + "attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), DENSE, "attention"),
+            TensorSpec(b + "hc_ffn_fn.weight", (mix, H * D), FLOATS, "hc"),
+            TensorSpec(b + "hc_ffn_scale.weight", (3,), F32_ONLY, "f32"),
+            TensorSpec(b + "hc_ffn_base.weight", (mix,), F32_ONLY, "f32"),
+            TensorSpec(b + "ffn_norm.weight", (D,), F32_ONLY, "f32"),
+            TensorSpec(b + "ffn_gate_inp.weight", (E, D), FLOATS, "router"),
+            TensorSpec(b + "ffn_gate_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
+            TensorSpec(b + "ffn_up_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
+            TensorSpec(b + "ffn_down_exps.weight", (E, D, F), EXPERTS, "expert_down"),
+            TensorSpec(b + "ffn_gate_shexp.weight", (F, D), DENSE, "shared"),
+            TensorSpec(b + "ffn_up_shexp.weight", (F, D), DENSE, "shared"),
+            TensorSpec(b + "ffn_down_shexp.weight", (D, F), DENSE, "shared"),
+        ]
+        ratio = cfg.ratio(l)
+        if ratio > 0:
+            cw = (2 if ratio == 4 else 1) * hd
+            specs += [
+                TensorSpec(b + "attn_compressor_ape.weight", (ratio, cw), FLOATS, "compressor"),
+                TensorSpec(b + "attn_compressor_kv.weight", (cw, D), DENSE, "compressor"),
+                TensorSpec(b + "attn_compressor_gate.weight", (cw, D), DENSE, "compressor"),
+                TensorSpec(b + "attn_compressor_norm.weight", (hd,), F32_ONLY, "f32"),
+            ]
+        if cfg.has_indexer(l):
+            di, hi = cfg.index_head_dim, cfg.index_n_heads
+            specs += [
+                TensorSpec(b + "indexer.attn_q_b.weight", (hi * di, cfg.q_lora_rank), DENSE, "indexer"),
+                TensorSpec(b + "indexer.proj.weight", (hi, D), DENSE, "indexer"),
+                TensorSpec(b + "indexer_compressor_ape.weight", (4, 2 * di), FLOATS, "indexer"),
+                TensorSpec(b + "indexer_compressor_kv.weight", (2 * di, D), DENSE, "indexer"),
+                TensorSpec(b + "indexer_compressor_gate.weight", (2 * di, D), DENSE, "indexer"),
+                TensorSpec(b + "indexer_compressor_norm.weight", (di,), F32_ONLY, "f32"),
+            ]
+        if cfg.is_hash_layer(l):
+            specs.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (V, K), I32_ONLY, "i32"))
+            # hash layers ignore a bias; files may still carry one (spec §4.3)
+            specs.append(TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32", required=False))
+        else:
+            specs.append(TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32"))
+    return specs
+
+
+# Per-class types of the DS4 2-bit release (IQ2_XXS gate/up, Q2_K down; spec §4 "DS4 q2").
+REAL_RELEASE_TYPES = {
+    "embedding": Q.F16, "output": Q.Q8_0, "hc": Q.F16, "f32": Q.F32, "attention": Q.Q8_0,
+    "router": Q.F16, "expert_gate_up": Q.IQ2_XXS, "expert_down": Q.Q2_K, "shared": Q.Q8_0,
+    "compressor": Q.F16, "indexer": Q.F16, "i32": Q.I32,
+}
+
+
+def layout_bytes(specs: list[TensorSpec], types: dict[str, Q]) -> int:
+    """Total tensor bytes when each class is stored in `types[klass]` (required tensors only)."""
+    return sum(tensor_nbytes(s.ne, types[s.klass]) for s in specs if s.required)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationReport:
+    """Compare the file's tensor table with the contract; collect every problem, do not stop at one."""
+    problems = []
+    specs = {s.name: s for s in expected_tensors(cfg)}
+    for name, spec in specs.items():
+        info = tensors.get(name)
+        if info is None:
+            if spec.required:
+                problems.append(f"missing tensor {name} (expected shape {spec.shape})")
+            continue
+        if info.shape != spec.shape:
+            problems.append(f"tensor {name}: shape {info.shape}, expected {spec.shape}")
+        if info.ggml_type not in spec.types:
+            allowed = ", ".join(sorted(t.name for t in spec.types))
+            problems.append(f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed})")
+    for name in tensors:
+        if name not in specs:
+            problems.append(f"unexpected tensor {name}")
+    return ValidationReport(tuple(problems))

@@ -1,0 +1,71 @@
+"""The `inspect` report of a model file: config, schedule, tensors, validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parity.gguf.inventory import validate
+from parity.gguf.weights import Weights
+
+
+def layer_kind(ratio: int) -> str:
+    return {0: "SWA"}.get(ratio, "CSA" if ratio == 4 else f"HCA/{ratio}")
+
+
+def inspect_model(path: str) -> dict[str, Any]:
+    """Everything `v4parity inspect` shows, as plain data."""
+    w = Weights(path)
+    cfg = w.config
+    tensors = [
+        {"name": n, "shape": list(w.info(n).shape), "type": w.info(n).type_name, "bytes": w.info(n).nbytes}
+        for n in w.names
+    ]
+    problems = list(validate(w.tensor_infos(), cfg).problems)
+    return {
+        "file": w.identity(),
+        "config": cfg.to_dict() | {"derived": cfg.derived},
+        "schedule": [
+            {"layer": l, "ratio": cfg.ratio(l), "kind": layer_kind(cfg.ratio(l)), "hash": cfg.is_hash_layer(l),
+             "indexer": cfg.has_indexer(l)}
+            for l in range(cfg.n_layers)
+        ],
+        "tensors": tensors,
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "validation": {"ok": not problems, "problems": problems},
+    }
+
+
+def print_inspection(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cfg = report["config"]
+    derived = cfg.pop("derived")
+    t = Table(title=f"config of {report['file']['file']}", show_lines=False)
+    t.add_column("field")
+    t.add_column("value")
+    t.add_column("source")
+    for k, v in cfg.items():
+        t.add_row(k, str(v), f"[yellow]derived: {derived[k]}[/]" if k in derived else "metadata")
+    con.print(t)
+    s = Table(title="layer schedule")
+    for col in ("layer", "ratio", "kind", "hash-routed", "indexer"):
+        s.add_column(col)
+    for row in report["schedule"]:
+        s.add_row(str(row["layer"]), str(row["ratio"]), row["kind"], "yes" if row["hash"] else "",
+                  "yes" if row["indexer"] else "")
+    con.print(s)
+    tt = Table(title=f"{len(report['tensors'])} tensors, {report['total_bytes']:,} bytes")
+    for col in ("name", "shape", "type", "bytes"):
+        tt.add_column(col, justify="right" if col == "bytes" else "left")
+    for r in report["tensors"]:
+        tt.add_row(r["name"], "x".join(map(str, r["shape"])), r["type"], f"{r['bytes']:,}")
+    con.print(tt)
+    v = report["validation"]
+    if v["ok"]:
+        con.print("[green]validation: OK[/] (all expected tensors present with allowed shapes and types)")
+    else:
+        con.print(f"[red]validation: {len(v['problems'])} problem(s)[/]")
+        for p in v["problems"]:
+            con.print(f"  - {p}")

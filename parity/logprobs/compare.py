@@ -1,0 +1,290 @@
+"""Compare two top-k logprob runs step by step (reference A, candidate B).
+
+Per aligned greedy step: token agreement, the shared tie-aware verdict (`parity.compare.verdict`), top-k
+Jaccard, Δlogprob and rank displacement on shared tokens, KL(A‖B) and JS(A,B) as BOUNDS (a top-k list
+does not give the whole distribution), the unseen tail mass of each side, and ds4_test's criterion.
+Both runs are free-running greedy, so once their tokens differ the later steps see different contexts
+and are not compared. A greedy-only side (official API vectors: alternatives at -9999) is compared by
+tokens only.
+
+Bounds for top-k-truncated distributions p (A) and q (B), with S = tokens listed by both:
+* KL(p‖q) >= Σ_S p log(p/q) + P log(P/Q), with P = 1 - Σ_S p and Q = 1 - Σ_S q (merging the unlisted
+  tokens into one cell can only lower an f-divergence: data processing). No finite upper bound exists
+  while P > 0 (B's probability of a token it did not list can be arbitrarily small), so it is inf.
+* JS: the same merged-cell lower bound; upper bound Σ_S js(p, q) + ln2/2 · (P + Q), because each
+  unlisted token adds at most ln2/2 · (p_i + q_i).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from parity.compare.verdict import StepVerdict, classify_step
+from parity.logprobs.io import LogprobRun, Step, Tok
+
+# Defaults for the verdict, in nats of logprob. 0.1 is about the bf16 rounding of a logit of size ~25
+# (2^-8 · 25); pass the noise envelope you measured for your engine instead where you have it.
+TIE_MARGIN = 0.1
+DRIFT_TOL = 0.1
+# ds4_test --logprob-vectors: each reference top token must be in the candidate's top 20 with
+# |Δlogprob| <= 4 nats, and the selected tokens must be equal (tests/ds4_test.c).
+DS4_TEST_TOP = 20
+DS4_TEST_MAX_DELTA = 4.0
+TAIL_EPS = 1e-6        # listed mass this close to 1 is float rounding, not an unseen tail
+FAIL_ON = ("match", "drift", "tie", "wrong", "ds4-test")
+_GATE_VERDICT = {"match": StepVerdict.MATCH, "drift": StepVerdict.DRIFT, "tie": StepVerdict.TIE_FLIP,
+                 "wrong": StepVerdict.WRONG}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Bounds on KL(p‖q) and JS(p, q) and the unlisted ("tail") mass of each side."""
+
+    kl_lower: float
+    kl_upper: float
+    js_lower: float
+    js_upper: float
+    tail_ref: float
+    tail_cand: float
+
+
+@dataclass
+class StepCompare:
+    step: int
+    ref_token: str | None
+    cand_token: str | None
+    same_token: bool | None = None
+    verdict: str | None = None          # MATCH / TIE-FLIP / DRIFT / WRONG; None when not compared
+    ref_margin: float | None = None     # A's logprob gap between its top-1 and B's pick
+    k: int | None = None                # entries per side used for the Jaccard
+    jaccard: float | None = None
+    n_shared: int | None = None
+    max_abs_dlogprob: float | None = None
+    mean_abs_dlogprob: float | None = None
+    max_rank_shift: int | None = None
+    mean_rank_shift: float | None = None
+    divergence: Divergence | None = None
+    ds4_test: bool | None = None
+    ds4_test_detail: str = ""
+    note: str = ""
+
+
+@dataclass
+class Comparison:
+    ref: str
+    cand: str
+    greedy_only: bool
+    tie_margin: float
+    drift_tol: float
+    steps: list[StepCompare]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compared(self) -> list[StepCompare]:
+        return [s for s in self.steps if s.verdict is not None]
+
+    def counts(self) -> dict[str, int]:
+        return {v.value: sum(s.verdict == v.value for s in self.compared) for v in StepVerdict}
+
+    def first_divergent_step(self) -> int | None:
+        """First step where the greedy tokens differ."""
+        return next((s.step for s in self.compared if not s.same_token), None)
+
+    def first_non_match_step(self) -> int | None:
+        return next((s.step for s in self.compared if s.verdict != StepVerdict.MATCH.value), None)
+
+    def ds4_test(self) -> bool | None:
+        """ds4_test's verdict over the compared steps (None when B has no logprobs)."""
+        checks = [s.ds4_test for s in self.compared]
+        if not checks or any(c is None for c in checks):
+            return None
+        return all(checks) and not any(s.cand_token is None for s in self.steps)  # every A step reached
+
+    def failures(self, fail_on: Iterable[str]) -> list[str]:
+        """The gates (see FAIL_ON) this comparison trips."""
+        out = []
+        counts = self.counts()
+        for gate in fail_on:
+            if gate == "ds4-test":
+                if self.ds4_test() is False:
+                    out.append("ds4-test")
+            elif counts[_GATE_VERDICT[gate].value]:
+                out.append(gate)
+        return out
+
+    def summary_line(self) -> str:
+        c = self.counts()
+        fd = self.first_divergent_step()
+        ds4 = {True: "PASS", False: "FAIL", None: "n/a"}[self.ds4_test()]
+        mode = " greedy-only (tokens compared, no logprob metrics)" if self.greedy_only else ""
+        return (f"logprobs: {len(self.compared)}/{len(self.steps)} steps compared{mode}: "
+                f"MATCH {c['MATCH']}, TIE-FLIP {c['TIE-FLIP']}, DRIFT {c['DRIFT']}, WRONG {c['WRONG']}; "
+                f"first divergent step: {'none' if fd is None else fd}; ds4_test: {ds4}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready: infinite bounds become the string "inf"."""
+        d = asdict(self)
+        d.update(counts=self.counts(), first_divergent_step=self.first_divergent_step(),
+                 first_non_match_step=self.first_non_match_step(), ds4_test=self.ds4_test(),
+                 summary=self.summary_line())
+        return _json_safe(d)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else "-inf" if x < 0 else "nan"
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _xlogy(x: float, y: float) -> float:
+    """x log(x / y) with 0 log 0 = 0 and x log(x / 0) = inf."""
+    if x <= 0.0:
+        return 0.0
+    return math.inf if y <= 0.0 else x * math.log(x / y)
+
+
+def _js_term(a: float, b: float) -> float:
+    """One cell of the Jensen-Shannon divergence: ½[a log(2a/(a+b)) + b log(2b/(a+b))]."""
+    m = 0.5 * (a + b)
+    return 0.5 * (_xlogy(a, m) + _xlogy(b, m))
+
+
+def truncated_divergence(ref: dict[bytes, float], cand: dict[bytes, float]) -> Divergence:
+    """KL(p‖q)/JS bounds from two top-k lists of logprobs (keys: token bytes); see the module docstring."""
+    shared = ref.keys() & cand.keys()
+    p = {t: math.exp(lp) for t, lp in ref.items()}
+    q = {t: math.exp(lp) for t, lp in cand.items()}
+    tail_p = max(0.0, 1.0 - sum(p.values()))
+    tail_q = max(0.0, 1.0 - sum(q.values()))
+    rest_p = max(0.0, 1.0 - sum(p[t] for t in shared))
+    rest_q = max(0.0, 1.0 - sum(q[t] for t in shared))
+    kl_s = sum(_xlogy(p[t], q[t]) for t in shared)
+    js_s = sum(_js_term(p[t], q[t]) for t in shared)
+    # A's listed mass is all of it when rest_p is within rounding; otherwise pad Q by TAIL_EPS, since
+    # rounding may under-state B's unlisted mass and a larger Q only lowers the bound
+    kl_rest, kl_upper = (0.0, kl_s) if rest_p <= TAIL_EPS else (_xlogy(rest_p, rest_q + TAIL_EPS), math.inf)
+    js_upper = min(math.log(2.0), js_s + 0.5 * math.log(2.0) * (rest_p + rest_q))
+    return Divergence(max(0.0, kl_s + kl_rest), kl_upper, js_s + _js_term(rest_p, rest_q), js_upper, tail_p, tail_q)
+
+
+def ds4_test_check(ref: Step, cand: Step) -> tuple[bool, str]:
+    """ds4_test's per-step criterion: same selected bytes; every A top token in B's top 20, |Δ| <= 4."""
+    if ref.selected != cand.selected:
+        return False, f"selected token mismatch: {ref.selected.label()} vs {cand.selected.label()}"
+    local = {t.data: lp for t, lp in cand.top[:DS4_TEST_TOP]}
+    for t, lp in ref.top:
+        if t.data not in local:
+            return False, f"reference top token {t.label()} missing from the candidate's top {DS4_TEST_TOP}"
+        if abs(local[t.data] - lp) > DS4_TEST_MAX_DELTA:
+            return False, f"{t.label()}: |Δlogprob| = {abs(local[t.data] - lp):.3g} > {DS4_TEST_MAX_DELTA}"
+    return True, ""
+
+
+def _shared_stats(sc: StepCompare, ref: Step, cand: Step) -> None:
+    rank_r = {t.data: r for r, (t, _) in enumerate(ref.top)}
+    rank_c = {t.data: r for r, (t, _) in enumerate(cand.top)}
+    lp_r, lp_c = dict((t.data, lp) for t, lp in ref.top), dict((t.data, lp) for t, lp in cand.top)
+    shared = [t for t in rank_r if t in rank_c]
+    sc.k = min(len(ref.top), len(cand.top))
+    top_r, top_c = {t.data for t, _ in ref.top[:sc.k]}, {t.data for t, _ in cand.top[:sc.k]}
+    sc.jaccard = len(top_r & top_c) / len(top_r | top_c)
+    sc.n_shared = len(shared)
+    if shared:
+        d = [abs(lp_c[t] - lp_r[t]) for t in shared]
+        shifts = [abs(rank_r[t] - rank_c[t]) for t in shared]
+        sc.max_abs_dlogprob, sc.mean_abs_dlogprob = max(d), sum(d) / len(d)
+        sc.max_rank_shift, sc.mean_rank_shift = max(shifts), sum(shifts) / len(shifts)
+    sc.divergence = truncated_divergence(lp_r, lp_c)
+
+
+def compare_step(ref: Step, cand: Step, *, greedy_only: bool, cand_has_logprobs: bool,
+                 tie_margin: float, drift_tol: float, keys: dict[bytes, int]) -> StepCompare:
+    """One aligned step. `keys` maps token bytes to the integer ids `classify_step` works on."""
+    def key(t: Tok) -> int:
+        return keys.setdefault(t.data, len(keys))
+
+    sc = StepCompare(ref.index, ref.selected.label(), cand.selected.label(), ref.selected == cand.selected)
+    if greedy_only or not ref.top or not cand.top:  # no usable scores: the verdict rests on the tokens alone
+        verdict, margin = classify_step([(key(ref.selected), 0.0)], [(key(cand.selected), 0.0)], 0.0, 0.0)
+        margin = None
+        if not greedy_only:
+            sc.note = "a side lists no scored entry at this step: tokens compared only"
+    else:
+        verdict, margin = classify_step([(key(t), lp) for t, lp in ref.top], [(key(t), lp) for t, lp in cand.top],
+                                        tie_margin, drift_tol)
+        _shared_stats(sc, ref, cand)
+    sc.verdict, sc.ref_margin = verdict.value, margin
+    if cand_has_logprobs:
+        sc.ds4_test, sc.ds4_test_detail = ds4_test_check(ref, cand)
+    return sc
+
+
+def compare_runs(ref: LogprobRun, cand: LogprobRun, tie_margin: float = TIE_MARGIN,
+                 drift_tol: float = DRIFT_TOL) -> Comparison:
+    """Align the two runs' steps and compare each (A is the reference)."""
+    greedy_only = ref.greedy_only or cand.greedy_only
+    out = Comparison(ref.describe(), cand.describe(), greedy_only, tie_margin, drift_tol, [])
+    if greedy_only:
+        both = ref.greedy_only and cand.greedy_only
+        side = "A and B carry" if both else ("A" if ref.greedy_only else "B") + " carries"
+        out.notes.append(f"{side} greedy tokens only (alternatives at -9999 or none): tokens are compared, "
+                         "KL/JS/Jaccard/Δlogprob are not computed, and a tie cannot be told from a wrong token")
+    keys: dict[bytes, int] = {}
+    diverged_at = None
+    for i in range(max(len(ref.steps), len(cand.steps))):
+        a = ref.steps[i] if i < len(ref.steps) else None
+        b = cand.steps[i] if i < len(cand.steps) else None
+        if a is None or b is None:
+            only = "A" if b is None else "B"
+            out.steps.append(StepCompare(i, a.selected.label() if a else None, b.selected.label() if b else None,
+                                         note=f"only in {only}"))
+        elif diverged_at is not None:
+            out.steps.append(StepCompare(i, a.selected.label(), b.selected.label(),
+                                         note=f"not compared: contexts differ since step {diverged_at}"))
+        else:
+            sc = compare_step(a, b, greedy_only=greedy_only, cand_has_logprobs=not cand.greedy_only,
+                              tie_margin=tie_margin, drift_tol=drift_tol, keys=keys)
+            out.steps.append(sc)
+            if not sc.same_token:
+                diverged_at = i
+    n_a, n_b = ref.meta.get("prompt_tokens"), cand.meta.get("prompt_tokens")
+    if n_a is not None and n_b is not None and n_a != n_b:
+        out.notes.append(f"prompt lengths differ (A {n_a} tokens, B {n_b}): check that both rendered the same prompt")
+    for name, run in (("A", ref), ("B", cand)):
+        if run.meta.get("finish_reason"):
+            out.notes.append(f"{name} finish_reason: {run.meta['finish_reason']}")
+    if len(ref.steps) != len(cand.steps):
+        out.notes.append(f"A has {len(ref.steps)} steps, B has {len(cand.steps)}: extra steps are not compared")
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else format(x, spec)
+
+
+def render_text(cmp: Comparison) -> str:
+    """The console report: header, one row per step, notes, the summary line."""
+    lines = [f"A (reference): {cmp.ref}", f"B (candidate): {cmp.cand}",
+             f"tie margin {cmp.tie_margin} nats, drift tolerance {cmp.drift_tol} nats", ""]
+    head = (f"{'step':>4}  {'verdict':<8} {'A token':<16} {'B token':<16} {'jacc':>5} {'max|Δlp|':>8} "
+            f"{'rank±':>5} {'KL≥':>8} {'JS in':>19} {'tail A/B':>15}  ds4_test")
+    lines += [head, "-" * len(head)]
+    for s in cmp.steps:
+        dv = s.divergence
+        js = f"[{_fmt(dv.js_lower)}, {_fmt(dv.js_upper)}]" if dv else "-"
+        tails = f"{_fmt(dv.tail_ref, '.2g')}/{_fmt(dv.tail_cand, '.2g')}" if dv else "-"
+        ds4 = {True: "ok", False: "FAIL " + s.ds4_test_detail, None: "-"}[s.ds4_test]
+        lines.append(f"{s.step:>4}  {s.verdict or '-':<8} {s.ref_token or '-':<16.16} {s.cand_token or '-':<16.16} "
+                     f"{_fmt(s.jaccard, '.2f'):>5} {_fmt(s.max_abs_dlogprob):>8} {_fmt(s.max_rank_shift, 'd'):>5} "
+                     f"{_fmt(dv.kl_lower if dv else None):>8} {js:>19} {tails:>15}  {ds4}"
+                     + (f"  ({s.note})" if s.note else ""))
+    lines += [""] + [f"note: {n}" for n in cmp.notes] + [cmp.summary_line()]
+    return "\n".join(lines)
