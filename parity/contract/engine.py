@@ -34,10 +34,60 @@ class RunOptions:
     inject: tuple[str, ...] = ()  # fault names the engine lists in its `faults` capability
     expert_override: Any = None  # routing replay: callable (layer, start_pos, n) -> int [n, K] ids, or None
     cache_gb: float = 4.0        # reference engine: budget of its dequantized-weight cache (GiB); no effect on results
+    # Opt-in approximate numerics (off = the exact path). An engine that cannot honour a value refuses it.
+    act_quant: str = "none"      # none | q8_0 | bf16 | f16: activations rounded before every quantized matmul
+    kv_cache: str = "f32"        # f32 | f16: precision the raw KV window and compressed rows are stored in
+    rope_angles: str = "exact"   # exact (float32 recipe of the official code) | recurrence (ggml: θ_i = θ_{i-1}·B^(-2/r))
+
+    def __post_init__(self) -> None:
+        for name, allowed in NUMERICS_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                from parity.contract.errors import ParityError
+
+                raise ParityError(f"run option {name}={getattr(self, name)!r}; expected one of {', '.join(allowed)}")
 
     def flags(self) -> dict[str, Any]:
         return {"fp8_kv": self.fp8_kv, "fp4_indexer": self.fp4_indexer, "dtype": self.dtype,
-                "inject": list(self.inject), "routing_replay": self.expert_override is not None}
+                "inject": list(self.inject), "routing_replay": self.expert_override is not None,
+                "act_quant": self.act_quant, "kv_cache": self.kv_cache, "rope_angles": self.rope_angles}
+
+    def approximations(self) -> tuple[str, ...]:
+        """The approximate modes that are on, as `option=value` (what an engine announces on stderr)."""
+        exact = {name: allowed[0] for name, allowed in NUMERICS_CHOICES.items()}
+        on = [f"{k}={getattr(self, k)}" for k, v in exact.items() if getattr(self, k) != v]
+        return (*(["dtype=bfloat16"] if self.dtype == "bfloat16" else []), *on)
+
+
+# Approximate-numerics options: the first value of each is the exact path.
+NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
+    "act_quant": ("none", "q8_0", "bf16", "f16"),
+    "kv_cache": ("f32", "f16"),
+    "rope_angles": ("exact", "recurrence"),
+}
+
+
+def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, engine: str) -> None:
+    """The QAT simulations need whole blocks: FP8 blocks of 64 KV nope dims, FP4 blocks of 32 indexer dims.
+    One check for every engine, naming the option to turn off."""
+    from parity.contract.errors import ParityError
+
+    if options.fp8_kv and nope_dim % 64:
+        raise ParityError(f"{engine}: --fp8-kv needs head_dim - rope_head_dim = {nope_dim} to be a multiple of 64 "
+                          "(FP8 blocks of 64); run with --no-fp8-kv")
+    if options.fp4_indexer and index_head_dim % 32:
+        raise ParityError(f"{engine}: --fp4-indexer needs the indexer head dim {index_head_dim} to be a multiple of "
+                          "32 (FP4 blocks of 32); run with --no-fp4-indexer")
+
+
+def check_expert_ids(ids: np.ndarray, n_experts: int, where: str) -> None:
+    """Expert ids (routing replay or a hash-routing table) must lie in [0, n_experts); names `where`."""
+    from parity.contract.errors import ParityError
+
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= n_experts)
+    if bad.any():
+        raise ParityError(f"{where}: expert id {int(ids[bad].flat[0])} out of range [0, {n_experts}) "
+                          f"({int(bad.sum())} bad of {ids.size})")
 
 
 @dataclass
