@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.engine import Engine, RunOptions, load_engine
 from parity.contract.errors import TraceError
 from parity.tracing.io import read_trace, write_trace
-from parity.tracing.records import Recorder, Trace, TraceHeader, resolve_full, resolve_positions, trace_checkpoints
+from parity.tracing.recorder import Recorder, resolve_full, resolve_positions
+from parity.tracing.records import Trace, TraceHeader
 from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
 
 TraceLike = Trace | str | os.PathLike

@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from parity.bisect.envelope import gate, load_envelope, measure_envelope, rel_l2_rows, save_envelope
+from parity.bisect.envelope import gate, load_envelope, measure_envelope, save_envelope
 from parity.bisect.search import bisect, is_code_flip
 from parity.bisect.trajectory import classify_steps
+from parity.compare.metrics import rel_l2
 from parity.compare.verdict import StepVerdict
 from parity.contract.checkpoints import SUBOP_NAMES
 from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
@@ -173,10 +174,10 @@ def envbf16():
                             FakeEngine(RunOptions(dtype="bfloat16")), PROMPT[:10], 3, cand_f32=FakeEngine())
 
 
-def test_rel_l2_rows_hand_computed():
-    ref = np.array([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]])
-    got = np.array([[3.0, 4.5], [0.0, 0.0], [np.nan, 0.0]])
-    assert np.allclose(rel_l2_rows(ref, got), [0.1, 0.0, np.inf])
+def test_rel_l2_hand_computed():
+    ref = np.array([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    got = np.array([[3.0, 4.5], [0.0, 0.0], [np.nan, 0.0], [0.0, 1.0]])
+    assert np.allclose(rel_l2(ref, got), [0.1, 0.0, np.inf, np.inf])  # NaN and a zero reference row: inf
     assert gate(2e-6, 1e-7, k=10, eps=1e-6) == pytest.approx(1.0)
 
 

@@ -13,9 +13,11 @@ import pandas as pd
 import pytest
 
 from parity import api
+from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.errors import TraceError
 from parity.tracing.io import write_trace
-from parity.tracing.records import FP_DIM, Trace, TraceHeader, make_table, trace_checkpoints
+from parity.tracing.records import Trace, TraceHeader, make_table
+from parity.tracing.stats import FP_DIM
 
 L, P, H, E, S, K = 4, 7, 2, 3, 6, 3  # layers, positions, streams, active experts, index width, top-k
 

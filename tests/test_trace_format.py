@@ -15,7 +15,7 @@ from fake_engine import FakeEngine
 from parity import api
 from parity.contract.errors import TraceError
 from parity.tracing.io import format_text, parse_text, read_trace, vectors_path, write_trace
-from parity.tracing.records import FP_DIM, FP_SEED, carrier_stats, fingerprint, sign_matrix
+from parity.tracing.stats import FP_DIM, FP_SEED, carrier_stats, fingerprint, sign_matrix
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 M64 = (1 << 64) - 1

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.compare import metrics
-from parity.contract.checkpoints import checkpoint_names
+from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.synth import synthesize
 from parity.tracing.runner import all_tokens, run_sequence, stack
@@ -34,7 +34,7 @@ def _compare(ref, cand, n_layers: int) -> dict:
     """Worst rel L2 / cosine (parity.compare.metrics; a zero row gives nan, which fails) over every checkpoint
     and position,
     and agreement counts."""
-    names = (*checkpoint_names(n_layers), *(f"blk.{l}.attn" for l in range(n_layers)), "logits")
+    names = (*trace_checkpoints(n_layers), "logits")
     rel = np.concatenate([metrics.rel_l2(stack(ref, name), stack(cand, name)) for name in names])
     cos = np.concatenate([metrics.cosine(stack(ref, name), stack(cand, name)) for name in names])
     worst_rel, worst_cos = float(rel.max()), float(cos.min())

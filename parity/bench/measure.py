@@ -147,7 +147,8 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
     The recorder's own time (per-chunk `Recorder.add` plus building the tables) is measured inside the same
     run as the forward pass, so the ratio does not depend on how busy a shared machine is.
     """
-    from parity.tracing.records import Recorder, trace_checkpoints
+    from parity.contract.checkpoints import trace_checkpoints
+    from parity.tracing.recorder import Recorder
     from parity.tracing.runner import run_sequence
 
     cfg = timed.config
@@ -309,7 +310,8 @@ def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: A
     """A fingerprint-only trace of real-model size (tables only, no vectors). With `base`, a copy whose
     fingerprints carry a relative perturbation of 1e-2 from checkpoint index `drift_from` on."""
     from parity.contract.checkpoints import EMBED, FINAL_NORM, block
-    from parity.tracing.records import FP_DIM, Trace, TraceHeader, make_table
+    from parity.tracing.records import Trace, TraceHeader, make_table
+    from parity.tracing.stats import FP_DIM
 
     names = [EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM]
     H, K, E, S = 4, 20, 6, 512

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope, gate, rel_l2_rows
+from parity.bisect.envelope import Envelope, gate
+from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, block, block_attn
 from parity.contract.engine import Engine, LayerOutput
 from parity.tracing.runner import ChunkResult
@@ -68,8 +69,8 @@ def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free
     for l, outs in sorted(tf.items()):
         ref_out = np.concatenate([c.checkpoints[block(l)] for c in ref])
         ref_attn = np.concatenate([c.checkpoints[block_attn(l)] for c in ref])
-        loc = rel_l2_rows(ref_out, np.concatenate([o.carrier for o in outs]))
-        loc_attn = rel_l2_rows(ref_attn, np.concatenate([o.attn_carrier for o in outs]))
+        loc = rel_l2(ref_out, np.concatenate([o.carrier for o in outs]))
+        loc_attn = rel_l2(ref_attn, np.concatenate([o.attn_carrier for o in outs]))
         floor = env.floor(block(l))
         free = float(free_errors[block(l)].max())
         vis_ref = np.concatenate([c.diags[l].n_comp_visible for c in ref])
@@ -96,17 +97,6 @@ class LayerRouting:
     index_diffs: int               # positions whose indexer selection differs
     flip_positions: tuple[tuple[int, float, float], ...] = ()  # (position, expert overlap, reference margin)
     index_diff_positions: tuple[tuple[int, float], ...] = ()    # (position, selection overlap)
-
-
-def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row |set(a) ∩ set(b)| / max(|set(a)|, |set(b)|), ignoring -1 padding; 1 for two empty rows.
-    a, b: int [T, K] -> [T]"""
-    out = np.ones(len(a))
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        sx, sy = set(x[x >= 0].tolist()), set(y[y >= 0].tolist())
-        if sx or sy:
-            out[i] = len(sx & sy) / max(len(sx), len(sy))
-    return out
 
 
 def _selection(rs: Sequence[ChunkResult], l: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.compare.metrics import l2, max_abs
+from parity.compare.metrics import max_abs, rel_l2
 from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RunOptions
 from parity.contract.errors import ParityError
@@ -40,21 +40,6 @@ CALIBRATION_SEED, CALIBRATION_LEN, CALIBRATION_DECODE = 11, 28, 6
 DISCRETE = ("index_sel", "expert_ids")
 # Captures that hold rows emitted so far (cumulative per chunk), compared row by row.
 ROW_CAPTURES = ("comp_rows", "index_rows")
-
-
-def rel_l2_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
-    """e_t = ||got_t - ref_t||_2 / ||ref_t||_2 per leading index (0 when both rows are 0; inf on non-finite got).
-    ref, got: [T, ...] -> [T]"""
-    if ref.shape != got.shape:
-        raise ParityError(f"shape mismatch: reference {ref.shape} vs candidate {got.shape}")
-    r = np.asarray(ref, np.float64).reshape(len(ref), -1)
-    g = np.asarray(got, np.float64).reshape(len(got), -1)
-    bad = ~np.isfinite(g).all(axis=1)
-    num, den = l2(np.where(np.isfinite(g), g, 0.0) - r), l2(r)
-    # unlike metrics.rel_l2, a zero reference row with a nonzero candidate stays finite (num / TINY)
-    err = np.where(num == 0, 0.0, num / np.maximum(den, TINY))
-    err[bad] = np.inf
-    return err
 
 
 def logit_rel_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
@@ -127,8 +112,8 @@ def calibration_prompt(vocab_size: int, bos: int) -> list[int]:
 def checkpoint_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
     """Per-position rel-L2 of every checkpoint and of the logits: name -> [T]."""
     names = list(ref[0].checkpoints)
-    out = {n: rel_l2_rows(stack(ref, n), stack(got, n)) for n in names}
-    out[LOGITS] = rel_l2_rows(stack(ref, LOGITS), stack(got, LOGITS))
+    out = {n: rel_l2(stack(ref, n), stack(got, n)) for n in names}
+    out[LOGITS] = rel_l2(stack(ref, LOGITS), stack(got, LOGITS))
     return out
 
 
@@ -152,7 +137,7 @@ def capture_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> di
             else:
                 a = np.concatenate([r.captures[layer][name] for r in ref])
                 b = np.concatenate([r.captures[layer][name] for r in got])
-            e = rel_l2_rows(a, b) if len(a) else np.zeros(1)
+            e = rel_l2(a, b) if len(a) else np.zeros(1)
             out[subop_key(layer, name)] = float(e.max())
     return out
 

@@ -30,11 +30,11 @@ from parity.bisect.attribution import (
     attribute,
     layer_input,
     routing,
-    set_overlap,
     teacher_forced,
 )
-from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors, gate, rel_l2_rows
+from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors, gate
 from parity.bisect.trajectory import Trajectory, trajectory
+from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
 from parity.contract.engine import Engine, LayerDiag, LayerOutput
 from parity.contract.errors import ParityError
@@ -98,7 +98,7 @@ def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
         f, lg = upper.head(x)
         got.setdefault(FINAL_NORM, []).append(f)
         got.setdefault(LOGITS, []).append(lg)
-    errs = {name: rel_l2_rows(stack(ref, name), np.concatenate(parts)) for name, parts in got.items()}
+    errs = {name: rel_l2(stack(ref, name), np.concatenate(parts)) for name, parts in got.items()}
     return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
 
 
@@ -191,7 +191,7 @@ class _Judge:
     def floats(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> SubopResult:
         floor = self.env.subop_floor(self.layer, name)
         tol = self.env.k * floor + self.env.eps
-        err = rel_l2_rows(a, b) if len(a) else np.zeros(0)
+        err = rel_l2(a, b) if len(a) else np.zeros(0)
         bad = [i for i in np.flatnonzero(err > tol) if not self.excused(int(pos[i]))]
         flips = [i for i in bad if name in QUANT_MBITS and is_code_flip(a[i], b[i], tol, QUANT_MBITS[name])]
         real = [i for i in bad if i not in flips]

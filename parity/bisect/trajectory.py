@@ -17,6 +17,7 @@ import numpy as np
 from parity.bisect.envelope import Envelope, gate
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.checkpoints import block
+from parity.tracing.stats import top_k
 
 TOP = 5  # entries kept per side; a candidate pick outside the reference's top-5 is WRONG by definition
 
@@ -36,8 +37,8 @@ class StepRecord:
 def top_entries(logits: np.ndarray, n: int = TOP) -> list[tuple[int, float]]:
     """The n largest (id, logit), descending; ties broken by the lower id (argmax convention).
     logits: [V]"""
-    order = np.lexsort((np.arange(len(logits)), -np.asarray(logits, np.float64)))[:n]
-    return [(int(i), float(logits[i])) for i in order]
+    ids, _ = top_k(np.asarray(logits)[None], n)
+    return [(int(i), float(logits[i])) for i in ids[0]]
 
 
 def classify_steps(ref_logits: np.ndarray, cand_logits: np.ndarray, first_position: int,

@@ -19,8 +19,9 @@ import numpy as np
 import pandas as pd
 
 from parity.compare import metrics
+from parity.contract.checkpoints import checkpoint_depth, checkpoint_layer
 from parity.contract.errors import ParityError, TraceError
-from parity.tracing.records import Trace, checkpoint_depth, checkpoint_layer
+from parity.tracing.records import Trace
 
 
 class PreflightError(ParityError):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from parity.contract.errors import ParityError
+
 
 def _rows(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
@@ -23,10 +25,15 @@ def l2(x: np.ndarray) -> np.ndarray:
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """||b - a|| / ||a|| per row (0 when both are zero, inf when only a is).  [n, ...] x 2 -> [n]"""
-    num, den = l2(_rows(b) - _rows(a)), l2(a)
+    """||b - a|| / ||a|| per row: 0 when the rows are equal, inf when only a is zero and on any non-finite value
+    in b (a NaN never compares as a small error). The one relative L2 of the project.  [n, ...] x 2 -> [n]"""
+    ra, rb = _rows(a), _rows(b)
+    if ra.shape != rb.shape:
+        raise ParityError(f"rel-L2 of different shapes: reference {np.shape(a)} vs candidate {np.shape(b)}")
+    finite = np.isfinite(rb).all(axis=1)
+    num, den = l2(np.where(np.isfinite(rb), rb, 0.0) - ra), l2(ra)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(num == 0, 0.0, num / den)
+        return np.where(~finite, np.inf, np.where(num == 0, 0.0, num / den))
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -64,6 +71,18 @@ def rel_diff_sglang(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """||a - b||^2 / (||a||^2 + ||b||^2) per row (SGLang/DeepGEMM `calc_rel_diff`; symmetric NMSE)."""
     d = l2(_rows(b) - _rows(a)) ** 2
     return d / (l2(a) ** 2 + l2(b) ** 2)
+
+
+def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row |set(a) ∩ set(b)| / max(|set(a)|, |set(b)|), ignoring -1 padding; 1 for two empty rows
+    (expert ids, indexer selections).
+    a, b: int [T, K] -> [T]"""
+    out = np.ones(len(a))
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        sx, sy = set(x[x >= 0].tolist()), set(y[y >= 0].tolist())
+        if sx or sy:
+            out[i] = len(sx & sy) / max(len(sx), len(sy))
+    return out
 
 
 # Conversions ---------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ half-layer carrier after the attention HC_post.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from parity.contract.errors import TraceError
+
 EMBED = "embed"
 FINAL_NORM = "final_norm"
 LOGITS = "logits"
@@ -43,6 +47,48 @@ def block_attn(layer: int) -> str:
 
 
 def checkpoint_names(n_layers: int) -> tuple[str, ...]:
-    """The L + 2 carrier checkpoints in depth order."""
+    """The L + 2 full-layer carrier checkpoints in depth order (no half-layer blk.l.attn)."""
     return (EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM)
+
+
+def trace_checkpoints(n_layers: int) -> list[str]:
+    """Every carrier checkpoint a trace records, depth order (2L + 2): embed, blk.0.attn, blk.0, ..., final_norm."""
+    names = [EMBED]
+    for l in range(n_layers):
+        names += [block_attn(l), block(l)]
+    return [*names, FINAL_NORM]
+
+
+def checkpoint_index(name: str, n_layers: int) -> int:
+    """The spec §12.1 index k of a checkpoint: embed 0, blk.l and blk.l.attn l+1, final_norm L+1."""
+    if name == EMBED:
+        return 0
+    if name == FINAL_NORM:
+        return n_layers + 1
+    layer = checkpoint_layer(name)
+    if layer is None:
+        raise TraceError(f"unknown checkpoint name {name!r}")
+    return layer + 1
+
+
+def checkpoint_layer(name: str) -> int | None:
+    """Layer number of blk.l / blk.l.attn, None for embed and final_norm."""
+    return int(name.split(".")[1]) if name.startswith("blk.") else None
+
+
+def checkpoint_depth(name: str, n_layers: int) -> float:
+    """Plot depth: embed 0, blk.l.attn l+0.5, blk.l l+1, final_norm L+1."""
+    if name == EMBED:
+        return 0.0
+    if name == FINAL_NORM:
+        return float(n_layers + 1)
+    layer = checkpoint_layer(name)
+    if layer is None:
+        raise TraceError(f"unknown checkpoint name {name!r}")
+    return layer + (0.5 if name.endswith(".attn") else 1.0)
+
+
+def layers_of(checkpoints: Iterable[str]) -> int:
+    """Number of layers a checkpoint list spans: 1 + the highest blk index (0 without blk checkpoints)."""
+    return 1 + max((layer for c in checkpoints if (layer := checkpoint_layer(c)) is not None), default=-1)
 

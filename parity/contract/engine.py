@@ -37,7 +37,7 @@ class RunOptions:
     # Opt-in approximate numerics (off = the exact path). An engine that cannot honour a value refuses it.
     act_quant: str = "none"      # none | q8_0 | bf16 | f16: activations rounded before every quantized matmul
     kv_cache: str = "f32"        # f32 | f16: precision the raw KV window and compressed rows are stored in
-    rope_angles: str = "exact"   # exact (float32 recipe of the official code) | recurrence (ggml: θ_i = θ_{i-1}·B^(-2/r))
+    rope_angles: str = "exact"   # exact (official float32 recipe) | recurrence (ggml: θ_i = θ_{i-1}·B^(-2/r))
 
     def __post_init__(self) -> None:
         for name, allowed in NUMERICS_CHOICES.items():

@@ -26,6 +26,7 @@ import numpy as np
 
 from parity.contract.errors import ParityError
 from parity.gguf.vocab import API_EOS, EOS, byte_decoder, token_bytes
+from parity.tracing.stats import top_k
 
 PLACEHOLDER_LOGPROB = -1000.0   # ds4's fetch script drops official entries at or below this
 MAX_TOP_K = 128                 # ds4 clamps --logprobs-top-k to this
@@ -388,8 +389,8 @@ def ds4_top(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """
     row = np.asarray(row, dtype=np.float32)
     finite = np.isfinite(row)
-    ids = np.flatnonzero(finite)
-    order = ids[np.argsort(-row[ids], kind="stable")][:k]
+    ids = top_k(row[None], k)[0][0]
+    order = ids[finite[ids]]
     vals = row[finite].astype(np.float64)
     # ds4 sums in id order, one term at a time (cumsum keeps that order; np.sum would pair terms up)
     lse = vals.max() + np.log(np.cumsum(np.exp(vals - vals.max()))[-1])

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, trace_checkpoints
 from parity.contract.errors import TraceError
 from parity.gguf.config import ModelConfig
-from parity.tracing.records import SUBLAYERS, Recorder, Trace, TraceHeader, trace_checkpoints
+from parity.tracing.recorder import Recorder
+from parity.tracing.records import SUBLAYERS, Trace, TraceHeader
 
 DS4_RE = re.compile(r"^(?P<name>[A-Za-z0-9_]+)-(?P<layer>\d+)_pos(?P<pos>\d+)\.(?P<ext>bin|i32)$")
 LCP_RE = re.compile(r"^(?P<name>hc_init|result_norm|result_output|l_last-(?P<l1>\d+)|hc_attn_post-(?P<l2>\d+))"

@@ -25,21 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from parity.contract.checkpoints import checkpoint_index, layers_of, trace_checkpoints
 from parity.contract.errors import TraceError
-from parity.tracing.records import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    FP_DIM,
-    SUBLAYERS,
-    TABLES,
-    Table,
-    Trace,
-    TraceHeader,
-    checkpoint_index,
-    layers_of,
-    make_table,
-    trace_checkpoints,
-)
+from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
+from parity.tracing.stats import FP_DIM
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
