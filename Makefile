@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(VPY) -m pip install -q --no-binary llama-cpp-python -e '.[dev,llamacpp,hf,ray]'
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	touch $(STAMP)
 
 demo: $(STAMP)
