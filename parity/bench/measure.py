@@ -302,18 +302,19 @@ def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -
 
 
 # ------------------------------------------------------------------------------------------------
-# Trace diff at real-model size: 45 carrier checkpoints (embed, blk.0..42, final_norm) x 4096 positions
+# Trace diff at real-model size: 88 carrier checkpoints (embed, blk.l.attn and blk.l for 43 layers, final_norm)
+# x 4096 positions
 
 
 def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: Any = None,
                     drift_from: int | None = None) -> Any:
     """A fingerprint-only trace of real-model size (tables only, no vectors). With `base`, a copy whose
     fingerprints carry a relative perturbation of 1e-2 from checkpoint index `drift_from` on."""
-    from parity.contract.checkpoints import EMBED, FINAL_NORM, block
+    from parity.contract.checkpoints import trace_checkpoints
     from parity.tracing.records import Trace, TraceHeader, make_table
     from parity.tracing.stats import FP_DIM
 
-    names = [EMBED, *(block(l) for l in range(n_layers)), FINAL_NORM]
+    names = trace_checkpoints(n_layers)
     H, K, E, S = 4, 20, 6, 512
     if base is not None:
         fp = base.ckpt["fp"].copy()
@@ -357,6 +358,7 @@ def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tupl
 def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
     """Seconds of `api.diff` on two traces written as .npz files (what `v4parity diff A.npz B.npz` does)."""
     from parity.api import diff
+    from parity.contract.checkpoints import trace_checkpoints
     from parity.tracing.io import write_trace
 
     rng = np.random.default_rng(0)
@@ -367,7 +369,7 @@ def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str
     del a, b
     from_files, report = _timed_median(lambda: diff(pa, pb), reps)
     first = report.first_drift or {}
-    return {"checkpoints": n_layers + 2, "positions": n_pos, "from_npz_s": from_files,
+    return {"checkpoints": len(trace_checkpoints(n_layers)), "positions": n_pos, "from_npz_s": from_files,
             "first_drift": first.get("checkpoint"), "npz_mb": (pa.stat().st_size + pb.stat().st_size) / 2**20}
 
 
