@@ -84,16 +84,26 @@ def test_convert_round_trip_is_byte_identical(traces, tmp_path):
     assert (tmp_path / "r.vectors.npz").read_bytes() == (traces["dir"] / "ref.vectors.npz").read_bytes()
 
 
-def test_diff_reports(traces):
+def test_diff_reports(traces, tmp_path):
     out = run("diff", traces["ref"], traces["torch"]).output
     assert "all 14 checkpoints agree" in out and "full" in out  # blk.2 and final_norm compared on full vectors
-    d = json.loads(run("diff", traces["ref"], traces["bad"], "--json").output)
+    res = run("diff", traces["ref"], traces["bad"], "--json", ok=False)
+    assert res.exit_code == 1  # drift exits 1 by default
+    d = json.loads(res.output)
     assert d["first_drift"]["checkpoint"] == "blk.2.attn" and d["first_drift"]["layer"] == 2
-    md = run("diff", traces["ref"], traces["bad"], "--markdown").output
+    md = run("diff", traces["ref"], traces["bad"], "--markdown", "-", ok=False).output
     assert md.startswith("**v4parity diff**") and "| blk.2.attn |" in md
-    assert run("diff", traces["ref"], traces["bad"], "--fail-on-drift", ok=False).exit_code == 1
-    loose = run("diff", traces["ref"], traces["bad"], "--rel-tol", "10", "--norm-tol", "1", "--fail-on-drift").output
+    run("diff", traces["ref"], traces["bad"], "--markdown", tmp_path / "d.md", "--no-fail")
+    assert "| blk.2.attn |" in (tmp_path / "d.md").read_text()
+    assert run("diff", traces["ref"], traces["bad"], "--no-fail").exit_code == 0
+    loose = run("diff", traces["ref"], traces["bad"], "--rel-tol", "10", "--norm-tol", "1").output
     assert "all 14 checkpoints agree (within rel-L2 <= 10 and RMS ratio 1 +- 1)" in loose
+
+
+def test_diff_usage_names_exactly_two_traces(traces):
+    assert "Usage: cli diff [OPTIONS] A B" in run("diff", "--help").output
+    res = run("diff", traces["ref"], ok=False)
+    assert res.exit_code == 2 and "Missing argument 'B'" in res.output
 
 
 def test_diff_preflight_refusal_exits_2(traces, tmp_path):

@@ -13,7 +13,8 @@ from fake_engine import FakeEngine
 
 from parity import api
 from parity.compare import metrics
-from parity.compare.differ import PreflightError, to_markdown
+from parity.compare.differ import PreflightError
+from parity.compare.printers import to_markdown
 from parity.contract.errors import ParityError, TraceError
 from parity.tracing.export import export_arrays
 
@@ -198,3 +199,64 @@ def test_non_finite_statistics_are_drift(runs):
     r = api.diff(a, b)
     assert r.first_drift["checkpoint"] == "blk.3" and r.first_drift["reason"] == "non-finite values"
     assert r.first_drift["first_pos"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The console table (printers)
+
+def _hand_report(rows, n_layers=43):
+    """A DiffReport from hand-written (checkpoint, pos, rel_l2, norm_ratio) rows; drift by the documented rule."""
+    import pandas as pd
+
+    from parity.compare.differ import LAYER_COLUMNS, DiffReport, Thresholds
+    from parity.contract.checkpoints import checkpoint_depth
+
+    th = Thresholds()
+    t = pd.DataFrame(rows, columns=["checkpoint", "pos", "rel_l2", "norm_ratio"])
+    t["depth"] = [checkpoint_depth(c, n_layers) for c in t["checkpoint"]]
+    t["layer"], t["method"], t["cosine"] = 0, "fp", 1.0 - t["rel_l2"] ** 2 / 2
+    t["sqnr_db"] = -20 * np.log10(t["rel_l2"])
+    t["max_abs"], t["stream_ratio_min"], t["stream_ratio_max"] = np.nan, t["norm_ratio"], t["norm_ratio"]
+    t["finite"], t["exact"] = True, False
+    t["drift"] = (t["rel_l2"] > th.rel_tol) | ((t["norm_ratio"] - 1).abs() > th.norm_tol)
+    t["argmax_a"] = t["argmax_b"] = 0
+    side = {"engine": "reference", "version": "1", "dtype": "float32", "model": {}, "flags": {}, "n_tokens": 20000,
+            "n_prompt": 16000}
+    first = None
+    if t["drift"].any():
+        row = t[t["drift"]].sort_values("depth").iloc[0]
+        first = {"checkpoint": row["checkpoint"], "layer": 0, "first_pos": int(row["pos"]),
+                 "worst_pos": int(row["pos"]), "positions": [int(row["pos"])], "method": "fp",
+                 "rel_l2": row["rel_l2"], "norm_ratio": row["norm_ratio"], "cosine": row["cosine"], "reason": "x"}
+    return DiffReport(side, side, th, [], t, pd.DataFrame(columns=LAYER_COLUMNS), first)
+
+
+def test_table_shows_each_failing_metrics_own_worst_position():
+    from parity.compare.printers import checkpoint_rows, text_table
+
+    # an RMS fault at position 13 while rel-L2 is worst (but under threshold) at position 2
+    r = _hand_report([("blk.4", 2, 8e-4, 1.0), ("blk.4", 13, 1e-5, 1.01), ("blk.4", 20, 2e-6, 1.0)])
+    (row,) = checkpoint_rows(r)
+    assert (row.pos, row.failing, row.norm_ratio, row.rel_l2, row.rel_l2_pos) == (13, "norm ratio", 1.01, 8e-4, 2)
+    line = text_table(r).splitlines()[2].split()
+    assert line == ["blk.4", "fp", "13", "8.000e-04", "1.010000*", "0.99999968", "DRIFT", "1/3"]
+    # rel-L2 failing wins the position over a simultaneous RMS failure elsewhere
+    r = _hand_report([("blk.4", 2, 5e-3, 1.0), ("blk.4", 13, 1e-5, 1.01)])
+    (row,) = checkpoint_rows(r)
+    assert (row.pos, row.failing, row.norm_ratio) == (2, "rel-L2", 1.01)
+
+
+def test_compact_table_fits_100_columns_without_cutting():
+    from parity.compare.printers import text_table
+
+    names = ["embed", *(n for layer in range(43) for n in (f"blk.{layer}.attn", f"blk.{layer}")), "final_norm"]
+    rows = [(n, p, (2.599e-3 if p else 2e-3) if n == "blk.42.attn" else 1.234567e-7, 1.000001) for n in names
+            for p in (0, 16383)]
+    r = _hand_report(rows)
+    compact = text_table(r).splitlines()
+    assert max(len(x) for x in compact) <= 100 and len(compact) == 2 + len(names)
+    assert "blk.42.attn" in compact[-3] and "2.599e-03*" in compact[-3] and "DRIFT 2/2" in compact[-3]
+    assert "16383" in compact[-3] and "1.235e-07" in compact[-2]  # numbers whole
+    wide = text_table(r, wide=True).splitlines()
+    assert "SQNR dB" in wide[0] and "stream ratios" in wide[0] and "1.0000..1.0000" in wide[-3]
+    assert max(len(x) for x in wide) > 100  # wide adds columns; it is not held to 100

@@ -1,74 +1,137 @@
-"""`v4parity diff | plot | gate | export | golden`: compare traces, draw drift profiles, gate CI."""
+"""`v4parity diff | plot | report | gate | export | golden`: compare traces, draw drift profiles, gate CI."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-trace_arg = click.argument("traces", nargs=2, type=click.Path(exists=True, dir_okay=False))
+from parity.cli.common import echo_json, html_option, json_errors, json_option, markdown_option, write_text
+
+a_arg = click.argument("a", metavar="A", type=click.Path(exists=True, dir_okay=False))
+b_arg = click.argument("b", metavar="B", type=click.Path(exists=True, dir_okay=False))
 force_opt = click.option("--force", is_flag=True,
                          help="Compare even when tokens / model / checkpoints / positions differ (overlap only).")
 rel_opt = click.option("--rel-tol", type=float, default=None, help="rel-L2 drift threshold [default: 1e-3].")
 norm_opt = click.option("--norm-tol", type=float, default=None, help="|RMS ratio - 1| threshold [default: 1e-3].")
+PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
-def _diff(traces, force, rel_tol, norm_tol):
+def _diff(a, b, force, rel_tol, norm_tol, as_json=False):
     from parity import api
     from parity.compare.differ import PreflightError
 
     try:
-        return api.diff(*traces, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
+        return api.diff(a, b, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
     except PreflightError as e:
-        click.secho(f"preflight: {e}", fg="red", err=True)
+        if as_json:
+            echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
+        else:
+            click.secho(f"preflight: {e}", fg="red", err=True)
         raise SystemExit(2) from None
 
 
+def _plot_path(output: str) -> str:
+    if Path(output).suffix.lower() not in PLOT_FORMATS:
+        raise click.BadParameter(f"{output}: the figure format comes from the extension; use one of "
+                                 f"{', '.join(PLOT_FORMATS)}", param_hint="-o/--output")
+    return output
+
+
 @click.command()
-@trace_arg
+@a_arg
+@b_arg
 @force_opt
 @rel_opt
 @norm_opt
-@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
-@click.option("--markdown", "as_md", is_flag=True, help="Print a Markdown report.")
-@click.option("--fail-on-drift", is_flag=True, help="Exit 1 when a checkpoint drifts.")
-def diff(traces, force, rel_tol, norm_tol, as_json, as_md, fail_on_drift) -> None:
-    """Compare trace A (reference) with trace B: metrics per checkpoint and the first drifting checkpoint.
+@click.option("--wide", is_flag=True, help="Every column (adds SQNR, max-abs, per-stream ratios; ~130 columns).")
+@json_option()
+@markdown_option()
+@html_option()
+@click.option("--no-fail", is_flag=True, help="Exit 0 even when a checkpoint drifts (the default exit is 1).")
+@json_errors
+def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path, no_fail) -> None:
+    """Compare exactly two traces, A (reference) and B (candidate): per checkpoint each metric's worst
+    value and the first drifting checkpoint.
 
-    Preflight refuses (exit 2) when token ids, model identity, checkpoint sets or positions differ.
-    Example: v4parity diff ref.trace torch.trace --markdown
+    \b
+    Exit codes: 0 all checkpoints agree, 1 a checkpoint drifts (0 with --no-fail),
+                2 preflight refusal (token ids, model, checkpoint sets or positions differ) or bad input.
+    Example: v4parity diff ref.trace torch.trace --markdown diff.md
     """
-    from parity.compare.differ import print_report, to_markdown
+    from parity.compare.printers import print_report, to_markdown
 
-    report = _diff(traces, force, rel_tol, norm_tol)
+    report = _diff(a, b, force, rel_tol, norm_tol, as_json)
+    if markdown_path:
+        write_text(markdown_path, to_markdown(report))
+    if html_path:
+        from parity.compare.html import write_report
+
+        write_report(html_path, report)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=1))
-    elif as_md:
-        click.echo(to_markdown(report))
-    else:
-        print_report(report)
-    if fail_on_drift and not report:
+        echo_json(report.to_dict())
+    elif markdown_path != "-":
+        print_report(report, wide=wide)
+    if not report and not no_fail:
         raise SystemExit(1)
 
 
 @click.command()
-@trace_arg
+@a_arg
+@b_arg
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure (.png/.pdf/.svg).")
 @force_opt
 @rel_opt
 @norm_opt
-def plot(traces, output, force, rel_tol, norm_tol) -> None:
-    """Drift profile of B against A: norm ratio and cosine vs depth, position x layer heatmap of rel-L2.
+@json_option()
+@json_errors
+def plot(a, b, output, force, rel_tol, norm_tol, as_json) -> None:
+    """Drift profile of B against A: norm ratio and cosine vs depth, position x layer heatmap of rel-L2
+    on a fixed log colour scale tied to the thresholds. Exits 0 when the figure is written, drift or not.
 
     Example: v4parity plot ref.trace torch.trace -o drift.png
     """
     from parity import api
-    from parity.compare.differ import verdict_line
+    from parity.compare.printers import verdict_line
 
-    report = _diff(traces, force, rel_tol, norm_tol)
+    output = _plot_path(output)
+    report = _diff(a, b, force, rel_tol, norm_tol, as_json)
     path = api.plot(report, output)
-    click.echo(f"wrote {path} ({verdict_line(report)})")
+    if as_json:
+        echo_json({"wrote": str(path), "agree": bool(report), "verdict": verdict_line(report)})
+    else:
+        click.echo(f"wrote {path} ({verdict_line(report)})")
+
+
+@click.command()
+@a_arg
+@b_arg
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@force_opt
+@rel_opt
+@norm_opt
+@json_option()
+@click.option("--no-fail", is_flag=True, help="Exit 0 even when a checkpoint drifts (the default exit is 1).")
+@json_errors
+def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
+    """One self-contained HTML report of B against A (inline CSS and images, no network): verdict, the
+    per-checkpoint table, the drift plot, routing/indexer/HC diagnostics, the two run headers.
+
+    \b
+    Exit codes as `diff`: 0 agree, 1 drift (0 with --no-fail), 2 preflight refusal.
+    Example: v4parity report ref.trace torch.trace -o report.html
+    """
+    from parity.compare.html import write_report
+    from parity.compare.printers import verdict_line
+
+    rep = _diff(a, b, force, rel_tol, norm_tol, as_json)
+    path = write_report(output, rep)
+    if as_json:
+        echo_json({"wrote": str(path), "agree": bool(rep), "verdict": verdict_line(rep)})
+    else:
+        click.echo(f"wrote {path} ({verdict_line(rep)})")
+    if not rep and not no_fail:
+        raise SystemExit(1)
 
 
 @click.command()
@@ -76,10 +139,11 @@ def plot(traces, output, force, rel_tol, norm_tol) -> None:
 @click.option("--candidate", required=True, type=click.Path(exists=True, dir_okay=False), help="Trace to check.")
 @click.option("--tolerances", type=click.Path(exists=True, dir_okay=False), help="Tolerance file (JSON or TOML).")
 @click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML here.")
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), help="Write the Markdown summary here.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of Markdown.")
+@markdown_option()
+@json_option(help="Print the result as JSON instead of Markdown (errors too).")
 @force_opt
-def gate(golden, candidate, tolerances, junit, md_path, as_json, force) -> None:
+@json_errors
+def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force) -> None:
     """CI gate: exit 0 when the candidate matches the golden trace within tolerances, 1 otherwise, 2 if incomparable.
 
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --junit gate.xml
@@ -92,21 +156,29 @@ def gate(golden, candidate, tolerances, junit, md_path, as_json, force) -> None:
         result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
                             names=(golden, candidate))
     except PreflightError as e:
-        click.secho(f"preflight: {e}", fg="red", err=True)
+        if as_json:
+            echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
+        else:
+            click.secho(f"preflight: {e}", fg="red", err=True)
         raise SystemExit(2) from None
     md = g.markdown(result)
     if junit:
         Path(junit).write_text(g.junit_xml(result))
-    if md_path:
-        Path(md_path).write_text(md)
-    click.echo(json.dumps(result.to_dict(), indent=1) if as_json else md)
+    if markdown_path:
+        write_text(markdown_path, md)
+    if as_json:
+        echo_json(result.to_dict())
+    elif markdown_path != "-":
+        click.echo(md)
     raise SystemExit(0 if result else 1)
 
 
 @click.command()
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .npz.")
-def export(trace, output) -> None:
+@json_option()
+@json_errors
+def export(trace, output, as_json) -> None:
     """Write every full vector of TRACE as plain arrays named by checkpoint (+ tokens, positions) to an .npz.
 
     Example: v4parity export ref.trace -o ref.npz; then np.load('ref.npz')['blk.2'] is [positions, streams, dim].
@@ -115,10 +187,15 @@ def export(trace, output) -> None:
 
     from parity import api
 
+    if Path(output).suffix != ".npz":
+        raise click.BadParameter(f"{output}: the export is an .npz file", param_hint="-o/--output")
     path = api.export(trace, output)
     with np.load(path) as z:
-        shapes = ", ".join(f"{k} {list(z[k].shape)}" for k in z.files)
-    click.echo(f"wrote {path}: {shapes}")
+        shapes = {k: list(z[k].shape) for k in z.files}
+    if as_json:
+        echo_json({"wrote": str(path), "arrays": shapes})
+    else:
+        click.echo(f"wrote {path}: " + ", ".join(f"{k} {v}" for k, v in shapes.items()))
 
 
 @click.command()
@@ -132,4 +209,4 @@ def golden(out) -> None:
         click.echo(f"wrote {path}")
 
 
-COMMANDS = [diff, plot, gate, export, golden]
+COMMANDS = [diff, plot, report, gate, export, golden]

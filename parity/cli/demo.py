@@ -16,14 +16,11 @@ def run_demo(out: Path, echo=click.echo) -> bool:
 
     Returns True when both verdicts are the expected ones.
     """
-    from rich.console import Console
-
     from parity import api
-    from parity.compare.differ import print_report
+    from parity.compare.printers import print_report
     from parity.contract.engine import RunOptions
     from parity.gguf.synth import synthesize
 
-    console = Console(width=None if Console().is_terminal else 150)
     t0 = time.perf_counter()
     model = synthesize(out / "tiny-f32.gguf", "tiny", "f32", 0)
     echo(f"[1/5] synthesized {model} (tiny preset: 6 layers, compress ratios 0,0,4,128,4,128)")
@@ -35,12 +32,12 @@ def run_demo(out: Path, echo=click.echo) -> bool:
     api.save_trace(torch_ok, out / "torch.trace")
     echo(f"[3/5] traced the torch engine on the same tokens -> {out / 'torch.trace'}\n")
     clean = api.diff(ref, torch_ok)
-    print_report(clean, console)
+    print_report(clean, echo=echo)
     faulty = api.trace("torch", model, options=RunOptions(inject=(DEMO_FAULT,)), **run)
     api.save_trace(faulty, out / "torch-fault.trace")
     echo(f"\n[4/5] traced the torch engine with --inject {DEMO_FAULT} -> {out / 'torch-fault.trace'}\n")
     bad = api.diff(ref, faulty)
-    print_report(bad, console)
+    print_report(bad, echo=echo)
     plot = api.plot(bad, out / "drift.png")
     echo(f"\n[5/5] drift profile written to {plot}  ({time.perf_counter() - t0:.1f} s total)")
     ok = bool(clean) and bad.first_drift is not None and bad.first_drift["layer"] == DEMO_EXPECTED_LAYER

@@ -179,7 +179,7 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
 def _side(t: Trace) -> dict[str, Any]:
     h = t.header
     return {"engine": h.engine, "version": h.engine_version, "model": h.model, "dtype": h.dtype, "flags": h.flags,
-            "n_tokens": len(h.tokens)}
+            "n_tokens": len(h.tokens), "n_prompt": h.n_prompt}
 
 
 def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
@@ -422,91 +422,3 @@ def _canonical_set(x: np.ndarray, nonneg: bool) -> np.ndarray:
 def _pad_left(s: np.ndarray, width: int) -> np.ndarray:
     """Prepend copies of column 0 (the row minimum) up to `width` columns."""
     return np.concatenate([np.repeat(s[:, :1], width - s.shape[1], axis=1), s], axis=1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Printers (pure functions of the report)
-
-def verdict_line(r: DiffReport) -> str:
-    th = r.thresholds
-    if r.first_drift is None:
-        kind = "bit-exact" if r.exact else f"within rel-L2 <= {th.rel_tol:g} and RMS ratio 1 +- {th.norm_tol:g}"
-        return f"all {r.table['checkpoint'].nunique()} checkpoints agree ({kind})"
-    f = r.first_drift
-    where = f"layer {f['layer']}" if f["layer"] is not None else f["checkpoint"]
-    return (f"first drifting checkpoint: {f['checkpoint']} ({where}) from position {f['first_pos']}: {f['reason']} "
-            f"[{f['method']}]")
-
-
-def _fmt(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and np.isnan(v)):
-        return "-"
-    return format(v, spec)
-
-
-def summary_rows(r: DiffReport) -> list[list[str]]:
-    """Summary cells per checkpoint, in SUMMARY_HEADERS order."""
-    out = []
-    for s in r.summary.to_dict(orient="records"):
-        status = "exact" if s["exact"] else ("DRIFT" if s["drifting"] else "ok")
-        if s["drifting"]:
-            status += f" ({s['drifting']}/{s['positions']} pos)"
-        streams = f"{_fmt(s['stream_ratio_min'], '.4f')}..{_fmt(s['stream_ratio_max'], '.4f')}"
-        out.append([s["checkpoint"], s["method"], str(s["worst_pos"]), _fmt(s["norm_ratio"], ".6f"),
-                    _fmt(s["cosine_min"], ".8f"), _fmt(s["rel_l2"], ".3e"), _fmt(s["sqnr_db"], ".1f"),
-                    _fmt(s["max_abs"], ".3e"), streams, status])
-    return out
-
-
-SUMMARY_HEADERS = ["checkpoint", "method", "worst pos", "norm ratio", "cosine", "rel-L2", "SQNR dB", "max-abs",
-                   "stream ratios", "status"]
-
-
-def to_markdown(r: DiffReport) -> str:
-    """The report as GitHub Markdown: verdict, warnings, summary table, layer diagnostics with differences."""
-    lines = [f"**v4parity diff**: A = {r.a['engine']} {r.a['version']}, B = {r.b['engine']} {r.b['version']}", "",
-             f"**{verdict_line(r)}**", ""]
-    lines += [f"> warning (forced): {w}" for w in r.warnings]
-    lines += [f"> flags differ: `{k}` A={v[0]} B={v[1]}" for k, v in r.flags_differ.items()]
-    lines += ["", "| " + " | ".join(SUMMARY_HEADERS) + " |", "|" + "---|" * len(SUMMARY_HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in summary_rows(r)]
-    bad = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)
-                   | (r.layers["hc_max_abs"] > 0)] if len(r.layers) else r.layers
-    if len(bad):
-        lines += ["", "| layer | HC max-abs | expert flips | n_comp mismatches | indexer mismatches |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {e.layer} | {e.hc_max_abs:.3e} | {e.expert_flips} | {e.n_comp_mismatch} | {e.sel_mismatch} |"
-                  for e in bad.itertuples()]
-    lines += ["", f"Thresholds: rel-L2 <= {r.thresholds.rel_tol:g}, |RMS ratio - 1| <= {r.thresholds.norm_tol:g} "
-                  f"(cosine >= {r.thresholds.cos_tol:.10g} for equal norms). method fp = 64-dim fingerprint estimate."]
-    return "\n".join(lines) + "\n"
-
-
-def print_report(r: DiffReport, console: Any = None) -> None:
-    """Rich console rendering: warnings, summary table, layer diagnostics, verdict."""
-    from rich.console import Console
-    from rich.table import Table as RichTable
-
-    console = console or Console(width=None if Console().is_terminal else 150)
-    for w in r.warnings:
-        console.print(f"[yellow]warning (forced):[/] {w}")
-    for k, v in r.flags_differ.items():
-        console.print(f"[cyan]flags differ:[/] {k}: A={v[0]} B={v[1]}")
-    tab = RichTable(title=f"A = {r.a['engine']} ({r.a['dtype']})  vs  B = {r.b['engine']} ({r.b['dtype']})")
-    for h in SUMMARY_HEADERS:
-        tab.add_column(h, justify="left" if h in ("checkpoint", "method", "status") else "right")
-    first = r.first_drift["checkpoint"] if r.first_drift else None
-    for row in summary_rows(r):
-        style = "bold red" if row[0] == first else ("red" if "DRIFT" in row[-1] else None)
-        tab.add_row(*row, style=style)
-    console.print(tab)
-    flagged = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)]
-    for e in flagged.itertuples():
-        parts = [f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}" if e.expert_flips else "",
-                 f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)" if e.n_comp_mismatch else "",
-                 f"{e.sel_mismatch} indexer selection mismatch(es)" if e.sel_mismatch else ""]
-        console.print(f"layer {e.layer}: " + ", ".join(p for p in parts if p))
-    color = "green" if r else "bold red"
-    console.print(f"[{color}]{verdict_line(r)}[/]")
-    console.print(f"thresholds: rel-L2 <= {r.thresholds.rel_tol:g}, |RMS ratio - 1| <= {r.thresholds.norm_tol:g}; "
-                  "method 'fp' = fingerprint estimate, 'full' = full vectors")

@@ -2,69 +2,91 @@
 
 One figure, three panels: RMS norm ratio vs depth (band = min..max over positions, line = last
 position, threshold band 1 +- norm_tol), 1 - cosine vs depth on a log scale (worst position, with the
-cosine threshold 1 - rel_tol^2/2), and a position x checkpoint heatmap of log10 rel-L2. The first
-drifting checkpoint is marked on every panel.
+cosine threshold 1 - rel_tol^2/2), and a position x checkpoint heatmap of rel-L2. The heatmap's colour
+scale is FIXED (log10 rel-L2 from 1e-9 to 1, the same on every plot): greys below the rel-L2 threshold,
+reds above it, so an all-agree plot stays pale and a failure is red whatever the other cells hold.
+Every column is labelled (`2a` = the half-layer checkpoint blk.2.attn), a line marks where the prompt
+ends and decode begins, and the first drifting checkpoint is marked on every panel.
 """
 
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
 from parity.compare.differ import DiffReport
 
-FLOOR = 1e-12      # where exact zeros sit on the rel-L2 heatmap
-COS_FLOOR = 1e-16  # ... and on the 1 - cosine axis (float64 resolution of a cosine near 1)
+LOG_MIN, LOG_MAX = -9.0, 0.0   # the heatmap's fixed colour range, log10 rel-L2 (float32 noise sits near -7)
+FLOOR = 10.0 ** LOG_MIN        # exact zeros and anything smaller sit at the bottom of the scale
+COS_FLOOR = 1e-16              # where 1 - cosine = 0 sits (float64 resolution of a cosine near 1)
+TITLE_WIDTH = 110              # characters per title line (the title wraps, never cut)
 
 
-def _depth_ticks(report: DiffReport) -> tuple[list[float], list[str]]:
-    """Tick positions and labels: embed, layer numbers at blk.l, final_norm."""
-    s = report.summary
-    ticks, labels = [], []
-    for name, depth in zip(s["checkpoint"], s["depth"], strict=True):
-        if name.endswith(".attn"):
-            continue
-        ticks.append(depth)
-        labels.append("embed" if name == "embed" else "final" if name == "final_norm" else name.split(".")[1])
-    return ticks, labels
+def column_label(name: str) -> str:
+    """Short heatmap/axis label of a checkpoint: embed, 2a (blk.2.attn), 2 (blk.2), final."""
+    if name == "embed":
+        return "embed"
+    if name == "final_norm":
+        return "final"
+    parts = name.split(".")
+    return parts[1] + ("a" if name.endswith(".attn") else "")
 
 
-def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
-    """Write the drift-profile figure of `report` to `out` (format from the extension) and return the path.
+def wrapped_title(text: str, width: int = TITLE_WIDTH) -> str:
+    """`text` broken into lines of at most `width` characters (for titles that must not be cut)."""
+    return "\n".join(textwrap.wrap(text, width)) or text
 
-    report.table: [rows = checkpoint x position] -> one PNG/PDF/SVG with 3 panels.
-    """
+
+def threshold_colormap(rel_tol: float):
+    """Greys from LOG_MIN up to log10(rel_tol), reds above: a colormap whose colour change IS the threshold."""
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap
+
+    n = 256
+    split = round(float(n * (np.log10(rel_tol) - LOG_MIN) / (LOG_MAX - LOG_MIN)))
+    split = min(max(split, 1), n - 1)
+    low = colormaps["Greys"](np.linspace(0.05, 0.45, split))
+    high = colormaps["YlOrRd"](np.linspace(0.45, 1.0, n - split))
+    return ListedColormap(np.concatenate([low, high]), name="rel_l2_threshold")
+
+
+def drift_figure(report: DiffReport):
+    """The drift-profile `matplotlib.figure.Figure` of `report` (3 panels, see the module docstring)."""
     from matplotlib.figure import Figure
 
     t = report.table.sort_values(["depth", "pos"], kind="stable")
     th = report.thresholds
     by = t.groupby("depth", sort=True)
     depth = np.array(sorted(t["depth"].unique()))
+    names = t.drop_duplicates("depth").set_index("depth")["checkpoint"].reindex(depth).tolist()
+    labels = [column_label(n) for n in names]
     last = t[t["pos"] == t["pos"].max()].set_index("depth")["norm_ratio"].reindex(depth)
     fig = Figure(figsize=(13, 9.5), layout="constrained")
     gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
     ax_n, ax_c, ax_h = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
-    ticks, labels = _depth_ticks(report)
     first = report.first_drift
     first_depth = None if first is None else t.loc[t["checkpoint"] == first["checkpoint"], "depth"].iloc[0]
+    small = 6 if len(depth) > 40 else 8
 
     ax_n.fill_between(depth, by["norm_ratio"].min().to_numpy(), by["norm_ratio"].max().to_numpy(), alpha=0.3,
                       color="tab:blue", label="min..max over positions")
     ax_n.plot(depth, last.to_numpy(), "o-", ms=3, color="tab:blue", label=f"position {t['pos'].max()}")
     ax_n.axhspan(1 - th.norm_tol, 1 + th.norm_tol, color="tab:green", alpha=0.15, label=f"1 ± {th.norm_tol:g}")
-    ax_n.set(title="RMS norm ratio B/A vs depth", xlabel="layer", ylabel="rms(B) / rms(A)")
+    ax_n.set(title="RMS norm ratio B/A vs depth", xlabel="checkpoint (2a = blk.2.attn)", ylabel="rms(B) / rms(A)")
 
     one_minus = np.maximum(1.0 - by["cosine"].min().to_numpy(), COS_FLOOR)
     ax_c.semilogy(depth, one_minus, "o-", ms=3, color="tab:purple", label="worst position")
     ax_c.axhline(max(1 - th.cos_tol, COS_FLOOR), color="tab:red", ls="--",
                  label=f"threshold: cos = 1 - {1 - th.cos_tol:.1e}")
-    ax_c.set(title="cosine vs depth (plotted as 1 - cosine)", xlabel="layer", ylabel="1 - cos(A, B)")
+    ax_c.set(title="cosine vs depth (plotted as 1 - cosine)", xlabel="checkpoint (2a = blk.2.attn)",
+             ylabel="1 - cos(A, B)")
     ax_c.set_ylim(COS_FLOOR / 2, max(1.0, one_minus.max() * 2))
 
     for ax in (ax_n, ax_c):
-        ax.set_xticks(ticks, labels, fontsize=7 if len(ticks) > 20 else 9)
+        ax.set_xticks(depth, labels, fontsize=small, rotation=90 if len(depth) > 20 else 0)
         ax.grid(alpha=0.3)
     if first is not None:
         for ax in (ax_n, ax_c):
@@ -73,23 +95,50 @@ def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
     ax_c.legend(fontsize=8, loc="best")
 
     grid = t.pivot_table(index="pos", columns="depth", values="rel_l2", aggfunc="max")
-    img = np.log10(np.maximum(grid.to_numpy(dtype=np.float64), FLOOR))
-    im = ax_h.imshow(img, aspect="auto", origin="lower", cmap="magma", interpolation="nearest",
-                     extent=(-0.5, len(grid.columns) - 0.5, -0.5, len(grid.index) - 0.5))
-    cols = list(grid.columns)
-    keep = [i for i, d in enumerate(cols) if d in ticks]
-    ax_h.set_xticks(keep, [labels[ticks.index(cols[i])] for i in keep], fontsize=7 if len(keep) > 20 else 9)
-    if len(grid.index) <= 40:
-        ax_h.set_yticks(range(len(grid.index)), [str(p) for p in grid.index], fontsize=7)
-    ax_h.set(title="relative L2 error (log10) by position and checkpoint (half steps = blk.l.attn)",
-             xlabel="layer", ylabel="position")
-    cb = fig.colorbar(im, ax=ax_h, label="log10 rel-L2")
-    cb.ax.axhline(np.log10(th.rel_tol), color="cyan", lw=2)
+    grid = grid.reindex(columns=depth)
+    img = np.log10(np.clip(np.nan_to_num(grid.to_numpy(dtype=np.float64), nan=1.0, posinf=1.0), FLOOR, 1.0))
+    im = ax_h.imshow(img, aspect="auto", origin="lower", cmap=threshold_colormap(th.rel_tol), vmin=LOG_MIN,
+                     vmax=LOG_MAX, interpolation="nearest",
+                     extent=(-0.5, len(depth) - 0.5, -0.5, len(grid.index) - 0.5))
+    ax_h.set_xticks(range(len(depth)), labels, fontsize=small, rotation=90 if len(depth) > 20 else 0)
+    rows = list(grid.index)
+    if len(rows) <= 40:
+        ax_h.set_yticks(range(len(rows)), [str(p) for p in rows], fontsize=7)
+    n_prompt = report.a.get("n_prompt")
+    decode_rows = [i for i, p in enumerate(rows) if n_prompt is not None and p >= n_prompt]
+    if decode_rows and decode_rows[0] > 0:
+        y = decode_rows[0] - 0.5
+        ax_h.axhline(y, color="tab:blue", lw=1.5)
+        ax_h.annotate("decode ↑  prompt ↓", (len(depth) - 0.5, y), xytext=(4, 0), textcoords="offset points",
+                      va="center", fontsize=7, color="tab:blue", annotation_clip=False)
+    ax_h.set(title="relative L2 error by position and checkpoint (fixed scale; red = above the rel-L2 threshold)",
+             xlabel="checkpoint (Na = half-layer blk.N.attn, N = blk.N)", ylabel="position")
+    cb = fig.colorbar(im, ax=ax_h, label="rel-L2 (log scale, fixed)", pad=0.04)
+    ticks = list(range(int(LOG_MIN), int(LOG_MAX) + 1, 3))
+    cb.set_ticks(ticks, labels=[f"1e{k}" for k in ticks])
+    cb.ax.axhline(np.log10(th.rel_tol), color="black", lw=2)
+    cb.ax.annotate(f"threshold {th.rel_tol:g}", (1.0, np.log10(th.rel_tol)), xytext=(26, 0),
+                   textcoords="offset points", va="center", fontsize=7, annotation_clip=False)
     if first is not None:
-        ax_h.axvline(cols.index(first_depth) - 0.5, color="cyan", ls="--", lw=1.5)
+        ax_h.axvline(list(depth).index(first_depth) - 0.5, color="tab:blue", ls="--", lw=1.5)
     verdict = "all checkpoints agree" if first is None else f"first drift: {first['checkpoint']} ({first['reason']})"
-    fig.suptitle(f"Drift profile — A = {report.a['engine']} vs B = {report.b['engine']} — {verdict}", fontsize=12)
+    fig.suptitle(wrapped_title(f"Drift profile — A = {report.a['engine']} vs B = {report.b['engine']} — {verdict}"),
+                 fontsize=12)
+    return fig
+
+
+def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
+    """Write the drift-profile figure of `report` to `out` (format from the extension) and return the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    drift_figure(report).savefig(out, dpi=110)
     return out
+
+
+def png_bytes(report: DiffReport, dpi: int = 90) -> bytes:
+    """The drift-profile figure as PNG bytes (for embedding)."""
+    import io
+
+    buf = io.BytesIO()
+    drift_figure(report).savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

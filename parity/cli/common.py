@@ -1,0 +1,84 @@
+"""Options every command spells the same way, and the one place a `--json` command reports its errors.
+
+Use these instead of declaring `--model`, `--device`, `--dtype`, `--inject`, `--json`, `--markdown` or
+`--html` in a command, so the choices and the help text stay identical across the CLI.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from parity.contract.errors import ParityError
+
+DTYPES = ("float32", "float64", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def model_option(required: bool = True, help: str = "deepseek4 GGUF file.") -> Callable:
+    return click.option("-m", "--model", required=required, type=click.Path(exists=True, dir_okay=False), help=help)
+
+
+def dtype_option(default: str = "float32", help: str = "") -> Callable:
+    text = help or "float32; float64: the reference's oracle mode; bfloat16: the torch engine's approximate path."
+    return click.option("--dtype", type=click.Choice(DTYPES), default=default, show_default=True, help=text)
+
+
+def device_option(help: str = "torch engine device (auto: CUDA when present).") -> Callable:
+    return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help=help)
+
+
+def inject_option(help: str = "") -> Callable:
+    text = help or ("Inject a known porting bug (repeatable). Free text: the engine lists its faults "
+                    "(torch: docs/torch-engine.md) and refuses unknown names.")
+    return click.option("--inject", multiple=True, metavar="FAULT", help=text)
+
+
+def json_option(help: str = "Print the result as JSON on stdout (errors too: {\"error\": ..., \"exit_code\": ...}).",
+                ) -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def markdown_option(help: str = "Also write the report as Markdown to FILE ('-': stdout).") -> Callable:
+    return click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, allow_dash=True),
+                        metavar="FILE", help=help)
+
+
+def html_option(help: str = "Also write a self-contained HTML report to FILE (for CI artifacts).") -> Callable:
+    return click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE", help=help)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write `text` to `path`, or to stdout when `path` is '-'."""
+    if path == "-":
+        click.echo(text, nl=not text.endswith("\n"))
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+
+
+def echo_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False))
+
+
+def json_errors(fn: Callable) -> Callable:
+    """With `as_json` on, a usage or harness error is printed as a JSON object on stdout (exit code kept)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("as_json"):
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException as e:
+            echo_json({"error": e.format_message(), "kind": type(e).__name__, "exit_code": e.exit_code})
+            raise SystemExit(e.exit_code) from None
+        except ParityError as e:
+            echo_json({"error": str(e), "kind": type(e).__name__, "exit_code": 2})
+            raise SystemExit(2) from None
+
+    return wrapper

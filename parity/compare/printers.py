@@ -1,0 +1,194 @@
+"""Printers of a `DiffReport` (pure functions of the report; the report itself is never changed here).
+
+Per checkpoint each metric shows its OWN worst value over the compared positions: the largest rel-L2,
+the RMS ratio farthest from 1, the smallest cosine. The position shown (`pos`) is the worst position of
+the metric that fails (non-finite values first, then rel-L2, then the RMS ratio), else rel-L2's worst, so
+an RMS fault at one position is never hidden behind another position's larger rel-L2. The console table
+is plain fixed-width text: the compact form (default) fits 100 columns for V4-Flash's checkpoint names,
+`wide=True` adds SQNR, max-abs and the per-stream ratios; no cell is ever cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import click
+import numpy as np
+import pandas as pd
+
+from parity.compare.differ import DiffReport
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    """One checkpoint's worst values (each metric at its own worst position) and its verdict."""
+
+    checkpoint: str
+    method: str
+    pos: int                 # worst position of the failing metric (else of rel-L2)
+    failing: str             # "non-finite" | "rel-L2" | "norm ratio" | "" (agrees)
+    rel_l2: float
+    rel_l2_pos: int
+    norm_ratio: float
+    norm_ratio_pos: int
+    cosine: float
+    sqnr_db: float           # at `pos`
+    max_abs: float
+    stream_min: float
+    stream_max: float
+    positions: int
+    drifting: int
+    exact: bool
+
+    @property
+    def status(self) -> str:
+        if self.exact:
+            return "exact"
+        return f"DRIFT {self.drifting}/{self.positions}" if self.drifting else "ok"
+
+
+def _argworst(key: np.ndarray) -> int:
+    """Index of the largest key, NaN counting as the worst."""
+    return int(np.argmax(np.where(np.isnan(key), np.inf, key)))
+
+
+def _row(name: str, g: pd.DataFrame, rel_tol: float, norm_tol: float) -> CheckpointRow:
+    pos = g["pos"].to_numpy()
+    rel, norm = g["rel_l2"].to_numpy(np.float64), g["norm_ratio"].to_numpy(np.float64)
+    i_rel, i_norm = _argworst(rel), _argworst(np.abs(norm - 1.0))
+    finite = g["finite"].to_numpy(bool)
+    if not finite.all():
+        failing, i = "non-finite", int(np.argmin(finite))
+    elif not rel[i_rel] <= rel_tol:
+        failing, i = "rel-L2", i_rel
+    elif not abs(norm[i_norm] - 1.0) <= norm_tol:
+        failing, i = "norm ratio", i_norm
+    else:
+        failing, i = "", i_rel
+    return CheckpointRow(
+        checkpoint=name, method=str(g["method"].iloc[0]), pos=int(pos[i]), failing=failing,
+        rel_l2=float(rel[i_rel]), rel_l2_pos=int(pos[i_rel]), norm_ratio=float(norm[i_norm]),
+        norm_ratio_pos=int(pos[i_norm]), cosine=float(g["cosine"].min()), sqnr_db=float(g["sqnr_db"].iloc[i]),
+        max_abs=float(g["max_abs"].max()), stream_min=float(g["stream_ratio_min"].min()),
+        stream_max=float(g["stream_ratio_max"].max()), positions=len(g), drifting=int(g["drift"].sum()),
+        exact=bool(g["exact"].all()))
+
+
+def checkpoint_rows(r: DiffReport) -> list[CheckpointRow]:
+    """One row per checkpoint, in depth order (see the module docstring for the values shown)."""
+    t = r.table.sort_values(["depth", "pos"], kind="stable")
+    return [_row(str(name), g, r.thresholds.rel_tol, r.thresholds.norm_tol)
+            for name, g in t.groupby("checkpoint", sort=False)]
+
+
+def verdict_line(r: DiffReport) -> str:
+    th = r.thresholds
+    if r.first_drift is None:
+        kind = "bit-exact" if r.exact else f"within rel-L2 <= {th.rel_tol:g} and RMS ratio 1 +- {th.norm_tol:g}"
+        return f"all {r.table['checkpoint'].nunique()} checkpoints agree ({kind})"
+    f = r.first_drift
+    where = f"layer {f['layer']}" if f["layer"] is not None else f["checkpoint"]
+    return (f"first drifting checkpoint: {f['checkpoint']} ({where}) from position {f['first_pos']}: {f['reason']} "
+            f"[{f['method']}]")
+
+
+def _fmt(v: float, spec: str) -> str:
+    return "-" if v is None or np.isnan(v) else format(v, spec)
+
+
+COMPACT = ("checkpoint", "method", "pos", "rel-L2", "norm ratio", "cosine", "status")
+WIDE = ("checkpoint", "method", "pos", "rel-L2", "norm ratio", "cosine", "SQNR dB", "max-abs", "stream ratios",
+        "status")
+_LEFT = {"checkpoint", "method", "status"}
+
+
+def cells(row: CheckpointRow, wide: bool = False) -> list[str]:
+    """The row's cells in COMPACT (or WIDE) column order; the failing metric's value is marked with '*'."""
+    mark = {"rel-L2": "", "norm ratio": ""}
+    if row.failing in mark:
+        mark[row.failing] = "*"
+    c = {"checkpoint": row.checkpoint, "method": row.method, "pos": str(row.pos),
+         "rel-L2": _fmt(row.rel_l2, ".3e") + mark["rel-L2"],
+         "norm ratio": _fmt(row.norm_ratio, ".6f") + mark["norm ratio"],
+         "cosine": _fmt(row.cosine, ".8f"), "SQNR dB": _fmt(row.sqnr_db, ".1f"), "max-abs": _fmt(row.max_abs, ".3e"),
+         "stream ratios": f"{_fmt(row.stream_min, '.4f')}..{_fmt(row.stream_max, '.4f')}",
+         "status": row.status if row.failing != "non-finite" else row.status + " NaN/inf"}
+    return [c[h] for h in (WIDE if wide else COMPACT)]
+
+
+def text_table(r: DiffReport, wide: bool = False, style: Callable[[str, CheckpointRow], str] | None = None) -> str:
+    """The per-checkpoint table as fixed-width text (two spaces between columns, nothing truncated)."""
+    heads = WIDE if wide else COMPACT
+    rows = checkpoint_rows(r)
+    body = [cells(row, wide) for row in rows]
+    width = [max(len(h), *(len(b[j]) for b in body)) for j, h in enumerate(heads)]
+
+    def line(parts: list[str] | tuple[str, ...]) -> str:
+        return "  ".join(p.ljust(w) if h in _LEFT else p.rjust(w) for p, w, h in zip(parts, width, heads, strict=True))
+
+    out = [line(heads).rstrip(), "  ".join("-" * w for w in width)]
+    for row, b in zip(rows, body, strict=True):
+        text = line(b).rstrip()
+        out.append(style(text, row) if style else text)
+    return "\n".join(out)
+
+
+def _flagged_layers(r: DiffReport) -> list[str]:
+    if not len(r.layers):
+        return []
+    flagged = r.layers[r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0]
+    lines = []
+    for e in flagged.itertuples():
+        parts = [f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}" if e.expert_flips else "",
+                 f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)" if e.n_comp_mismatch else "",
+                 f"{e.sel_mismatch} indexer selection mismatch(es)" if e.sel_mismatch else ""]
+        lines.append(f"layer {e.layer}: " + ", ".join(p for p in parts if p))
+    return lines
+
+
+def thresholds_line(r: DiffReport) -> str:
+    th = r.thresholds
+    return (f"thresholds: rel-L2 <= {th.rel_tol:g}, |RMS ratio - 1| <= {th.norm_tol:g}; * = the failing metric "
+            "(each value is that metric's worst position); method fp = fingerprint estimate, full = full vectors")
+
+
+def print_report(r: DiffReport, wide: bool = False, echo: Callable[..., None] = click.echo) -> None:
+    """Console rendering: warnings, the per-checkpoint table, layer diagnostics, verdict (colour on a terminal)."""
+    for w in r.warnings:
+        echo(click.style("warning (forced): ", fg="yellow") + w)
+    for k, v in r.flags_differ.items():
+        echo(click.style("flags differ: ", fg="cyan") + f"{k}: A={v[0]} B={v[1]}")
+    first = r.first_drift["checkpoint"] if r.first_drift else None
+
+    def style(text: str, row: CheckpointRow) -> str:
+        if row.checkpoint == first:
+            return click.style(text, fg="red", bold=True)
+        return click.style(text, fg="red") if row.drifting else text
+
+    echo(f"A = {r.a['engine']} ({r.a['dtype']})  vs  B = {r.b['engine']} ({r.b['dtype']})")
+    echo(text_table(r, wide, style))
+    for line in _flagged_layers(r):
+        echo(line)
+    echo(click.style(verdict_line(r), fg="green" if r else "red", bold=not r))
+    echo(thresholds_line(r))
+
+
+def to_markdown(r: DiffReport) -> str:
+    """The report as GitHub Markdown: verdict, warnings, the wide table, layer diagnostics with differences."""
+    lines = [f"**v4parity diff**: A = {r.a['engine']} {r.a['version']}, B = {r.b['engine']} {r.b['version']}", "",
+             f"**{verdict_line(r)}**", ""]
+    lines += [f"> warning (forced): {w}" for w in r.warnings]
+    lines += [f"> flags differ: `{k}` A={v[0]} B={v[1]}" for k, v in r.flags_differ.items()]
+    lines += ["", "| " + " | ".join(WIDE) + " |", "|" + "---|" * len(WIDE)]
+    lines += ["| " + " | ".join(cells(row, wide=True)) + " |" for row in checkpoint_rows(r)]
+    bad = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)
+                   | (r.layers["hc_max_abs"] > 0)] if len(r.layers) else r.layers
+    if len(bad):
+        lines += ["", "| layer | HC max-abs | expert flips | n_comp mismatches | indexer mismatches |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e.layer} | {e.hc_max_abs:.3e} | {e.expert_flips} | {e.n_comp_mismatch} | {e.sel_mismatch} |"
+                  for e in bad.itertuples()]
+    cos = f" (cosine >= {r.thresholds.cos_tol:.10g} for equal norms)."
+    lines += ["", thresholds_line(r).replace("* =", "`*` =") + cos]
+    return "\n".join(lines) + "\n"
