@@ -69,8 +69,10 @@ def _selection(rng: np.random.Generator, sel: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pair(seed: int) -> tuple[Trace, Trace]:
-    """Two random traces over the same tokens; b's header lacks position 5, b's tables miss some rows."""
+def _pair(seed: int, storable: bool = False) -> tuple[Trace, Trace]:
+    """Two random traces over the same tokens; b's header lacks position 5, b's tables miss some rows.
+
+    `storable`: only what a trace file may hold (no repeated key, no -7 padding), as the readers enforce."""
     rng = np.random.default_rng(seed)
     names = trace_checkpoints(L)
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -78,10 +80,13 @@ def _pair(seed: int) -> tuple[Trace, Trace]:
 
     n = len(names) * P
     ck, pos = np.repeat(np.arange(len(names)), P), np.tile(np.arange(P), len(names))
+    final = ck == len(names) - 1
     ckpt = {"ck": ck, "pos": pos, "tok": pos, "min": -1 - np.abs(f32(n)), "max": 1 + np.abs(f32(n)),
-            "rms": 1 + np.abs(f32(n)), "l2s": 1 + np.abs(f32(n, H)), "sum_l2": 1 + np.abs(f32(n)),
-            "fp": f32(n, FP_DIM), "argmax": np.where(ck == len(names) - 1, pos, -1),
-            "top_ids": np.full((n, K), -1), "top_logits": np.full((n, K), np.nan)}
+            "rms": 1 + np.abs(f32(n)), "sum_l2": 1 + np.abs(f32(n)),
+            "l2s": np.where(final[:, None] & (np.arange(H) > 0), np.nan, 1 + np.abs(f32(n, H))),
+            "fp": f32(n, FP_DIM), "argmax": np.where(final, pos, -1),
+            "top_ids": np.where(final[:, None], pos[:, None] + np.arange(K), -1),
+            "top_logits": np.where(final[:, None], -np.arange(K, dtype=np.float32), np.nan)}
     late = ck >= 3  # embed, blk.0.attn and blk.0 stay identical
     drift = late & (ck >= 5) & (rng.random(n) < 0.5)  # fingerprints drift from blk.2.attn on, at some positions
     ckpt_b = {**ckpt, "fp": np.where(drift[:, None], ckpt["fp"] * (1 + 0.1 * f32(n, FP_DIM)), ckpt["fp"]),
@@ -104,11 +109,18 @@ def _pair(seed: int) -> tuple[Trace, Trace]:
     sel = np.array([np.concatenate([rng.choice(40, k, replace=False), np.full(S - k, -1)])
                     for k in rng.integers(0, S + 1, m)])
     n_comp = lp[1] // 2
-    attn = {"layer": lp[0], "pos": lp[1], "n_comp": n_comp, "has_sel": lp[0] % 2 == 0, "sel": sel}
-    attn_b = {**attn, "n_comp": n_comp + (rng.random(m) < 0.2), "sel": _selection(rng, sel)}
+    has_sel = lp[0] % 2 == 0
+    sel_b = _selection(rng, sel)
+    if storable:
+        sel[~has_sel], sel_b[~has_sel] = -1, -1
+        sel_b[sel_b < -1] = -1
+    attn = {"layer": lp[0], "pos": lp[1], "n_comp": n_comp, "has_sel": has_sel, "sel": sel}
+    attn_b = {**attn, "n_comp": n_comp + (rng.random(m) < 0.2), "sel": sel_b}
 
     def drop(rows: dict, p: float) -> dict:
         keep = rng.random(len(rows["pos"])) >= p
+        if storable:
+            keep &= np.asarray(rows["pos"]) != 5
         return {c: np.asarray(v)[keep] for c, v in rows.items()}
 
     def duplicate_last(rows: dict) -> dict:  # the last row again with other values: a repeated key, last one counts
@@ -123,7 +135,7 @@ def _pair(seed: int) -> tuple[Trace, Trace]:
     b_pos = [p for p in range(P) if p != 5]
     keep_b = np.isin(ckpt_b["pos"], b_pos)
     b = Trace(_header(b_pos, P), make_table("ckpt", {c: np.asarray(v)[keep_b] for c, v in ckpt_b.items()}, widths),
-              make_table("hc", duplicate_last(drop(hc_b, 0.1)), widths),
+              make_table("hc", drop(hc_b, 0.1) if storable else duplicate_last(drop(hc_b, 0.1)), widths),
               make_table("moe", drop(moe_b, 0.1), widths), make_table("attn", drop(attn_b, 0.1), widths))
     return a, b
 
@@ -250,13 +262,13 @@ def test_metric_table_and_first_drift_match_a_row_by_row_implementation(seed):
 
 
 def test_npz_files_give_the_in_memory_report(tmp_path):
-    a, b = _pair(5)
+    a, b = _pair(5, storable=True)
     pa, pb = write_trace(a, tmp_path / "a.npz"), write_trace(b, tmp_path / "b.npz")
     assert api.diff(pa, pb, force=True).to_dict() == api.diff(a, b, force=True).to_dict()
 
 
 def test_corrupt_npz_column_is_refused(tmp_path):
-    a, _ = _pair(6)
+    a, _ = _pair(6, storable=True)
     path = write_trace(a, tmp_path / "a.npz")
     with zipfile.ZipFile(path) as z:
         info = z.getinfo("hc.comb.npy")

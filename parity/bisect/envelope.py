@@ -27,6 +27,7 @@ from parity.compare.metrics import max_abs, rel_l2
 from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RunOptions
 from parity.contract.errors import ParityError
+from parity.contract.files import atomic_write_bytes
 from parity.tracing.runner import ChunkResult, run_sequence, stack
 
 ENVELOPE_VERSION = 1
@@ -241,10 +242,7 @@ def save_envelope(path: str | os.PathLike, env: Envelope, model_identity: dict) 
         if old["model"] == model_identity:
             doc["dtypes"] = old["dtypes"]
     doc["dtypes"][env.dtype] = asdict(env)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _read(path: Path) -> dict:

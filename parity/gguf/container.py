@@ -9,9 +9,9 @@ entries, tensor infos (name, n_dims, ne[ne0 first], ggml type, offset), padding 
 
 from __future__ import annotations
 
+import io
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -21,6 +21,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from parity.contract.errors import GGUFError
+from parity.contract.files import atomic_write
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -277,7 +278,7 @@ class TensorData:
 
 def write_gguf(path: str | os.PathLike, kv: dict[str, Value], tensors: list[TensorData],
                alignment: int = DEFAULT_ALIGNMENT) -> None:
-    """Write a GGUF v3 file atomically (temp file + rename). Same inputs give identical bytes."""
+    """Write a GGUF v3 file with `atomic_write` (mode 0644). Same inputs give identical bytes."""
     parts = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
     for key, val in kv.items():
         parts += [_encode_value(Value(VT.STRING, key)), struct.pack("<I", int(val.type)), _encode_value(val)]
@@ -291,16 +292,11 @@ def write_gguf(path: str | os.PathLike, kv: dict[str, Value], tensors: list[Tens
         offset += -(-len(t.raw) // alignment) * alignment
     header = b"".join(parts)
     header += b"\0" * (-len(header) % alignment)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for t in tensors:
-                f.write(t.raw)
-                f.write(b"\0" * (-len(t.raw) % alignment))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f: io.BufferedWriter) -> None:
+        f.write(header)
+        for t in tensors:
+            f.write(t.raw)
+            f.write(b"\0" * (-len(t.raw) % alignment))
+
+    atomic_write(path, write)

@@ -7,8 +7,11 @@ Formats (spec ds4-formats §1.4, §2.2, §2.3):
 * the official-API vector JSON (`"schema":"ds4-official-logprobs-v1"`);
 * the compact `official.vec` (`# ds4-official-logprob-vectors-v1`), one or more cases (`FILE#CASE`).
 The API spells EOS `<｜｜end▁of▁sentence｜｜>`; readers normalise it to the vocabulary's spelling.
-Entries at logprob <= -1000 (the API's -9999 placeholders) carry no probability and are dropped, as
-ds4's own fixture generator does; a run whose steps then hold only the selected token is greedy-only.
+Entries at logprob <= -1000 (the API's -9999 placeholders) carry no probability and are dropped from an
+official JSON, as are alternatives with empty bytes, as ds4's own fixture generator does; a run whose steps
+then hold only the selected token is greedy-only. `Step.ds4_tops` keeps what `ds4_test --logprob-vectors`
+itself checks (as float32, `sscanf %f`): every `top` line of an `.vec` (a -9999 line included), the
+generator-filtered entries of an official JSON, the first 20 entries of a dump.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,13 @@ from typing import Any
 import numpy as np
 
 from parity.contract.errors import ParityError
+from parity.contract.files import atomic_write_bytes
 from parity.gguf.vocab import API_EOS, EOS, byte_decoder, token_bytes
 from parity.tracing.stats import top_k
 
 PLACEHOLDER_LOGPROB = -1000.0   # ds4's fetch script drops official entries at or below this
+DS4_TEST_TOP = 20               # ds4_test compares against the local top 20 (an official list holds 20)
+FLT_MIN = float(np.finfo(np.float32).tiny)  # below this a float32 is subnormal: ds4's FTZ/DAZ build reads 0
 MAX_TOP_K = 128                 # ds4 clamps --logprobs-top-k to this
 LOGPROB_SLACK = 1e-6            # a float32 logprob may round a hair above 0
 MASS_SLACK = 1e-4               # float32 rounding of up to 128 listed probabilities
@@ -47,6 +52,7 @@ class Tok:
     data: bytes
     id: int | None = field(default=None, compare=False)
     text: str | None = field(default=None, compare=False)
+    api_eos: bool = field(default=False, compare=False)   # spelled as the API's EOS in the file (ds4 never has it)
 
     def label(self) -> str:
         """Printable form: the UTF-8 text when valid, else the bytes in hex."""
@@ -64,7 +70,8 @@ class Step:
     selected: Tok
     top: list[tuple[Tok, float]]
     logits: list[float] | None = None
-    dropped: int = 0               # placeholder entries (logprob <= -1000) removed by the reader
+    dropped: int = 0               # placeholder / empty-bytes entries removed by the reader
+    ds4_tops: list[tuple[Tok, float]] | None = None   # the entries ds4_test checks (float32), see the module doc
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,16 @@ class LogprobRun:
 def normalise_bytes(data: bytes) -> bytes:
     """Map the API's EOS spelling to the vocabulary's."""
     return EOS.encode() if data == API_EOS.encode() else data
+
+
+def make_tok(raw: bytes, tid: int | None = None, text: str | None = None) -> Tok:
+    """A token from its file bytes: the API EOS spelling normalised, and remembered in `api_eos`."""
+    return Tok(normalise_bytes(raw), tid, text, raw == API_EOS.encode())
+
+
+def f32(x: float) -> float:
+    """x rounded to float32, as ds4_test's `sscanf("%f")` reads a number."""
+    return float(np.float32(x))
 
 
 class _Where:
@@ -137,7 +154,7 @@ def _token(w: _Where, obj: Any, step: int, fld: str, with_id: bool) -> Tok:
     if with_id and text != ds4_text(bytes(raw)):  # ds4 dumps: text is a function of the bytes
         raise w.fail(step, fld + ".text", f"{json.dumps(text)} does not match its bytes (expected "
                      f"{json.dumps(ds4_text(bytes(raw)))}, ds4's escaping)")
-    return Tok(normalise_bytes(bytes(raw)), tid, text)
+    return make_tok(bytes(raw), tid, text)
 
 
 def ds4_text(data: bytes) -> str:
@@ -188,8 +205,8 @@ def read_ds4_dump(path: str | os.PathLike) -> LogprobRun:
     for i, s in enumerate(raw_steps):
         sel = _token(w, w.get(s, "selected", "obj", i, "selected"), i, "selected", True)
         entries = w.get(s, "top_logprobs", "list", i, "top_logprobs")
-        if not entries or len(entries) > meta["top_k"]:
-            raise w.fail(i, "top_logprobs", f"{len(entries)} entries; expected 1..top_k={meta['top_k']}")
+        if len(entries) > meta["top_k"]:  # ds4 writes [] for a row without a finite logit
+            raise w.fail(i, "top_logprobs", f"{len(entries)} entries; expected 0..top_k={meta['top_k']}")
         top, logits = [], []
         for r, e in enumerate(entries):
             fld = f"top_logprobs[{r}]"
@@ -197,7 +214,7 @@ def read_ds4_dump(path: str | os.PathLike) -> LogprobRun:
                         _logprob(w, e, i, fld + ".logprob")))
             logits.append(float(w.get(e, "logit", "num", i, fld + ".logit")))
         _check_top(w, i, top)
-        steps.append(Step(i, sel, top, logits))
+        steps.append(Step(i, sel, top, logits, ds4_tops=[(t, f32(lp)) for t, lp in top[:DS4_TEST_TOP]]))
     return LogprobRun(path, "ds4-dump", source, steps, False, meta["top_k"], meta)
 
 
@@ -214,11 +231,13 @@ def read_official_json(path: str | os.PathLike) -> LogprobRun:
         top = [(_token(w, w.get(e, "token", "obj", i, f"top_logprobs[{r}].token"), i, f"top_logprobs[{r}].token",
                        False), _logprob(w, e, i, f"top_logprobs[{r}].logprob")) for r, e in enumerate(entries)]
         _check_top(w, i, top)
-        kept = [(t, lp) for t, lp in top if lp > PLACEHOLDER_LOGPROB]
+        kept = [(t, lp) for t, lp in top if lp > PLACEHOLDER_LOGPROB and t.data]
         if sel_lp > PLACEHOLDER_LOGPROB and sel not in {t for t, _ in kept}:
             raise w.fail(i, "token", "the selected token is not among top_logprobs")
         any_alternative |= any(t != sel for t, _ in kept)
-        steps.append(Step(i, sel, kept, None, len(top) - len(kept)))
+        # ds4's generator writes each kept logprob with %.9g; ds4_test reads it back as float32
+        checked = [(t, f32(float(format(lp, ".9g")))) for t, lp in kept]
+        steps.append(Step(i, sel, kept, None, len(top) - len(kept), checked))
     meta = {k: doc[k] for k in ("id", "model", "finish_reason", "created_at") if isinstance(doc.get(k), str)}
     if isinstance(doc.get("request"), dict) and isinstance(doc["request"].get("top_logprobs"), int):
         meta["top_k"] = doc["request"]["top_logprobs"]
@@ -243,7 +262,7 @@ def _vec_cases(path: str) -> dict[str, tuple[dict[str, Any], list[Step]]]:
 
     def token(n: int, hexs: str) -> Tok:
         try:
-            return Tok(normalise_bytes(bytes.fromhex(hexs)))
+            return make_tok(bytes.fromhex(hexs))
         except ValueError:
             raise fail(n, f"token hex {hexs!r} is not an even-length hex string") from None
 
@@ -254,7 +273,7 @@ def _vec_cases(path: str) -> dict[str, tuple[dict[str, Any], list[Step]]]:
             if len(tops) != want:
                 raise fail(n, f"step {idx}: field 'top-count' says {want}, found {len(tops)} top lines")
             kept = [(t, lp) for t, lp in tops if lp > PLACEHOLDER_LOGPROB]
-            case[1].append(Step(idx, sel, kept, None, len(tops) - len(kept)))
+            case[1].append(Step(idx, sel, kept, None, len(tops) - len(kept), [(t, f32(lp)) for t, lp in tops]))
         pending = None
 
     for n, line in enumerate(lines, 1):
@@ -381,15 +400,33 @@ def json_piece(data: bytes) -> str:
     return "".join(out)
 
 
+def flush_subnormals(logits: np.ndarray) -> np.ndarray:
+    """float32 logits with every subnormal replaced by a zero of the same sign (ds4's FTZ/DAZ build)."""
+    x = np.asarray(logits, dtype=np.float32)
+    return np.where((x != 0) & (np.abs(x) < FLT_MIN), np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def ds4_argmax(row: np.ndarray) -> int:
+    """ds4's greedy pick: scan from id 0, keep the first strictly greater value (NaN never replaces, a NaN at
+    id 0 is never replaced; +inf wins; a row of -inf picks id 0)."""
+    row = np.asarray(row, dtype=np.float32)
+    if np.isnan(row[0]) or np.isnan(row).all():
+        return 0
+    return int(np.nanargmax(row))
+
+
 def ds4_top(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """ds4's top-k of one logits row: (ids, logprobs) by descending logit, ties to the lower id.
 
     logprob = logit - (max + log sum exp(l - max)) over the finite logits, summed in float64 and
-    rounded to float32 (`ds4_session_top_logprobs`). -inf logits are skipped, as ds4 does.
+    rounded to float32 (`ds4_session_top_logprobs`). Non-finite logits are skipped, as ds4 does; a row
+    without a finite logit gives no entry.
     """
     row = np.asarray(row, dtype=np.float32)
     finite = np.isfinite(row)
-    ids = top_k(row[None], k)[0][0]
+    if not finite.any():
+        return np.zeros(0, np.int64), np.zeros(0, np.float32)
+    ids = top_k(np.where(finite, row, -np.inf)[None], k)[0][0]  # NaN / +inf never take a slot
     order = ids[finite[ids]]
     vals = row[finite].astype(np.float64)
     # ds4 sums in id order, one term at a time (cumsum keeps that order; np.sum would pair terms up)
@@ -397,20 +434,14 @@ def ds4_top(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return order, (row[order].astype(np.float64) - lse).astype(np.float32)
 
 
-def _check_logits(logits: np.ndarray) -> None:
-    bad = np.isnan(logits) | (logits == np.inf)
-    if bad.any():
-        s, v = np.argwhere(bad)[0]
-        raise ParityError(f"logits of step {s}, token {v} are {logits[s, v]}; a dump needs finite logits")
-    dead = ~np.isfinite(logits).any(axis=1)
-    if dead.any():
-        raise ParityError(f"step {int(np.flatnonzero(dead)[0])} has no finite logit")
-
-
 def ds4_dump_text(*, logits: np.ndarray, selected: Sequence[int], prompt_tokens: int, ctx: int, top_k: int,
                   vocab_tokens: Sequence[str], eos_id: int | None = None, source: str = "ds4") -> str:
-    """The exact bytes (as text) of ds4's `--dump-logprobs` file for these step logits [steps, V]."""
-    logits = np.asarray(logits, dtype=np.float32)
+    """The exact bytes (as text) of ds4's `--dump-logprobs` file for these step logits [steps, V].
+
+    As ds4 does: subnormal logits read as zero (FTZ/DAZ); NaN / inf logits are skipped in the list, and a
+    row without a finite logit is written with `"top_logprobs":[]`; `selected` must be ds4's argmax.
+    """
+    logits = flush_subnormals(logits)
     if logits.ndim != 2 or logits.shape[1] != len(vocab_tokens):
         raise ParityError(f"logits must be [steps, {len(vocab_tokens)}] (one row per step over the vocab), "
                           f"got {list(logits.shape)}")
@@ -427,7 +458,6 @@ def ds4_dump_text(*, logits: np.ndarray, selected: Sequence[int], prompt_tokens:
         if EOS not in vocab_tokens:
             raise ParityError(f"the vocabulary has no {EOS!r}; pass eos_id")
         eos_id = list(vocab_tokens).index(EOS)
-    _check_logits(logits)
     decoder = byte_decoder()
     pieces: dict[int, str] = {}
 
@@ -440,13 +470,14 @@ def ds4_dump_text(*, logits: np.ndarray, selected: Sequence[int], prompt_tokens:
     lines = []
     for s, row in enumerate(logits):
         ids, lps = ds4_top(row, top_k)
-        if int(selected[s]) != int(ids[0]):
-            raise ParityError(f"step {s}: selected token {int(selected[s])} is not the argmax {int(ids[0])}; "
+        pick = ds4_argmax(row)
+        if int(selected[s]) != pick:
+            raise ParityError(f"step {s}: selected token {int(selected[s])} is not ds4's argmax {pick}; "
                               "a ds4 dump is greedy")
         tops = ",".join(f'{{"token":{tok(int(i))},"logit":{g9(row[i])},"logprob":{g9(lp)}}}'
                         for i, lp in zip(ids, lps, strict=True))
-        lines.append(f'    {{"step":{s},"selected":{tok(int(ids[0]))},"top_logprobs":[{tops}]}}')
-        if int(ids[0]) == eos_id:
+        lines.append(f'    {{"step":{s},"selected":{tok(pick)},"top_logprobs":[{tops}]}}')
+        if pick == eos_id:
             break
     head = (f'{{\n  "source":{json_piece(source.encode())},\n  "prompt_tokens":{prompt_tokens},\n  "ctx":{ctx},\n'
             f'  "top_k":{top_k},\n  "steps":[\n')
@@ -463,13 +494,4 @@ def write_ds4_dump(path: str | os.PathLike, *, logits: np.ndarray, selected: Seq
     """
     text = ds4_dump_text(logits=logits, selected=selected, prompt_tokens=prompt_tokens, ctx=ctx, top_k=top_k,
                          vocab_tokens=vocab_tokens, eos_id=eos_id, source=source)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, text.encode("utf-8"))

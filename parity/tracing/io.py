@@ -10,71 +10,54 @@ file `<stem>.vectors.npz` next to the trace (present when the header lists `full
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
-import mmap
 import os
-import struct
-import tempfile
+import re
 import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import checkpoint_index, layers_of, trace_checkpoints
+from parity.contract.checkpoints import checkpoint_index, layers_of
 from parity.contract.errors import TraceError
+from parity.contract.files import atomic_write_bytes
 from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
 from parity.tracing.stats import FP_DIM
+from parity.tracing.validate import INT32_MAX, check_tables, header_from_dict
+from parity.tracing.zipstore import ZIP_MAGIC, StoredZip
 
-ZIP_MAGIC = b"PK\x03\x04"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-HEADER_KEYS = ("engine", "model", "dtype", "hc", "dim", "top_k", "tokens", "n_prompt", "chunks", "decode",
+HEADER_KEYS = ("engine", "model", "model_data", "dtype", "hc", "dim", "top_k", "tokens", "n_prompt", "chunks", "decode",
                "positions", "checkpoints", "full", "flags")
+OPTIONAL_KEYS = ("model_data",)  # absent in traces whose model identity predates the data hash
+TRACE_ID = "trace_sha256"  # side-file member binding it to its trace
 REGEN_HINT = "re-run `v4parity trace ...` (or your engine's writer) to regenerate it"
 
 
 # ----------------------------------------------------------------------------------------------
-# Atomic, deterministic file writing
+# Deterministic zip writing (files are written with parity.contract.files.atomic_write)
 
-def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], None]) -> Path:
-    """Write via `write(f)` to a temp file in the target directory, fsync, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def npz_bytes(arrays: dict[str, np.ndarray], extra: dict[str, bytes] | None = None) -> bytes:
+    """An uncompressed `.npz` readable by `np.load`, byte-identical for identical arrays (fixed zip dates)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in (extra or {}).items():
+            z.writestr(zipfile.ZipInfo(name, ZIP_DATE), data)
+        for name, arr in arrays.items():
+            member = io.BytesIO()
+            np.lib.format.write_array(member, np.ascontiguousarray(arr), allow_pickle=False)
+            z.writestr(zipfile.ZipInfo(f"{name}.npy", ZIP_DATE), member.getvalue())
+    return buf.getvalue()
 
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], extra: dict[str, bytes] | None = None) -> Path:
-    """An uncompressed `.npz` readable by `np.load`, byte-identical for identical arrays (fixed zip dates)."""
-    def write(f: io.BufferedWriter) -> None:
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
-            for name, data in (extra or {}).items():
-                z.writestr(zipfile.ZipInfo(name, ZIP_DATE), data)
-            for name, arr in arrays.items():
-                buf = io.BytesIO()
-                np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
-                z.writestr(zipfile.ZipInfo(f"{name}.npy", ZIP_DATE), buf.getvalue())
-    return atomic_write(path, write)
+    """`npz_bytes`, written atomically."""
+    return atomic_write_bytes(path, npz_bytes(arrays, extra))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,12 +69,26 @@ def vectors_path(trace_path: str | os.PathLike) -> Path:
     return p.with_name(p.name.rsplit(".", 1)[0] + ".vectors.npz")
 
 
+def content_id(data: bytes) -> str:
+    """A trace file's content id: sha256 of its bytes, hex (the side file carries it as `trace_sha256`)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) -> Path:
-    """Write `trace` as text (default) or binary (`form='npz'` or a `.npz` path), plus its vectors side file."""
+    """Write `trace` as text (default) or binary (`form='npz'` or a `.npz` path), plus its vectors side file.
+
+    The side file is bound to the trace: it carries `trace_sha256`, the content id of the trace bytes written
+    with it, and `read_trace` refuses a side file whose id is not the trace's (the two are renamed one after
+    the other, so an interrupted write or an older side file beside a newer trace can never be loaded as a pair).
+    """
     path = Path(path)
     form = form or ("npz" if path.suffix == ".npz" else "text")
     if form not in ("text", "npz"):
         raise TraceError(f"unknown trace form {form!r} (text | npz)")
+    if form == "text":
+        data = format_text(trace).encode()
+    else:
+        data = npz_bytes(_binary_columns(trace), {"header.json": _header_json(trace.header).encode()})
     if trace.header.full:
         side = vectors_path(path)
         if side == path:
@@ -99,11 +96,9 @@ def write_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) 
         if not trace.vectors:
             raise TraceError(f"trace lists full vectors for {trace.header.full} but holds none to write")
         write_npz(side, {"positions": np.asarray(trace.header.positions, np.int64),
+                         TRACE_ID: np.asarray([content_id(data)]),
                          **{n: trace.vectors[n] for n in trace.header.full}})
-    if form == "text":
-        text = format_text(trace).encode()
-        return atomic_write(path, lambda f: f.write(text))
-    return write_npz(path, _binary_columns(trace), {"header.json": _header_json(trace.header).encode()})
+    return atomic_write_bytes(path, data)
 
 
 def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
@@ -113,9 +108,15 @@ def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
         raise TraceError(f"{path}: no such trace file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    trace = _read_binary(path) if magic == ZIP_MAGIC else parse_text(path.read_text(errors="replace"), str(path))
+    if magic == ZIP_MAGIC:
+        trace, z = _read_binary(path)
+        trace_id = z.sha256
+    else:
+        raw = path.read_bytes()
+        trace = parse_text(raw.decode("utf-8", errors="replace"), str(path))
+        trace_id = lambda: content_id(raw)  # noqa: E731
     if load_vectors and trace.header.full:
-        trace.vectors = _read_vectors(vectors_path(path), trace.header)
+        trace.vectors = _read_vectors(vectors_path(path), trace.header, trace_id)
     return trace
 
 
@@ -146,6 +147,7 @@ def format_header(h: TraceHeader) -> list[str]:
         f"{FORMAT_NAME} {h.version}",
         f"engine {h.engine} {h.engine_version}",
         f"model {m['size']} {m['header_sha256']} {m['file']}",
+        *([f"model_data {m['data_sha256']}"] if "data_sha256" in m else []),
         f"dtype {h.dtype}",
         f"hc {h.n_hc}",
         f"dim {h.dim}",
@@ -202,22 +204,18 @@ class _Line:
         self.source, self.lineno, self.text = source, lineno, text
 
     def fail(self, field: str, msg: str) -> TraceError:
-        return TraceError(f"{self.source}:{self.lineno}: field '{field}': {msg}\n  {self.text[:160]}")
+        return TraceError(f"{self.source}:{self.lineno}: field '{field[:40]}': {msg}\n  {self.text[:160]}")
 
-    def int(self, field: str, s: str, lo: int = 0) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise self.fail(field, f"expected an integer, got {s!r}") from None
-        if v < lo:
-            raise self.fail(field, f"must be >= {lo}, got {v}")
+    def int(self, field: str, s: str, lo: int = 0, hi: int = INT32_MAX) -> int:
+        if not INT_RE.fullmatch(s):
+            raise self.fail(field, f"expected an integer, got {s[:40]!r}")
+        v = int(s)
+        if not lo <= v <= hi:
+            raise self.fail(field, f"must be in [{lo}, {hi}], got {v}")
         return v
 
     def float(self, field: str, s: str) -> float:
-        try:
-            return float(s)
-        except ValueError:
-            raise self.fail(field, f"expected a number, got {s!r}") from None
+        return parse_number(s, lambda msg: self.fail(field, msg))
 
     def floats(self, field: str, s: str, n: int | None) -> list[float]:
         vals = [self.float(field, v) for v in s.split(",")] if s else []
@@ -232,9 +230,30 @@ class _Line:
         return vals
 
 
-def _parse_header(lines: list[_Line]) -> tuple[TraceHeader, int]:
+# The number grammar of the text form (docs/trace-format.md): ASCII only, what C's printf writes with
+# %d, %g/%e/%f and %a; strtod reads all of these. Anything else (digit separators, non-ASCII digits,
+# "nan(...)", leading/trailing spaces) is refused.
+INT_RE = re.compile(r"[+-]?[0-9]{1,20}", re.ASCII)
+DEC_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+HEX_RE = re.compile(r"[+-]?0[xX]([0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)([pP][+-]?[0-9]+)?", re.ASCII)
+SPECIAL_RE = re.compile(r"[+-]?(inf|infinity|nan)", re.ASCII | re.IGNORECASE)
+
+
+def parse_number(s: str, fail: Callable[[str], TraceError]) -> float:
+    """One number of the text grammar as a float (out-of-range magnitudes become +-inf, as strtod gives)."""
+    if DEC_RE.fullmatch(s) or SPECIAL_RE.fullmatch(s):
+        return float(s)
+    if HEX_RE.fullmatch(s):
+        try:
+            return float.fromhex(s)
+        except OverflowError:
+            return -math.inf if s.startswith("-") else math.inf
+    raise fail(f"expected a number, got {s[:40]!r}")
+
+
+def _parse_header(lines: list[_Line], source: str) -> tuple[TraceHeader, int]:
     """Header lines up to `end` -> (header, index of the first record line)."""
-    first = lines[0] if lines else _Line("?", 1, "")
+    first = lines[0] if lines else _Line(source, 1, "")
     parts = first.text.split()
     if len(parts) != 2 or parts[0] != FORMAT_NAME:
         raise first.fail("format", f"not a v4parity trace: the first line must be '{FORMAT_NAME} {FORMAT_VERSION}'")
@@ -255,8 +274,11 @@ def _parse_header(lines: list[_Line]) -> tuple[TraceHeader, int]:
     raise first.fail("end", "header block is not terminated by an 'end' line")
 
 
+TEXT_KEY = {"n_hc": "hc", "engine_version": "engine", "version": "format"}  # header field -> text key
+
+
 def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version: int) -> TraceHeader:
-    missing = [k for k in HEADER_KEYS if k not in raw]
+    missing = [k for k in HEADER_KEYS if k not in raw and k not in OPTIONAL_KEYS]
     if missing:
         raise first.fail(missing[0], f"required header key(s) missing: {', '.join(missing)}")
 
@@ -267,63 +289,40 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
             raise ln.fail(key, f"expected {n} values, got {len(w)}")
         return ln, w
 
-    def one_int(key: str, lo: int = 0) -> int:
+    def one_int(key: str) -> int:
         ln, w = words(key, 1)
-        return ln.int(key, w[0], lo)
+        return ln.int(key, w[0], -INT32_MAX)
 
     def int_list(key: str) -> list[int]:
         ln, w = words(key)
-        return [ln.int(key, v) for v in w]
+        return [ln.int(key, v, -INT32_MAX) for v in w]
 
     _, eng = words("engine", 2)
     lm, mod = words("model", 3)
-    if len(mod[1]) < 8 or any(ch not in "0123456789abcdef" for ch in mod[1]):
-        raise lm.fail("model", f"header_sha256 must be lowercase hex, got {mod[1]!r}")
+    model = {"file": mod[2], "size": lm.int("model", mod[0], 0, 2**63 - 1), "header_sha256": mod[1]}
+    if "model_data" in raw:
+        model["data_sha256"] = words("model_data", 1)[1][0]
     lf, flags_text = raw["flags"]
     try:
         flags = json.loads(flags_text)
-    except json.JSONDecodeError as e:
-        raise lf.fail("flags", f"not a JSON object: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise lf.fail("flags", f"not a JSON object: {str(e)[:80]}") from None
     if not isinstance(flags, dict):
         raise lf.fail("flags", "must be a JSON object like {} or {\"fp8_kv\":true}")
     _, full = words("full")
-    h = TraceHeader(
-        engine=eng[0], engine_version=eng[1],
-        model={"file": mod[2], "size": lm.int("model", mod[0]), "header_sha256": mod[1]},
-        dtype=words("dtype", 1)[1][0], n_hc=one_int("hc", 1), dim=one_int("dim", 1), top_k=one_int("top_k", 1),
-        tokens=int_list("tokens"), n_prompt=one_int("n_prompt", 1), chunks=int_list("chunks"),
-        decode=one_int("decode"), positions=int_list("positions"), checkpoints=words("checkpoints")[1],
-        full=[] if full == ["-"] else full, flags=flags, version=version,
-    )
-    _check_header(h, lambda key, msg: raw[key][0].fail(key, msg))
-    return h
+    d = {"engine": eng[0], "engine_version": eng[1], "model": model, "dtype": words("dtype", 1)[1][0],
+         "n_hc": one_int("hc"), "dim": one_int("dim"), "top_k": one_int("top_k"), "tokens": int_list("tokens"),
+         "n_prompt": one_int("n_prompt"), "chunks": int_list("chunks"), "decode": one_int("decode"),
+         "positions": int_list("positions"), "checkpoints": words("checkpoints")[1],
+         "full": [] if full == ["-"] else full, "flags": flags, "version": version}
 
+    def fail(key: str, msg: str) -> TraceError:
+        text_key = TEXT_KEY.get(key, key)
+        if key == "model" and "data_sha256" in msg and "model_data" in raw:
+            text_key = "model_data"
+        return (raw[text_key][0] if text_key in raw else first).fail(text_key, msg)
 
-def _check_header(h: TraceHeader, fail: Callable[[str, str], TraceError]) -> None:
-    """Cross-field consistency of a header (same rules for both forms)."""
-    if not isinstance(h.model, dict) or sorted(h.model) != ["file", "header_sha256", "size"]:
-        raise fail("model", f"must hold exactly file, size and header_sha256, got {h.model!r}")
-    if h.n_prompt + h.decode != len(h.tokens):
-        raise fail("tokens", f"{len(h.tokens)} token ids, but n_prompt {h.n_prompt} + decode {h.decode} "
-                             f"= {h.n_prompt + h.decode}")
-    if sum(h.chunks) != len(h.tokens) or any(c < 1 for c in h.chunks):
-        raise fail("chunks", f"chunk sizes {h.chunks} must be >= 1 and sum to the {len(h.tokens)} tokens")
-    if not h.positions or h.positions != sorted(set(h.positions)) or h.positions[-1] >= len(h.tokens):
-        raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {h.positions}")
-    if not h.checkpoints:
-        raise fail("checkpoints", "no checkpoints listed")
-    for c in h.checkpoints:
-        if c.startswith("blk.") and not c.split(".")[1].isdigit():
-            raise fail("checkpoints", f"bad checkpoint name {c!r}; valid: embed, blk.N, blk.N.attn, final_norm")
-    order = trace_checkpoints(layers_of(h.checkpoints))
-    bad = [c for c in h.checkpoints if c not in order]
-    if bad:
-        raise fail("checkpoints", f"unknown checkpoint name(s) {bad}; valid: embed, blk.N, blk.N.attn, final_norm")
-    if h.checkpoints != [c for c in order if c in h.checkpoints]:
-        raise fail("checkpoints", "must be listed once each in depth order: embed, blk.0.attn, blk.0, ..., final_norm")
-    extra = [c for c in h.full if c not in h.checkpoints and c != "logits"]
-    if extra:
-        raise fail("full", f"full vectors for checkpoint(s) {extra} that are not in 'checkpoints'")
+    return header_from_dict(d, fail)
 
 
 def _split_record(ln: _Line) -> tuple[list[str], dict[str, str]]:
@@ -351,11 +350,11 @@ def _need(ln: _Line, kv: dict[str, str], required: tuple[str, ...], optional: tu
             raise ln.fail(key, f"unknown field (expected {', '.join(required + optional)})")
 
 
-def _pos(ln: _Line, words: list[str], at: int, h: TraceHeader) -> int:
+def _pos(ln: _Line, words: list[str], at: int, positions: set[int]) -> int:
     if len(words) != at + 2 or words[at] != "pos":
         raise ln.fail("pos", f"expected '... pos <p>:' at word {at + 1}")
     p = ln.int("pos", words[at + 1])
-    if p not in h.positions:
+    if p not in positions:
         raise ln.fail("pos", f"position {p} is not in the header's positions")
     return p
 
@@ -369,6 +368,7 @@ class _TextTables:
         self.seen: set[tuple] = set()
         self.widths: dict[str, int] = {"H": h.n_hc, "F": FP_DIM, "K": h.top_k}
         self.n_layers = layers_of(h.checkpoints)
+        self.positions = set(h.positions)
 
     def once(self, ln: _Line, key: tuple) -> None:
         if key in self.seen:
@@ -395,7 +395,7 @@ class _TextTables:
             raise ln.fail("k", f"{name} has index {want_k} (spec §12.1), got {k}")
         if len(words) != 7 or words[5] != "tok":
             raise ln.fail("tok", "expected 'ckpt <k> <name> pos <p> tok <id>:'")
-        p = _pos(ln, words[:5], 3, h)
+        p = _pos(ln, words[:5], 3, self.positions)
         tok = ln.int("tok", words[6])
         if tok != h.tokens[p]:
             raise ln.fail("tok", f"token {tok} at position {p}, but the header's tokens say {h.tokens[p]}")
@@ -413,8 +413,8 @@ class _TextTables:
                 raise ln.fail("top", f"expected {h.top_k} comma-separated id:logit pairs")
             row.update(argmax=ln.int("argmax", kv["argmax"]), top_ids=[ln.int("top", t) for t, _, _ in pairs],
                        top_logits=[ln.float("top", v) for _, _, v in pairs])
-        else:
-            row.update(argmax=-1, top_ids=[-1] * h.top_k, top_logits=[math.nan] * h.top_k)
+        else:  # the -1 / NaN padding is filled in by `tables` (no top_k-long lists per row)
+            row.update(argmax=-1, top_ids=None, top_logits=None)
         self.add("ckpt", row)
 
     def layer(self, ln: _Line, field: str, s: str) -> int:
@@ -428,7 +428,7 @@ class _TextTables:
         sub = words[2] if len(words) > 2 else ""
         if sub not in SUBLAYERS:
             raise ln.fail("sublayer", f"expected 'attn' or 'ffn', got {sub!r}")
-        p = _pos(ln, words, 3, self.h)
+        p = _pos(ln, words, 3, self.positions)
         _need(ln, kv, ("pre", "post", "comb"))
         self.once(ln, ("hc", layer, sub, p))
         H = self.h.n_hc
@@ -437,7 +437,7 @@ class _TextTables:
 
     def moe(self, ln: _Line, words: list[str], kv: dict[str, str]) -> None:
         layer = self.layer(ln, "layer", words[1] if len(words) > 1 else "")
-        p = _pos(ln, words, 2, self.h)
+        p = _pos(ln, words, 2, self.positions)
         _need(ln, kv, ("ids", "w", "margin"))
         self.once(ln, ("moe", layer, p))
         ids = ln.ints("ids", kv["ids"], None)
@@ -447,7 +447,7 @@ class _TextTables:
 
     def attn(self, ln: _Line, words: list[str], kv: dict[str, str]) -> None:
         layer = self.layer(ln, "layer", words[1] if len(words) > 1 else "")
-        p = _pos(ln, words, 2, self.h)
+        p = _pos(ln, words, 2, self.positions)
         _need(ln, kv, ("n_comp", "sel"))
         self.once(ln, ("attn", layer, p))
         sel = None if kv["sel"] == "-" else ln.ints("sel", kv["sel"], None, lo=-1)
@@ -457,6 +457,14 @@ class _TextTables:
                           "has_sel": sel is not None, "sel": sel})
 
     def tables(self) -> dict[str, Table]:
+        K = self.h.top_k
+        ckpt = self.rows["ckpt"]
+        final = [ids is not None for ids in ckpt["top_ids"]]
+        for col, fill, dtype in (("top_ids", -1, np.int32), ("top_logits", np.nan, np.float32)):
+            arr = np.full((len(final), K), fill, dtype)
+            if any(final):
+                arr[np.flatnonzero(final)] = [v for v in ckpt[col] if v is not None]
+            ckpt[col] = arr
         S = self.widths.setdefault("S", 0)
         self.widths.setdefault("E", 0)
         self.rows["attn"]["sel"] = [s if s is not None else [-1] * S for s in self.rows["attn"]["sel"]]
@@ -467,29 +475,17 @@ def parse_text(text: str, source: str = "<text>") -> Trace:
     """Parse the text form. Blank lines and lines starting with '#' are ignored."""
     lines = [_Line(source, i, t.rstrip("\r")) for i, t in enumerate(text.split("\n"), start=1)
              if t.strip() and not t.lstrip().startswith("#")]
-    header, start = _parse_header(lines)
+    header, start = _parse_header(lines, source)
     acc = _TextTables(header)
     handlers = {"ckpt": acc.ckpt, "hc": acc.hc, "moe": acc.moe, "attn": acc.attn}
     for ln in lines[start:]:
         words, kv = _split_record(ln)
-        if words[0] not in handlers:
-            raise ln.fail("record", f"unknown record kind {words[0]!r} (ckpt | hc | moe | attn)")
+        if not words or words[0] not in handlers:
+            raise ln.fail("record", f"unknown record kind {(words or [''])[0][:40]!r} (ckpt | hc | moe | attn)")
         handlers[words[0]](ln, words, kv)
-    _check_complete(header, acc.rows["ckpt"]["ck"], acc.rows["ckpt"]["pos"], lambda msg: TraceError(f"{source}: {msg}"))
-    return Trace(header, **acc.tables())
-
-
-def _check_complete(h: TraceHeader, ck: np.ndarray, pos: np.ndarray, fail: Callable[[str], TraceError]) -> None:
-    """Every (checkpoint, position) of the header must have a ckpt record (ck, pos: distinct row keys)."""
-    ck, pos = np.asarray(ck, np.int64), np.asarray(pos, np.int64)
-    listed = np.isin(pos, h.positions)
-    counts = np.bincount(ck[listed], minlength=len(h.checkpoints))
-    short = np.flatnonzero(counts[: len(h.checkpoints)] < len(h.positions))
-    if len(short):
-        k = int(short[0])
-        present = set(pos[ck == k].tolist())
-        p = next(p for p in h.positions if p not in present)
-        raise fail(f"field 'ckpt': no record for checkpoint {h.checkpoints[k]} at position {p}")
+    tables = acc.tables()
+    check_tables(header, tables, lambda key, msg: TraceError(f"{source}: field '{key}': {msg}"))
+    return Trace(header, **tables)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,108 +499,55 @@ def _binary_columns(trace: Trace) -> dict[str, np.ndarray]:
     return {f"{kind}.{c}": arr for kind in TABLES for c, arr in getattr(trace, kind).cols.items()}
 
 
-def _read_binary(path: Path) -> Trace:
-    """Columns of stored (uncompressed) members are read-only views of the memory-mapped file, CRC-checked."""
-    src = str(path)
-    try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as z:
-            members = {info.filename: info for info in z.infolist()}
-            if "header.json" not in members:
-                raise TraceError(f"{src}: field 'header.json': missing from the binary trace")
-            header = _header_from_json(z.read("header.json").decode(), src)
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            tables = {}
-            for kind, spec in TABLES.items():
-                cols = {}
-                for c, (dtype, _) in spec.items():
-                    member = f"{kind}.{c}.npy"
-                    if member not in members:
-                        raise TraceError(f"{src}: field '{kind}.{c}': column missing from the binary trace")
-                    arr = _member_array(z, mapped, members[member])
-                    if arr.dtype != np.dtype(dtype):
-                        raise TraceError(f"{src}: field '{kind}.{c}': dtype {arr.dtype}, expected {dtype}")
-                    cols[c] = arr
-                if len({len(a) for a in cols.values()}) > 1:
-                    raise TraceError(f"{src}: field '{kind}': columns have different lengths")
-                tables[kind] = Table(cols)
-    except (zipfile.BadZipFile, ValueError, OSError, struct.error) as e:
-        raise TraceError(f"{src}: field 'file': not a readable binary trace ({e})") from None
-    _check_binary_rows(header, tables, src)
-    return Trace(header, **tables)
+def _read_binary(path: Path) -> tuple[Trace, StoredZip]:
+    """Columns are read-only views of the memory-mapped file, CRC-checked; the same rules as the text form."""
+    z = StoredZip(path)
+    header = _header_from_json(z.text("header.json", "header.json"), z.fail)
+    tables = {kind: Table({c: z.array(f"{kind}.{c}", f"{kind}.{c}") for c in spec}) for kind, spec in TABLES.items()}
+    check_tables(header, tables, z.fail)
+    return Trace(header, **tables), z
 
 
-_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-
-
-def _member_array(z: zipfile.ZipFile, mapped: mmap.mmap, info: zipfile.ZipInfo) -> np.ndarray:
-    """The .npy array in zip member `info`: a view of the mapped file when stored, else decompressed."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return np.lib.format.read_array(io.BytesIO(z.read(info)), allow_pickle=False)
-    at = info.header_offset
-    if mapped[at: at + 4] != ZIP_MAGIC:
-        raise zipfile.BadZipFile(f"bad local file header for {info.filename!r}")
-    name_len, extra_len = struct.unpack("<HH", mapped[at + 26: at + 30])
-    start = at + 30 + name_len + extra_len
-    data = memoryview(mapped)[start: start + info.file_size]
-    if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
-        raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
-    head = io.BytesIO(data[: 1 << 16])
-    version = np.lib.format.read_magic(head)
-    if version not in _NPY_HEADERS:
-        raise ValueError(f"{info.filename}: unsupported .npy format version {version}")
-    shape, fortran, dtype = _NPY_HEADERS[version](head)
-    count = math.prod(shape)
-    if head.tell() + count * dtype.itemsize != len(data):
-        raise ValueError(f"{info.filename}: {len(data) - head.tell()} data bytes for shape {shape} of {dtype}")
-    return np.frombuffer(data, dtype, count, head.tell()).reshape(shape, order="F" if fortran else "C")
-
-
-def _header_from_json(text: str, src: str) -> TraceHeader:
+def _header_from_json(text: str, fail: Callable[[str, str], TraceError]) -> TraceHeader:
     try:
         d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{src}: field 'header.json': invalid JSON ({e.msg})") from None
-    if d.get("format") != FORMAT_NAME:
-        raise TraceError(f"{src}: field 'format': not a v4parity trace")
+    except (ValueError, RecursionError) as e:
+        raise fail("header.json", f"invalid JSON ({str(e)[:80]})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise fail("format", "not a v4parity trace")
     if d.get("version") != FORMAT_VERSION:
-        raise TraceError(f"{src}: field 'version': trace format version {d.get('version')}, this v4parity reads "
-                         f"{FORMAT_VERSION}; {REGEN_HINT}")
-    names = [f for f in TraceHeader.__dataclass_fields__]
-    missing = [n for n in names if n not in d]
-    if missing:
-        raise TraceError(f"{src}: field '{missing[0]}': required header field(s) missing: {', '.join(missing)}")
-    h = TraceHeader(**{n: d[n] for n in names})
-    _check_header(h, lambda key, msg: TraceError(f"{src}: field '{key}': {msg}"))
-    return h
+        raise fail("version", f"trace format version {str(d.get('version'))[:20]}, this v4parity reads "
+                              f"{FORMAT_VERSION}; {REGEN_HINT}")
+    return header_from_dict({k: v for k, v in d.items() if k != "format"}, fail)
 
 
-def _check_binary_rows(h: TraceHeader, tables: dict[str, Table], src: str) -> None:
-    c = tables["ckpt"]
-    if len(c) and (c["ck"].min() < 0 or c["ck"].max() >= len(h.checkpoints)):
-        raise TraceError(f"{src}: field 'ckpt.ck': checkpoint index out of range")
-    for col, width in (("fp", FP_DIM), ("l2s", h.n_hc), ("top_ids", h.top_k), ("top_logits", h.top_k)):
-        if c[col].shape[1:] != (width,):
-            raise TraceError(f"{src}: field 'ckpt.{col}': expected {width} numbers per row, got {c[col].shape[1:]}")
-    key = np.sort(c["ck"].astype(np.int64) << 32 | (c["pos"].astype(np.int64) & 0xFFFFFFFF))
-    if (key[1:] == key[:-1]).any():
-        raise TraceError(f"{src}: field 'ckpt': duplicate (checkpoint, position) rows")
-    _check_complete(h, c["ck"], c["pos"], lambda msg: TraceError(f"{src}: {msg}"))
-
-
-def _read_vectors(path: Path, h: TraceHeader) -> dict[str, np.ndarray]:
+def _read_vectors(path: Path, h: TraceHeader, trace_id: Callable[[], str]) -> dict[str, np.ndarray]:
+    """The side file's arrays, checked against the header and bound to the trace by its content id."""
     if not path.is_file():
         raise TraceError(f"{path}: field 'full': the trace lists full vectors but this side file does not exist")
-    with np.load(path, allow_pickle=False) as z:
-        vec = {k: z[k] for k in z.files}
-    if "positions" not in vec or vec.pop("positions").tolist() != h.positions:
-        raise TraceError(f"{path}: field 'positions': side file positions do not match the trace header")
+    z = StoredZip(path)
+    names = z.npy_names()
+    if TRACE_ID in names:  # side files written before the binding carry no id and are read as they are
+        stored = z.array(TRACE_ID, TRACE_ID)
+        if stored.dtype.kind != "U" or stored.shape != (1,) or str(stored[0]) != trace_id():
+            raise z.fail(TRACE_ID, "this side file was not written with this trace (an interrupted write or a "
+                                   f"stale side file); {REGEN_HINT}")
+    if "positions" not in names:
+        raise z.fail("positions", "side file has no positions array")
+    positions = z.array("positions", "positions")
+    if positions.dtype.kind not in "iu" or positions.tolist() != h.positions:
+        raise z.fail("positions", "side file positions do not match the trace header")
+    vec = {n: z.array(n, n) for n in names if n not in ("positions", TRACE_ID)}
     missing = [n for n in h.full if n not in vec]
     if missing:
-        raise TraceError(f"{path}: field 'vectors': no arrays for {missing}")
+        raise z.fail("vectors", f"no arrays for {missing}")
     for name, arr in vec.items():
-        if len(arr) != len(h.positions):
-            raise TraceError(f"{path}: field '{name}': {len(arr)} rows, expected {len(h.positions)} positions")
-        want = None if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
-        if want is not None and arr.shape[1:] != want:
-            raise TraceError(f"{path}: field '{name}': rows of shape {arr.shape[1:]}, expected {want} (header hc, dim)")
+        want = (None,) if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
+        if arr.dtype != np.float32:
+            raise z.fail(name, f"dtype {arr.dtype}, expected float32")
+        if arr.ndim != 1 + len(want) or len(arr) != len(h.positions):
+            raise z.fail(name, f"shape {arr.shape}, expected {len(h.positions)} rows (one per position) of "
+                               f"{len(want)} dimension(s)")
+        if want != (None,) and arr.shape[1:] != want:
+            raise z.fail(name, f"rows of shape {arr.shape[1:]}, expected {want} (header hc, dim)")
     return vec

@@ -1,0 +1,221 @@
+"""The rules every trace obeys, in whichever form it was stored: one validator for text and `.npz`.
+
+`header_from_dict` types and range-checks every header field (a JSON header can hold anything);
+`check_header` checks the fields against each other; `check_tables` checks every table column (dtype, shape,
+widths from the header) and every row (keys in range and listed in the header, `tok` = the header's token,
+no duplicate keys, canonical order, padding cells exactly where the format puts them, one `ckpt` row per
+header (checkpoint, position)). The text reader runs the same rules line by line first (to name the line)
+and then this validator on the tables it built; the binary reader runs it on the stored columns.
+Every failure is `fail(field, message)`, which the readers turn into a `TraceError` naming file and field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from parity.contract.checkpoints import FINAL_NORM, layers_of, trace_checkpoints
+from parity.contract.errors import TraceError
+from parity.tracing.records import FORMAT_VERSION, SORT_KEYS, SUBLAYERS, TABLES, Table, TraceHeader
+from parity.tracing.stats import FP_DIM
+
+Fail = Callable[[str, str], TraceError]
+
+INT32_MAX = 2**31 - 1
+MAX_HC = 64                # ModelConfig's hyper_connection.count bound
+MAX_DIM = 1 << 20          # ModelConfig's embedding_length bound
+MAX_TOP_K = 1 << 20        # a top-k list longer than any vocabulary
+MAX_LAYER = 4095           # ModelConfig's block_count bound is 4096
+MODEL_KEYS = ("file", "size", "header_sha256")          # identity written before data hashing (still read)
+MODEL_KEYS_DATA = (*MODEL_KEYS, "data_sha256")          # identity covering the tensor data
+HEX_RE = re.compile(r"[0-9a-f]{8,64}")
+CHECKPOINT_RE = re.compile(r"embed|final_norm|blk\.(0|[1-9][0-9]{0,3})(\.attn)?")
+
+# header field -> (kind, lo, hi); kinds: str, int, ints (list of int), strs (list of str), dict
+HEADER_FIELDS: dict[str, tuple[str, int, int]] = {
+    "engine": ("str", 0, 0), "engine_version": ("str", 0, 0), "model": ("dict", 0, 0), "dtype": ("str", 0, 0),
+    "n_hc": ("int", 1, MAX_HC), "dim": ("int", 1, MAX_DIM), "top_k": ("int", 1, MAX_TOP_K),
+    "tokens": ("ints", 0, INT32_MAX), "n_prompt": ("int", 1, INT32_MAX), "chunks": ("ints", 1, INT32_MAX),
+    "decode": ("int", 0, INT32_MAX), "positions": ("ints", 0, INT32_MAX), "checkpoints": ("strs", 0, 0),
+    "full": ("strs", 0, 0), "flags": ("dict", 0, 0), "version": ("int", FORMAT_VERSION, FORMAT_VERSION),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_field(key: str, v: Any, fail: Fail) -> None:
+    kind, lo, hi = HEADER_FIELDS[key]
+    if kind == "str" and not isinstance(v, str):
+        raise fail(key, f"expected a string, got {type(v).__name__}")
+    if kind == "dict" and not isinstance(v, dict):
+        raise fail(key, f"expected a JSON object, got {type(v).__name__}")
+    if kind == "int" and not (_is_int(v) and lo <= v <= hi):
+        raise fail(key, f"expected an integer in [{lo}, {hi}], got {_short(v)}")
+    if kind in ("ints", "strs"):
+        if not isinstance(v, list):
+            raise fail(key, f"expected a list, got {type(v).__name__}")
+        if kind == "strs" and not all(isinstance(x, str) for x in v):
+            raise fail(key, "expected a list of strings")
+        if kind == "ints" and not all(_is_int(x) and lo <= x <= hi for x in v):
+            bad = next(x for x in v if not (_is_int(x) and lo <= x <= hi))
+            raise fail(key, f"expected a list of integers in [{lo}, {hi}], found {_short(bad)}")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def header_from_dict(d: Any, fail: Fail) -> TraceHeader:
+    """A `TraceHeader` from a decoded JSON object, every field typed and range-checked, then `check_header`."""
+    if not isinstance(d, dict):
+        raise fail("header.json", "must be a JSON object")
+    missing = [n for n in HEADER_FIELDS if n not in d]
+    if missing:
+        raise fail(missing[0], f"required header field(s) missing: {', '.join(missing)}")
+    unknown = sorted(k for k in d if k not in HEADER_FIELDS)
+    if unknown:
+        raise fail(str(unknown[0])[:40], f"unknown header field(s) {_short(unknown)}")
+    for key in HEADER_FIELDS:
+        _check_field(key, d[key], fail)
+    h = TraceHeader(**{n: d[n] for n in HEADER_FIELDS})
+    check_header(h, fail)
+    return h
+
+
+def check_model(m: Any, fail: Fail) -> None:
+    """The model identity: file, size, header_sha256 and (identities written since data hashing) data_sha256."""
+    if not isinstance(m, dict) or tuple(sorted(m)) not in (tuple(sorted(MODEL_KEYS)), tuple(sorted(MODEL_KEYS_DATA))):
+        keys = sorted(m) if isinstance(m, dict) else type(m).__name__
+        raise fail("model", f"must hold exactly file, size and header_sha256 (and data_sha256), got {_short(keys)}")
+    if not isinstance(m["file"], str):
+        raise fail("model", "file must be a string")
+    if not (_is_int(m["size"]) and 0 <= m["size"] < 2**63):
+        raise fail("model", f"size must be a non-negative integer, got {_short(m['size'])}")
+    for key in ("header_sha256", "data_sha256"):
+        if key in m and not (isinstance(m[key], str) and HEX_RE.fullmatch(m[key])):
+            raise fail("model", f"{key} must be 8..64 lowercase hex digits, got {_short(m[key])}")
+
+
+def check_header(h: TraceHeader, fail: Fail) -> None:
+    """Cross-field consistency of a header (same rules for both forms)."""
+    check_model(h.model, fail)
+    if h.n_prompt + h.decode != len(h.tokens):
+        raise fail("tokens", f"{len(h.tokens)} token ids, but n_prompt {h.n_prompt} + decode {h.decode} "
+                             f"= {h.n_prompt + h.decode}")
+    if sum(h.chunks) != len(h.tokens) or any(c < 1 for c in h.chunks):
+        raise fail("chunks", f"chunk sizes {_short(h.chunks)} must be >= 1 and sum to the {len(h.tokens)} tokens")
+    if not h.positions or h.positions != sorted(set(h.positions)) or h.positions[-1] >= len(h.tokens):
+        raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {_short(h.positions)}")
+    if not h.checkpoints:
+        raise fail("checkpoints", "no checkpoints listed")
+    bad = [c for c in h.checkpoints if not CHECKPOINT_RE.fullmatch(c)]
+    if bad:
+        raise fail("checkpoints", f"unknown checkpoint name(s) {_short(bad)}; valid: embed, blk.N, blk.N.attn "
+                                  f"(N <= {MAX_LAYER}), final_norm")
+    order = trace_checkpoints(layers_of(h.checkpoints))
+    if h.checkpoints != [c for c in order if c in h.checkpoints]:
+        raise fail("checkpoints", "must be listed once each in depth order: embed, blk.0.attn, blk.0, ..., final_norm")
+    extra = [c for c in h.full if c not in h.checkpoints and c != "logits"]
+    if extra or len(set(h.full)) != len(h.full):
+        raise fail("full", f"full vectors for checkpoint(s) {_short(extra or h.full)} that are not in 'checkpoints' "
+                           "or listed twice")
+
+
+def _widths(h: TraceHeader, tables: dict[str, Table]) -> dict[str, int]:
+    """Trailing widths: H, F, K from the header; E and S from the stored columns (free in the format)."""
+    moe, attn = tables["moe"], tables["attn"]
+    return {"H": h.n_hc, "HH": h.n_hc ** 2, "F": FP_DIM, "K": h.top_k,
+            "E": moe["ids"].shape[1] if moe["ids"].ndim == 2 else -1,
+            "S": attn["sel"].shape[1] if attn["sel"].ndim == 2 else -1}
+
+
+def check_tables(h: TraceHeader, tables: dict[str, Table], fail: Fail) -> None:
+    """Every column and row rule of the format (see the module docstring)."""
+    widths = _widths(h, tables)
+    for kind, spec in TABLES.items():
+        t = tables[kind]
+        for c, (dtype, shape) in spec.items():
+            arr = t[c]
+            want = (widths[shape],) if shape else ()
+            if arr.dtype != np.dtype(dtype):
+                raise fail(f"{kind}.{c}", f"dtype {arr.dtype}, expected {dtype}")
+            if arr.ndim != 1 + len(want) or arr.shape[1:] != want:
+                raise fail(f"{kind}.{c}", f"rows of shape {arr.shape[1:]}, expected {want}")
+        if len({len(t[c]) for c in spec}) > 1:
+            raise fail(kind, "columns have different lengths")
+    n_layers = layers_of(h.checkpoints)
+    positions = np.asarray(h.positions, np.int64)
+    for kind, t in tables.items():
+        pos = t["pos"].astype(np.int64)
+        if not np.isin(pos, positions).all():
+            p = int(pos[~np.isin(pos, positions)][0])
+            raise fail(f"{kind}.pos", f"position {p} is not in the header's positions")
+        if kind != "ckpt" and len(t) and (t["layer"].min() < 0 or t["layer"].max() >= n_layers):
+            raise fail(f"{kind}.layer", f"layer out of range [0, {n_layers})")
+        _check_keys(kind, t, fail)
+    _check_ckpt(h, tables["ckpt"], fail)
+    hc, moe, attn = tables["hc"], tables["moe"], tables["attn"]
+    if len(hc) and not np.isin(hc["sub"], np.arange(len(SUBLAYERS))).all():
+        raise fail("hc.sub", "sub-layer must be 0 (attn) or 1 (ffn)")
+    if (moe["ids"] < 0).any():
+        raise fail("moe.ids", "expert ids must be >= 0")
+    if (attn["n_comp"] < 0).any() or (attn["sel"] < -1).any():
+        raise fail("attn.sel", "n_comp must be >= 0 and selections >= -1")
+    if (attn["sel"][~attn["has_sel"]] != -1).any():
+        raise fail("attn.sel", "rows without a selection (has_sel false) must hold only -1")
+
+
+def _check_keys(kind: str, t: Table, fail: Fail) -> None:
+    """Rows sorted by the table's key columns, no key twice."""
+    if len(t) < 2:
+        return
+    keys = np.stack([t[k].astype(np.int64) for k in SORT_KEYS[kind]], axis=1)
+    step = keys[1:] - keys[:-1]
+    first = np.argmax(step != 0, axis=1)
+    sign = step[np.arange(len(step)), first]
+    if (sign < 0).any():
+        raise fail(kind, f"rows are not in canonical order ({', '.join(SORT_KEYS[kind])})")
+    if (sign == 0).any():
+        i = int(np.flatnonzero(sign == 0)[0]) + 1
+        raise fail(kind, f"duplicate row for key {dict(zip(SORT_KEYS[kind], keys[i].tolist(), strict=True))}")
+
+
+def _check_ckpt(h: TraceHeader, c: Table, fail: Fail) -> None:
+    ck = c["ck"].astype(np.int64)
+    if len(c) and (ck.min() < 0 or ck.max() >= len(h.checkpoints)):
+        raise fail("ckpt.ck", "checkpoint index out of range")
+    tokens = np.asarray(h.tokens, np.int64)
+    bad = np.flatnonzero(c["tok"] != tokens[c["pos"]]) if len(c) else []
+    if len(bad):
+        i = int(bad[0])
+        raise fail("ckpt.tok", f"token {c['tok'][i]} at position {c['pos'][i]}, but the header's tokens say "
+                               f"{tokens[c['pos'][i]]}")
+    final = (ck == h.checkpoints.index(FINAL_NORM)) if FINAL_NORM in h.checkpoints else np.zeros(len(c), bool)
+    if not np.isnan(c["l2s"][final][:, 1:]).all():
+        raise fail("ckpt.l2s", "final_norm rows hold one l2 number; the other cells must be NaN")
+    if (c["argmax"][final] < 0).any() or (c["top_ids"][final] < 0).any():
+        raise fail("ckpt.top_ids", "final_norm rows need argmax and top-k ids >= 0")
+    off = ~final
+    if ((c["argmax"][off] != -1).any() or (c["top_ids"][off] != -1).any()
+            or not np.isnan(c["top_logits"][off]).all()):
+        raise fail("ckpt.top_ids", "only final_norm rows carry argmax/top-k (others: -1 and NaN)")
+    check_complete(h, ck, c["pos"], lambda msg: fail("ckpt", msg))
+
+
+def check_complete(h: TraceHeader, ck: np.ndarray, pos: np.ndarray, fail: Callable[[str], TraceError]) -> None:
+    """Every (checkpoint, position) of the header must have a ckpt record (ck, pos: distinct row keys)."""
+    ck, pos = np.asarray(ck, np.int64), np.asarray(pos, np.int64)
+    listed = np.isin(pos, h.positions) & (ck >= 0) & (ck < len(h.checkpoints))
+    counts = np.bincount(ck[listed], minlength=len(h.checkpoints))
+    short = np.flatnonzero(counts[: len(h.checkpoints)] < len(h.positions))
+    if len(short):
+        k = int(short[0])
+        present = set(pos[ck == k].tolist())
+        p = next(p for p in h.positions if p not in present)
+        raise fail(f"no record for checkpoint {h.checkpoints[k]} at position {p}")
