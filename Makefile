@@ -18,12 +18,12 @@ demo: $(STAMP)
 	$(VENV)/bin/v4parity demo --out out/demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+	$(VENV)/bin/ruff check parity reference_cpu gpu_engine llamacpp_engine hf_engine tests
 	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check parity reference_cpu gpu_engine tests
+	$(VENV)/bin/ruff check parity reference_cpu gpu_engine llamacpp_engine hf_engine tests
 	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)

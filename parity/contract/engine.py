@@ -38,6 +38,7 @@ class RunOptions:
     act_quant: str = "none"      # none | q8_0 | bf16 | f16: activations rounded before every quantized matmul
     kv_cache: str = "f32"        # f32 | f16: precision the raw KV window and compressed rows are stored in
     rope_angles: str = "exact"   # exact (official float32 recipe) | recurrence (ggml: θ_i = θ_{i-1}·B^(-2/r))
+    engine_args: tuple[str, ...] = ()  # engine-specific NAME=VALUE settings, validated by the engine; in flags() if any
 
     def __post_init__(self) -> None:
         for name, allowed in NUMERICS_CHOICES.items():
@@ -49,7 +50,8 @@ class RunOptions:
     def flags(self) -> dict[str, Any]:
         return {"fp8_kv": self.fp8_kv, "fp4_indexer": self.fp4_indexer, "dtype": self.dtype,
                 "inject": list(self.inject), "routing_replay": self.expert_override is not None,
-                "act_quant": self.act_quant, "kv_cache": self.kv_cache, "rope_angles": self.rope_angles}
+                "act_quant": self.act_quant, "kv_cache": self.kv_cache, "rope_angles": self.rope_angles,
+                **({"engine_args": list(self.engine_args)} if self.engine_args else {})}
 
     def approximations(self) -> tuple[str, ...]:
         """The approximate modes that are on, as `option=value` (what an engine announces on stderr)."""

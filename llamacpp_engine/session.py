@@ -1,0 +1,176 @@
+"""One llama.cpp model and its contexts, driven through llama-cpp-python's low-level API.
+
+`Context.decode` feeds tokens at given positions (all logits requested, one `llama_decode` per ubatch of at
+most `n_ubatch` rows) and, through the eval callback, copies out the mapped tensors by capture key
+(`parity.contract.llamacpp`: `<name>-<layer>`, `#2` for a layer's second tensor of that name) and overwrites
+the tensors named in `overrides` right after llama.cpp computed them, before anything reads them (this is
+how a layer is run on a given input carrier: the rest of the graph consumes the written values).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamacpp_engine import ggml
+from parity.contract.errors import ParityError
+from parity.contract.llamacpp import CACHE_ROWS, base_name, rows
+
+KV_TYPES = {"f32": 0, "f16": 1}   # ggml types of the K/V cache
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How llama.cpp runs (every field is recorded in the trace header through the engine's options)."""
+
+    kv: str = "f32"           # K/V cache type: f32 | f16
+    flash_attn: bool = False
+    threads: int = 1
+    n_ctx: int = 4096         # positions a sequence may use
+    n_ubatch: int = 512       # rows per llama_decode (a longer chunk is fed as consecutive ubatches)
+
+    def args(self) -> tuple[str, ...]:
+        return (f"lcp_kv={self.kv}", f"lcp_flash_attn={'on' if self.flash_attn else 'off'}",
+                f"lcp_threads={self.threads}", f"lcp_ctx={self.n_ctx}", f"lcp_ubatch={self.n_ubatch}")
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ParityError("the llamacpp engine needs llama-cpp-python==0.3.36: pip install 'v4parity[llamacpp]' "
+                          f"(built from its sdist; see docs/peers.md) — {e}") from None
+    return llama_cpp
+
+
+_LOG_CALLBACK = None
+
+
+def _silence(lib) -> None:
+    """Install a silent log callback once (the default one can raise UnicodeDecodeError on load messages)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
+        lib.llama_log_set(_LOG_CALLBACK, None)
+        lib.llama_backend_init()
+
+
+class Model:
+    """A loaded llama.cpp model (weights on the CPU); contexts are made from it."""
+
+    def __init__(self, path: str, settings: Settings, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.lib = _lib()
+        _silence(self.lib)
+        self.settings, self.shapes = settings, dict(shapes)
+        params = self.lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.ptr = self.lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise ParityError(f"llama.cpp could not load {path} (its deepseek4 loader refused the file)")
+        self.wanted = frozenset(base_name(k) for k in shapes)
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.lib.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """One llama.cpp context = one sequence's caches."""
+
+    def __init__(self, model: Model) -> None:
+        self.model, lib, s = model, model.lib, model.settings
+        self.lib = lib
+        self._collect: dict[str, np.ndarray] = {}
+        self._overrides: Mapping[str, np.ndarray] = {}
+        self._capture = True
+        self._count: dict[str, int] = {}
+        self._error: Exception | None = None
+        self._cb = lib.ggml_backend_sched_eval_callback(self._on_tensor)
+        p = lib.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = s.n_ctx, s.n_ubatch, s.n_ubatch, 1
+        p.n_threads = p.n_threads_batch = s.threads
+        p.type_k = p.type_v = KV_TYPES[s.kv]
+        p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.cb_eval, p.cb_eval_user_data = self._cb, None
+        self.ptr = lib.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise ParityError(f"llama.cpp could not create a context (n_ctx {s.n_ctx}, n_ubatch {s.n_ubatch})")
+        self.next_pos = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.lib.llama_free(self.ptr)
+            self.ptr = None
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ptr), True)
+        self.next_pos = 0
+
+    def _on_tensor(self, ptr, ask, _user) -> bool:
+        try:
+            t = ggml.tensor_at(ptr)
+            name = ggml.name_of(t)
+            if base_name(name) not in self.model.wanted:
+                return False
+            if ask:
+                return True
+            n = self._count[name] = self._count.get(name, 0) + 1
+            k = name if n == 1 else f"{name}#{n}"
+            if k in self._overrides:
+                ggml.write(t, self._overrides[k])
+            if self._capture and k in self.model.shapes:
+                self._collect[k] = ggml.read(t)
+        except Exception as e:  # an exception must not cross the C callback: re-raised after llama_decode
+            self._error = e
+        return True
+
+    def decode(self, tokens: np.ndarray, start_pos: int, overrides: Mapping[str, np.ndarray] | None = None,
+               capture: bool = True) -> dict[str, np.ndarray]:
+        """Feed tokens at start_pos.. (positions must continue this context's sequence). Returns the mapped
+        tensors by capture key, [rows, *shape]: per-token ones for every fed row, cache views as of the end."""
+        tokens = np.asarray(tokens, np.int64)
+        n, s = len(tokens), self.model.settings
+        if start_pos != self.next_pos:
+            raise ParityError(f"llamacpp: chunk starts at position {start_pos}, the context expects {self.next_pos}")
+        if start_pos + n > s.n_ctx:
+            raise ParityError(f"llamacpp: positions up to {start_pos + n - 1} exceed the context of {s.n_ctx} "
+                              "(raise lcp_ctx)")
+        parts: dict[str, list[np.ndarray]] = {}
+        overrides = overrides or {}
+        for i0 in range(0, n, s.n_ubatch):
+            i1 = min(n, i0 + s.n_ubatch)
+            got = self._ubatch(tokens[i0:i1], start_pos + i0,
+                               {k: v[i0:i1] for k, v in overrides.items()}, capture)
+            for k, v in got.items():
+                parts.setdefault(k, []).append(v)
+        self.next_pos = start_pos + n
+        return {k: v[-1] if base_name(k) in CACHE_ROWS else np.concatenate(v) for k, v in parts.items()}
+
+    def _ubatch(self, tokens: np.ndarray, pos0: int, overrides: Mapping[str, np.ndarray],
+                capture: bool) -> dict[str, np.ndarray]:
+        lib, n = self.lib, len(tokens)
+        batch = lib.llama_batch_init(n, 0, 1)
+        try:
+            for i, tok in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), pos0 + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, 1
+            batch.n_tokens = n
+            self._collect, self._overrides, self._capture, self._count, self._error = {}, overrides, capture, {}, None
+            rc = lib.llama_decode(self.ptr, batch)
+        finally:
+            lib.llama_batch_free(batch)
+            self._overrides = {}
+        if self._error is not None:
+            raise ParityError(f"llamacpp eval callback failed: {self._error}") from self._error
+        if rc != 0:
+            raise ParityError(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
+        unused = [k for k in overrides if self._count.get(k.split("#")[0], 0) < (int(k.split("#")[1])
+                                                                                if "#" in k else 1)]
+        if unused:
+            raise ParityError(f"llamacpp: the graph has no tensor {unused[0]!r} to overwrite")
+        shapes = self.model.shapes
+        return {k: rows(v, shapes[k], k) for k, v in self._collect.items()}
