@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 
-from gpu_engine.attention import AttentionLayer, LayerCache
+from gpu_engine.attention import LayerCache, new_layer_cache
 from gpu_engine.dequant import dequantize
-from gpu_engine.faults import FAULTS, Faults
-from gpu_engine.hc import hc_head, hc_post, hc_pre
-from gpu_engine.moe import route, routed_experts, shared_expert
-from gpu_engine.ops import rms_norm, rope_frequencies
+from gpu_engine.faults import FAULTS, Faults, compose
+from gpu_engine.hc import hc_head
+from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
+from gpu_engine.ops import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard_matrix, identity, rms_norm, rope_frequencies
 from gpu_engine.weights import DeviceWeights
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_qat_shapes
 from parity.contract.errors import ParityError
 
 __version__ = "0.1.0"
@@ -55,26 +56,32 @@ class TorchEngine:
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
         if options.dtype not in DTYPES:
             raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
+        if cache_mb < 0:
+            raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
         self.options = options
         self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
         self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
-        if cache_mb < 0:
-            raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
-        self.w = DeviceWeights(str(model_path), self.device, self.act, cache_mb)
-        self.config = self.cfg = self.w.config
-        cfg = self.cfg
-        if options.fp8_kv and cfg.nope_dim % 64:
-            raise ParityError(f"--fp8-kv: non-rotary dims ({cfg.nope_dim}) are not a multiple of 64; the FP8 "
-                              "simulation is undefined for this model (use --no-fp8-kv)")
-        if options.fp4_indexer and cfg.index_head_dim % 32:
-            raise ParityError(f"--fp4-indexer: indexer head dim {cfg.index_head_dim} is not a multiple of 32")
+        self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb)
+        self.config = self.cfg = cfg = self.w.config
+        check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
         # the layer schedule: the compress-ratios-u32 fault reads it as empty (every layer ratio 0)
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
-        self.layers = [AttentionLayer(self, l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
-        if options.dtype == "bfloat16":
+        self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
+        self.ops = compose(self.switches, self._qat_ops())
+        self._announce()
+
+    def _qat_ops(self) -> Ops:
+        """The model's ops with the QAT round trips the options enable."""
+        opts, cfg = self.options, self.cfg
+        had = hadamard_matrix(cfg.index_head_dim, self.act, self.device)
+        return Ops(kv_round=partial(fp8_sim_nope, nope_dim=cfg.nope_dim) if opts.fp8_kv else identity,
+                   index_round=(lambda x: fp4_e2m1_roundtrip(x @ had)) if opts.fp4_indexer else identity)
+
+    def _announce(self) -> None:
+        if self.options.dtype == "bfloat16":
             print("torch engine: APPROXIMATE bfloat16 path (bf16 matmul operands, fp32 state)", file=sys.stderr)
         if self.switches.active:
             print(f"torch engine: FAULTS INJECTED: {', '.join(self.switches.active)}", file=sys.stderr)
@@ -88,11 +95,7 @@ class TorchEngine:
                                  cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
         return f.to(dtype=self.act, device=self.device)
 
-    # -- helpers ---------------------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """y = x Wᵀ with W dequantized from its blocks for this use.  x [n, in] -> [n, out] (activation dtype)."""
-        return (x.to(self.mm) @ self.w.mat(name, self.mm).T).to(self.act)
-
+    # -- numpy boundary ---------------------------------------------------------------------------------
     def _in(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=self.act)
 
@@ -104,7 +107,7 @@ class TorchEngine:
 
     # -- Engine protocol -------------------------------------------------------------------------------
     def new_state(self) -> TorchState:
-        return TorchState([layer.new_cache() for layer in self.layers])
+        return TorchState([new_layer_cache(self.cfg, r, self.device, self.act) for r in self.ratios])
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens)
@@ -112,8 +115,7 @@ class TorchEngine:
             raise ParityError(f"embed expects a non-empty 1-D token array, got shape {tokens.shape}")
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ParityError(f"token id out of range [0, {self.cfg.vocab_size}): {tokens.min()}..{tokens.max()}")
-        idx = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
-        e = self.w.q["token_embd.weight"].rows(idx, self.act)
+        e = self.w.rows("token_embd.weight", torch.from_numpy(tokens.astype(np.int64)).to(self.device))
         return self._out(e[:, None, :].expand(-1, self.cfg.hc_mult, -1))
 
     def forward_layer(self, state: TorchState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
@@ -130,67 +132,48 @@ class TorchEngine:
                               f"[n >= 1, {cfg.hc_mult}, {cfg.dim}]")
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
+        tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         with torch.inference_mode():
-            return self._layer(cache, layer, self._in(carrier), torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-                               .to(self.device), start_pos, capture)
+            res = block_forward(self.w, cfg, self.ops, self.plans[layer], cache, self._in(carrier), tok, start_pos,
+                                self.options.expert_override, capture)
+            diag = self._diag(layer, res)
+            return LayerOutput(self._out(res.attn_carrier), self._out(res.carrier), diag,
+                               self._captures(res, diag) if capture else {})
 
-    def _hc_pre(self, X: torch.Tensor, layer: int, kind: str):
-        p = f"blk.{layer}.hc_{kind}_"
-        return hc_pre(X, self.w.mat(p + "fn.weight", self.act), self.w.v(p + "scale.weight"),
-                      self.w.v(p + "base.weight"), self.cfg.norm_eps, self.cfg.hc_eps, self.cfg.hc_sinkhorn_iters)
+    def _diag(self, layer: int, res: BlockResult) -> LayerDiag:
+        """The layer's diagnostics.  index_sel follows the model (an array on the file's CSA layers, None elsewhere);
+        a layer the engine ran without an indexer (compress-ratios-u32) reports no selection (-1)."""
+        sel = None
+        if self.cfg.has_indexer(layer):
+            n, sel_t = res.carrier.shape[0], res.attn.index_sel
+            sel = self._out(sel_t) if sel_t is not None else np.full((n, self.cfg.index_topk), -1, dtype=np.int64)
+        r = res.routing
+        pre_a, post_a, comb_a = (self._out(t) for t in res.hc_attn)
+        pre_f, post_f, comb_f = (self._out(t) for t in res.hc_ffn)
+        return LayerDiag(hc_attn=(pre_a, post_a, comb_a), hc_ffn=(pre_f, post_f, comb_f),
+                         expert_ids=self._out(r.ids), expert_weights=self._out(r.weights),
+                         router_margin=self._out(r.margin), n_comp_visible=self._out(res.attn.n_comp_visible),
+                         index_sel=sel)
 
-    def _layer(self, cache: LayerCache, layer: int, X: torch.Tensor, tokens: torch.Tensor, start_pos: int,
-               capture: bool) -> LayerOutput:
-        cfg, p, nt = self.cfg, f"blk.{layer}.", self.switches.comb_not_transposed
-        u, pre_a, post_a, C_a = self._hc_pre(X, layer, "attn")
-        x = rms_norm(u, self.w.v(p + "attn_norm.weight"), cfg.norm_eps)
-        att = self.layers[layer].forward(cache, x, start_pos, capture)
-        Y = hc_post(att.out, X, post_a, C_a, nt)
-        v, pre_f, post_f, C_f = self._hc_pre(Y, layer, "ffn")
-        xf = rms_norm(v, self.w.v(p + "ffn_norm.weight"), cfg.norm_eps)
-        r = route(self, layer, xf, tokens, start_pos)
-        routed = routed_experts(self, layer, xf, r)
-        shared = shared_expert(self, layer, xf)
-        X_out = hc_post(routed + shared, Y, post_f, C_f, nt)
-        if not torch.isfinite(X_out).all():
-            raise ParityError(f"layer {layer}: non-finite values in the carrier at positions {start_pos}.."
-                              f"{start_pos + X.shape[0] - 1}")
-        n = X.shape[0]
-        diag = LayerDiag(
-            hc_attn=(self._out(pre_a), self._out(post_a), self._out(C_a)),
-            hc_ffn=(self._out(pre_f), self._out(post_f), self._out(C_f)),
-            expert_ids=self._out(r.ids), expert_weights=self._out(r.weights), router_margin=self._out(r.margin),
-            n_comp_visible=self._out(att.n_comp_visible),
-            index_sel=self._index_sel_diag(layer, att.index_sel, n))
-        captures: dict[str, np.ndarray] = {}
-        if capture:
-            dt = np.float64 if self.act == torch.float64 else np.float32
-            captures = {k: self._out(t) for k, t in att.captures.items()}
-            captures.setdefault("comp_rows", np.zeros((0, cfg.head_dim), dt))
-            captures.setdefault("index_rows", np.zeros((0, cfg.index_head_dim), dt))
-            captures["index_sel"] = (diag.index_sel if diag.index_sel is not None
-                                     else np.full((n, cfg.index_topk), -1, dtype=np.int64))
-            captures.update(hc_attn_pre=self._out(u), attn_norm=self._out(x), attn_out=self._out(att.out),
-                            hc_attn_post=self._out(Y), hc_ffn_pre=self._out(v), ffn_norm=self._out(xf),
-                            expert_ids=diag.expert_ids, expert_weights=diag.expert_weights,
-                            routed_out=self._out(routed), shared_out=self._out(shared), hc_ffn_post=self._out(X_out))
-        return LayerOutput(self._out(Y), self._out(X_out), diag, captures)
-
-    def _index_sel_diag(self, layer: int, sel: torch.Tensor | None, n: int) -> np.ndarray | None:
-        """The diagnostic's shape follows the model (an array on the file's CSA layers, None elsewhere); a layer the
-        engine ran without an indexer (compress-ratios-u32) reports no selection (-1)."""
-        if not self.cfg.has_indexer(layer):
-            return None
-        return self._out(sel) if sel is not None else np.full((n, self.cfg.index_topk), -1, dtype=np.int64)
+    def _captures(self, res: BlockResult, diag: LayerDiag) -> dict[str, np.ndarray]:
+        """Every sub-op of `parity.contract.checkpoints.SUBOPS` (empty row sets where the layer emits none)."""
+        cfg, n = self.cfg, res.carrier.shape[0]
+        dt = np.float64 if self.act == torch.float64 else np.float32
+        captures = {k: self._out(t) for k, t in res.captures.items()}
+        captures.setdefault("comp_rows", np.zeros((0, cfg.head_dim), dt))
+        captures.setdefault("index_rows", np.zeros((0, cfg.index_head_dim), dt))
+        captures["index_sel"] = (diag.index_sel if diag.index_sel is not None
+                                 else np.full((n, cfg.index_topk), -1, dtype=np.int64))
+        captures.update(expert_ids=diag.expert_ids, expert_weights=diag.expert_weights)
+        return captures
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        cfg = self.cfg
+        cfg, w = self.cfg, self.w
         with torch.inference_mode():
-            X = self._in(carrier)
-            z = hc_head(X, self.w.mat("output_hc_fn.weight", self.act), self.w.v("output_hc_scale.weight"),
-                        self.w.v("output_hc_base.weight"), cfg.norm_eps, cfg.hc_eps)
-            final = rms_norm(z, self.w.v("output_norm.weight"), cfg.norm_eps)
-            logits = self.linear(final, "output.weight")
+            z = hc_head(self._in(carrier), w.matrix("output_hc_fn.weight", self.act),
+                        w.vector("output_hc_scale.weight"), w.vector("output_hc_base.weight"), cfg.norm_eps, cfg.hc_eps)
+            final = rms_norm(z, w.vector("output_norm.weight"), cfg.norm_eps)
+            logits = w.linear(final, "output.weight")
         return self._out(final), self._out(logits)
 
     @staticmethod

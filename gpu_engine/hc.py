@@ -40,13 +40,15 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return u, pre, post, C
 
 
-def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-            not_transposed: bool = False) -> torch.Tensor:
+def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     """X'[c] = post_c·y + Σ_r C[r, c]·X[r]  (X' = post ⊗ y + Cᵀ X).
-    y [n, D], X [n, H, D], post [n, H], C [n, H, H] -> [n, H, D].
-    `not_transposed` is the comb-not-transposed fault (C X)."""
-    mix = C if not_transposed else C.transpose(1, 2)
-    return post[:, :, None] * y[:, None, :] + torch.bmm(mix, X)
+    y [n, D], X [n, H, D], post [n, H], C [n, H, H] -> [n, H, D]."""
+    return post[:, :, None] * y[:, None, :] + torch.bmm(C.transpose(1, 2), X)
+
+
+def hc_post_not_transposed(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """The comb-not-transposed fault: `hc_post` mixing the streams with C X instead of Cᵀ X."""
+    return post[:, :, None] * y[:, None, :] + torch.bmm(C, X)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,

@@ -1,4 +1,4 @@
-"""Elementwise building blocks in torch: RMSNorm, interleaved partial RoPE (+YaRN), QAT round trips.
+"""Elementwise building blocks in torch: RMSNorm, interleaved partial RoPE (+YaRN), QAT round trips, SwiGLU.
 
 Shapes follow the engine: a batch axis n first (positions), the feature axis last.
 """
@@ -38,24 +38,37 @@ def rope_frequencies(rope_dim: int, base: float, yarn: bool, factor: float, orig
     return g * keep + (g / factor) * (1.0 - keep)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
-         split_halves: bool = False) -> torch.Tensor:
-    """Rotate the trailing r dims of x in pairs by φ_i = p·f_i (interleaved pairs (2i, 2i+1); φ -> -φ when inverse).
-    x [n, ..., d], pos [n] int, freqs [r/2] (x's dtype/device) -> new tensor [n, ..., d].
-    `split_halves` is the rope-split-halves fault: pairs (i, i + r/2) (NeoX layout)."""
-    r = 2 * freqs.shape[0]
+def rope_cos_sin(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
+                 inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos φ, sin φ of φ_i = p·f_i (φ -> -φ when inverse), shaped to broadcast over x's middle axes.
+    x [n, ..., d], pos [n] int, freqs [r/2] (x's dtype/device) -> cos, sin [n, 1.., r/2]."""
     angle = pos.to(x.dtype)[:, None] * freqs[None, :]
     angle = angle.reshape(angle.shape[0], *([1] * (x.dim() - 2)), angle.shape[1])
     cos, sin = torch.cos(angle), torch.sin(angle)
     if inverse:
         sin = -sin
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing r dims of x in interleaved pairs (2i, 2i+1) by φ_i = p·f_i (φ -> -φ when inverse).
+    x [n, ..., d], pos [n] int, freqs [r/2] (x's dtype/device) -> new tensor [n, ..., d]."""
+    r = 2 * freqs.shape[0]
+    cos, sin = rope_cos_sin(x, pos, freqs, inverse)
     tail = x[..., -r:]
-    if split_halves:
-        a, b = tail[..., : r // 2], tail[..., r // 2 :]
-        rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
-    else:
-        a, b = tail[..., 0::2], tail[..., 1::2]
-        rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    a, b = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], rotated], dim=-1)
+
+
+def apply_rope_split_halves(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
+                            inverse: bool = False) -> torch.Tensor:
+    """The rope-split-halves fault: `apply_rope` with NeoX pairs (i, i + r/2) instead of interleaved pairs."""
+    r = 2 * freqs.shape[0]
+    cos, sin = rope_cos_sin(x, pos, freqs, inverse)
+    tail = x[..., -r:]
+    a, b = tail[..., : r // 2], tail[..., r // 2 :]
+    rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
     return torch.cat([x[..., :-r], rotated], dim=-1)
 
 
@@ -84,7 +97,7 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(torch.round(a / step) * step, v)
 
 
-def fp8_nope(kv: torch.Tensor, nope_dim: int, block: int = 64) -> torch.Tensor:
+def fp8_sim_nope(kv: torch.Tensor, nope_dim: int, block: int = 64) -> torch.Tensor:
     """FP8SIM_nope: per 64-block of dims [0, nope) b <- E4M3(clamp(b/s, ±448))·s, s = 2^⌈log2(amax·fl(1/448))⌉.
     kv [..., hd] -> new tensor [..., hd]; the rope tail is untouched."""
     b = kv[..., :nope_dim].reshape(*kv.shape[:-1], nope_dim // block, block)
@@ -94,7 +107,7 @@ def fp8_nope(kv: torch.Tensor, nope_dim: int, block: int = 64) -> torch.Tensor:
     return torch.cat([q.reshape(*kv.shape[:-1], nope_dim), kv[..., nope_dim:]], dim=-1)
 
 
-def fp4_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp4_e2m1_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4SIM: per 32-block b <- E2M1(clamp(b/s, ±6))·s, s = 2^⌈log2(max(amax, 6·2^-126)/6)⌉.
     x [..., k·32] -> [..., k·32]."""
     b = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
@@ -111,10 +124,22 @@ def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.T
     return (H / math.sqrt(n)).to(dtype=dtype, device=device)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, symmetric_gate: bool = False) -> torch.Tensor:
-    """h = silu(min(g, c)) · clip(u, -c, c) (clamp off when c <= 0).
-    [..., F] x2 -> [..., F]. `symmetric_gate` is the swiglu-symmetric-clamp fault (gate clipped to [-c, c])."""
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """h = silu(min(g, c)) · clip(u, -c, c) (clamp off when c <= 0).  [..., F] x2 -> [..., F]"""
     if limit > 0:
-        gate = torch.clamp(gate, -limit, limit) if symmetric_gate else torch.clamp(gate, max=limit)
+        gate = torch.clamp(gate, max=limit)
         up = torch.clamp(up, -limit, limit)
     return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_symmetric_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The swiglu-symmetric-clamp fault: `swiglu_clamped` with the gate clipped to [-c, c]."""
+    if limit > 0:
+        gate = torch.clamp(gate, -limit, limit)
+        up = torch.clamp(up, -limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """x unchanged (the op in place of a QAT round trip that is off)."""
+    return x

@@ -4,11 +4,14 @@
 of the file mapping); `.dense()` dequantizes the whole matrix, `.expert_linear(e, x)` applies one expert,
 `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
-`DeviceWeights.mat` keeps dequantized matrices while the budget (`cache_mb`; 0 = none) has room, first come first
-kept: the engine walks the layers cyclically, where an evicting LRU smaller than the working set would never hit.
-Matrices not kept are dequantized into reused scratch buffers, one per tensor kind; routed experts (each selected
-expert once per call, grouped by expert) are dequantized a block of rows at a time, each block multiplied while it
-is in cache (`QTensor.expert_linear`). All hold exact dequantized values: speed only.
+`DeviceWeights` applies the matrices: `linear`, `grouped_linear` and `expert_linear` return products, never the
+dequantized matrix, so the reused buffers they dequantize into cannot outlive the product. Whole matrices are kept
+while the budget (`cache_mb`; 0 = none) has room, first come first kept: the engine walks the layers cyclically,
+where an evicting LRU smaller than the working set would never hit. Matrices not kept are dequantized into reused
+scratch buffers, one per tensor kind; routed experts (each selected expert once per call, grouped by expert) are
+dequantized a block of rows at a time, each block multiplied while it is in cache (`QTensor.expert_linear`).
+`matrix` returns a whole matrix the caller may keep (the cached one, or fresh memory). All hold exact dequantized
+values: speed only.
 """
 
 from __future__ import annotations
@@ -88,14 +91,15 @@ class QTensor:
 
 
 class DeviceWeights:
-    """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor`, F32 vectors dense, I32 as int64."""
+    """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor`, F32 vectors dense, I32 as int64.
+    Products take activations in `act` and multiply in `mm` (bfloat16 on the approximate path)."""
 
-    def __init__(self, path: str, device: torch.device, act_dtype: torch.dtype, cache_mb: int = 0) -> None:
+    def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0) -> None:
         self.source = Weights(path)
         self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self.config: ModelConfig = self.source.config
-        self.device, self.act = device, act_dtype
+        self.device, self.act, self.mm = device, act, mm
         self._check_inventory()
         self.q: dict[str, QTensor] = {}
         self.vec: dict[str, torch.Tensor] = {}
@@ -106,7 +110,7 @@ class DeviceWeights:
                 arr = self.source.tensor(name)
                 self.ints[name] = torch.from_numpy(arr.astype(np.int64)).to(device)
             elif len(info.shape) == 1:
-                self.vec[name] = torch.from_numpy(self.source.tensor(name).copy()).to(device=device, dtype=act_dtype)
+                self.vec[name] = torch.from_numpy(self.source.tensor(name).copy()).to(device=device, dtype=act)
             else:
                 self.q[name] = QTensor(name, self.source.raw(name), info.ggml_type, info.shape, device)
 
@@ -133,32 +137,56 @@ class DeviceWeights:
             buf = self._scratch_bufs[key] = torch.empty(n, dtype=torch.float32, device=self.device)
         return buf[:n]
 
-    def mat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Whole matrix `name` dequantized to dtype (kept while the cache budget has room, else dequantized into
-        reused scratch memory that the next use of the same kind overwrites).  -> numpy shape of the tensor"""
+    def _qtensor(self, name: str) -> QTensor:
         if name not in self.q:
             raise TensorError(f"tensor {name!r} is missing")
-        key = (name, dtype)
+        return self.q[name]
+
+    def _whole(self, name: str, dtype: torch.dtype, scratch: bool) -> torch.Tensor:
+        """Matrix `name` in dtype: the kept one, newly kept while the budget has room, else dequantized into the
+        kind's scratch buffer (`scratch`; valid only until the next dequantization of that kind) or fresh memory."""
+        qt, key = self._qtensor(name), (name, dtype)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        qt = self.q[name]
         n = math.prod(qt.shape)
         size = n * torch.empty(0, dtype=dtype).element_size()
         if self._cached + size <= self.cache_bytes:
             self._cache[key] = out = qt.dense(dtype)
             self._cached += size
             return out
-        return qt.dense(dtype, self._scratch(name, n))
+        return qt.dense(dtype, self._scratch(name, n) if scratch else None)
 
-    def expert_linear(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    def matrix(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Whole matrix `name` dequantized to dtype, memory the caller may keep.  -> numpy shape of the tensor"""
+        return self._whole(name, dtype, scratch=False)
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """y = x Wᵀ.  x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
+        return (x.to(self.mm) @ self._whole(name, self.mm, scratch=True).T).to(self.act)
+
+    def grouped_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """z_g = W[g] x_g per group, W [G·r, w] read as G blocks of r rows.  x [n, G, w] -> [n, G, r]"""
+        w = self._whole(name, self.mm, scratch=True).reshape(x.shape[1], -1, x.shape[2])
+        return torch.einsum("ngw,grw->ngr", x.to(self.mm), w).to(self.act)
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """y = x W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one reused buffer.
-        x [n, in] -> [n, out] (x's dtype)"""
-        if name not in self.q:
-            raise TensorError(f"tensor {name!r} is missing")
-        return self.q[name].expert_linear(e, x, lambda n: self._scratch("experts", n))
+        x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
+        y = self._qtensor(name).expert_linear(e, x.to(self.mm), lambda n: self._scratch("experts", n))
+        return y.to(self.act)
 
-    def v(self, name: str) -> torch.Tensor:
+    def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """Selected rows of 2-D tensor `name` (embeddings).  idx [n] -> [n, in] (activation dtype)"""
+        return self._qtensor(name).rows(idx, self.act)
+
+    def vector(self, name: str) -> torch.Tensor:
         if name not in self.vec:
             raise TensorError(f"tensor {name!r} is missing")
         return self.vec[name]
+
+    def table(self, name: str) -> torch.Tensor:
+        """An I32 tensor as int64 (the hash-routing table)."""
+        if name not in self.ints:
+            raise TensorError(f"tensor {name!r} is missing")
+        return self.ints[name]

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine import attention as attn_mod
-from gpu_engine.attention import select_rows, sink_attention
+from gpu_engine import model as model_mod
+from gpu_engine.attention import sink_attention
 from gpu_engine.engine import TorchEngine
-from gpu_engine.ops import e2m1_round, e4m3_round, fp8_nope, hadamard_matrix, rope, rope_frequencies
+from gpu_engine.indexer import select_rows, select_rows_ties_highest
+from gpu_engine.ops import apply_rope, e2m1_round, e4m3_round, fp8_sim_nope, hadamard_matrix, rope_frequencies
 from parity.compare import metrics
 from parity.contract.checkpoints import checkpoint_names
 from parity.contract.engine import Engine, RunOptions
@@ -90,9 +91,9 @@ def test_e2m1_hand_cases_and_fp8_block_scale():
     kv = torch.zeros(1, 96)
     kv[0, 0] = 448.0 * 4  # block amax 1792 -> scale 4 exactly: value kept, rest of block exact zeros
     kv[0, 64:] = 0.1234567  # rope tail never touched
-    out = fp8_nope(kv, 64)
+    out = fp8_sim_nope(kv, 64)
     assert out[0, 0] == 1792.0 and (out[0, 1:64] == 0).all() and torch.equal(out[0, 64:], kv[0, 64:])
-    assert (fp8_nope(torch.zeros(2, 96), 64) == 0).all()  # all-zero block stays zero (amax floor)
+    assert (fp8_sim_nope(torch.zeros(2, 96), 64) == 0).all()  # all-zero block stays zero (amax floor)
 
 
 def test_hadamard_is_orthonormal_involution():
@@ -105,17 +106,18 @@ def test_rope_relative_position_and_inverse():
     f = rope_frequencies(32, 160000.0, True, 16.0, 65536, 32.0, 1.0).to(torch.float64)
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 96, generator=g, dtype=torch.float64), torch.randn(1, 96, generator=g, dtype=torch.float64)
-    dots = [float((rope(q, torch.tensor([s + 7]), f) * rope(k, torch.tensor([s]), f)).sum()) for s in (0, 50, 999)]
+    dots = [float((apply_rope(q, torch.tensor([s + 7]), f) * apply_rope(k, torch.tensor([s]), f)).sum())
+            for s in (0, 50, 999)]
     assert max(dots) - min(dots) < 1e-9
-    x = rope(q, torch.tensor([123]), f)
-    assert torch.allclose(rope(x, torch.tensor([123]), f, inverse=True), q, atol=1e-12)
+    x = apply_rope(q, torch.tensor([123]), f)
+    assert torch.allclose(apply_rope(x, torch.tensor([123]), f, inverse=True), q, atol=1e-12)
     assert torch.equal(x[:, :64], q[:, :64])  # only the trailing rope dims move
     # spec table (fp64): pairs 0 / 16 / 31 of the 160000 + YaRN frequencies at rope dim 64
     f64 = rope_frequencies(64, 160000.0, True, 16.0, 65536, 32.0, 1.0)
     assert math.isclose(f64[16], 2.265625e-3, rel_tol=1e-6) and math.isclose(f64[31], 5.68052904e-7, rel_tol=1e-6)
 
 
-def test_sink_attention_against_a_loop_and_chunking(monkeypatch):
+def test_sink_attention_against_a_loop_and_chunking():
     g = torch.Generator().manual_seed(2)
     q, keys = torch.randn(5, 3, 16, generator=g, dtype=torch.float64), torch.randn(9, 16, generator=g,
                                                                                       dtype=torch.float64)
@@ -129,20 +131,24 @@ def test_sink_attention_against_a_loop_and_chunking(monkeypatch):
             rows = [keys[s] for s in range(9) if mask[t, s]]
             den = math.exp(float(sinks[h])) + sum(math.exp(v) for v in z)
             want[t, h] = sum(math.exp(v) / den * r for v, r in zip(z, rows, strict=True))
-    got = sink_attention(q, keys, mask, sinks, drop_sink=False)
+    got = sink_attention(q, keys, mask, sinks, budget=1 << 22)
     assert torch.allclose(got, want, atol=1e-12)
-    monkeypatch.setattr(attn_mod, "SCORE_BUDGET", 7)  # one query x one head per chunk
-    assert torch.allclose(sink_attention(q, keys, mask, sinks, drop_sink=False), want, atol=1e-12)
-    far = sink_attention(q, keys, mask, torch.full((3,), 1e4, dtype=torch.float64), drop_sink=False)
+    # a budget of 7 scores: one query x one head per chunk
+    assert torch.allclose(sink_attention(q, keys, mask, sinks, budget=7), want, atol=1e-12)
+    far = sink_attention(q, keys, mask, torch.full((3,), 1e4, dtype=torch.float64), budget=1 << 22)
     assert far.abs().max() < 1e-30  # a dominating sink absorbs all weight: o -> 0, no NaN
 
 
 def test_select_rows_ties_and_fault():
+    """Row-id tables [n, top_k], ascending, -1 padded (the reference's `select_rows` result kind)."""
     scores = torch.tensor([[1.0, 5.0, 5.0, 5.0, 0.0, 9.0]])
     n_vis = torch.tensor([5])  # row 5 not yet visible
-    assert select_rows(scores, n_vis, 2, False).nonzero()[:, 1].tolist() == [1, 2]
-    assert select_rows(scores, n_vis, 2, True).nonzero()[:, 1].tolist() == [2, 3]
-    assert select_rows(scores, torch.tensor([2]), 4, False).nonzero()[:, 1].tolist() == [0, 1]
+    assert select_rows(scores, n_vis, 2).tolist() == [[1, 2]]
+    assert select_rows_ties_highest(scores, n_vis, 2).tolist() == [[2, 3]]
+    assert select_rows(scores, torch.tensor([2]), 4).tolist() == [[0, 1, -1, -1]]
+    two = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 7.0, 1.0]])
+    assert select_rows(two, torch.tensor([4, 0]), 2).tolist() == [[0, 2], [-1, -1]]
+    assert select_rows(two, torch.tensor([4, 4]), 6).tolist() == [[0, 1, 2, 3, -1, -1], [0, 1, 2, 3, -1, -1]]
 
 
 def test_options_errors_and_announcements(tiny_f32, capsys):
@@ -217,7 +223,7 @@ def test_query_and_head_chunking_do_not_change_results(tiny_f32, monkeypatch):
     """A tiny score budget forces one query per chunk (banded raw keys, per-chunk masks and indexer scores)."""
     prompt = np.random.default_rng(8).integers(2, 290, 40)
     full = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt, decode_steps=2)
-    monkeypatch.setattr(attn_mod, "SCORE_BUDGET", 8)
+    monkeypatch.setattr(model_mod, "SCORE_BUDGET", 8)
     small = run_sequence(TorchEngine(str(tiny_f32), OFF), prompt, decode_steps=2)
     assert _rel(stack(small, "final_norm"), stack(full, "final_norm")) < 1e-6
     for l in (2, 4):
@@ -247,6 +253,6 @@ def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monk
     src = Weights(str(tiny_realmix))
     for e in (0, 5, 0):  # the buffer is overwritten between experts
         want = x @ torch.from_numpy(src.expert(name, e)).T
-        got = w.expert_linear(name, e, x)
+        got = w.expert_linear(x, name, e)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert not torch.equal(got, x @ torch.from_numpy(src.expert(name, 7 - e)).T)

@@ -1,0 +1,255 @@
+"""One transformer layer of DeepSeek-V4 in torch, reading like the official `Block.forward` (spec residual-ffn §5).
+
+    u, pre, post, C = HC_pre(X);  a = Attention(attn_norm(u));  Y  = HC_post(a, X, post, C)
+    v, pre', post', C' = HC_pre(Y);  f = MoE(ffn_norm(v), tokens);  X' = HC_post(f, Y, post', C')
+
+Every step takes its inputs explicitly: the weights (`DeviceWeights`: matrices and the products with them), the
+config, the layer's `LayerPlan` and cache, and `Ops`, the op each step runs. `Ops()` is the model; a fault is an
+alternative op put in its place (`faults.compose`), the QAT round trips are ops the engine puts in when enabled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu_engine.attention import AttentionOp, LayerCache, attend, n_visible, sink_attention
+from gpu_engine.compressor import CompressorCache, SlotsOp, completed_blocks, compressor_update, csa_slots, hca_slots
+from gpu_engine.hc import hc_post, hc_pre
+from gpu_engine.indexer import SelectOp, indexer_weights, select_chunked, select_rows
+from gpu_engine.moe import (
+    hash_select,
+    replayed_ids,
+    routed_experts,
+    router_scores,
+    routing_weights,
+    select_topk,
+    unbiased_scores,
+)
+from gpu_engine.ops import apply_rope, identity, rms_norm, swiglu_clamped
+from gpu_engine.weights import DeviceWeights
+from parity.contract.errors import ParityError
+from parity.gguf.config import ModelConfig
+
+SCORE_BUDGET = 1 << 22  # max attention / indexer scores materialised at once (elements of one head/query chunk)
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The op run at each step; the defaults are the model's (QAT round trips off)."""
+
+    rope: Callable[..., Tensor] = apply_rope                 # (x, pos, freqs, inverse=False)
+    kv_round: Callable[[Tensor], Tensor] = identity          # FP8SIM_nope of raw and main compressed rows
+    index_round: Callable[[Tensor], Tensor] = identity       # FP4SIM(Had(·)) of indexer queries and rows
+    completed_blocks: Callable[[int, int, int, torch.device], Tensor] = completed_blocks
+    csa_slots: SlotsOp = csa_slots
+    n_visible: Callable[[Tensor, int], Tensor] = n_visible
+    select_rows: SelectOp = select_rows
+    attention: AttentionOp = sink_attention
+    hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = hc_post
+    swiglu: Callable[[Tensor, Tensor, float], Tensor] = swiglu_clamped
+    weight_scores: Callable[[Tensor, Tensor], Tensor] = unbiased_scores
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer runs with: its index, the compress ratio the engine schedules (0 SWA, 4 CSA with the
+    indexer, else HCA) and its RoPE table (compute dtype, on the device)."""
+
+    layer: int
+    ratio: int
+    freqs: Tensor
+
+    @property
+    def prefix(self) -> str:
+        return f"blk.{self.layer}."
+
+
+@dataclass
+class AttnResult:
+    out: Tensor                          # [n, D]
+    n_comp_visible: Tensor               # int [n] rows visible by the causal rule (before selection)
+    index_sel: Tensor | None             # int [n, top_k], -1 padded; None off CSA layers
+    captures: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Routing:
+    ids: Tensor       # int64 [n, K] selection order
+    weights: Tensor   # [n, K] final weights (renormalised, x route_scale)
+    margin: Tensor    # [n] router's K-th minus (K+1)-th selection key; nan on hash layers
+
+
+@dataclass
+class BlockResult:
+    attn_carrier: Tensor                           # Y [n, H, D]
+    carrier: Tensor                                # X' [n, H, D]
+    hc_attn: tuple[Tensor, Tensor, Tensor]         # pre, post, comb
+    hc_ffn: tuple[Tensor, Tensor, Tensor]
+    attn: AttnResult
+    routing: Routing
+    captures: dict[str, Tensor]                    # sub-op outputs when captured (attention's included)
+
+
+# -- attention ---------------------------------------------------------------------------------------------------
+
+def q_path(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> tuple[Tensor, Tensor]:
+    """qr = RMSNorm_{q_norm}(W_qa x); q_h = RMSNorm((W_qb qr)_h) per head, unweighted, before RoPE.
+    x [n, D] -> qr [n, R_q], q [n, n_heads, hd]."""
+    qr = rms_norm(w.linear(x, p + "attn_q_a.weight"), w.vector(p + "attn_q_a_norm.weight"), cfg.norm_eps)
+    q = w.linear(qr, p + "attn_q_b.weight").reshape(x.shape[0], cfg.n_heads, cfg.head_dim)
+    return qr, rms_norm(q, None, cfg.norm_eps)
+
+
+def kv_latent(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> Tensor:
+    """kv = RMSNorm_{kv_norm}(W_kv x), before RoPE and the FP8 round trip.  x [n, D] -> [n, hd]."""
+    return rms_norm(w.linear(x, p + "attn_kv.weight"), w.vector(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
+
+
+def run_compressor(w: DeviceWeights, cfg: ModelConfig, cache: CompressorCache, prefix: str, x: Tensor,
+                   start_pos: int, m: int, j: Tensor, slots_of: SlotsOp) -> Tensor:
+    """κ = W_kv x, σ = W_gate x + ape[t mod m]; pool blocks j; RMSNorm.  -> rows [nb, d_c] before RoPE."""
+    pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
+    kv = w.linear(x, prefix + "_kv.weight")
+    score = w.linear(x, prefix + "_gate.weight") + w.matrix(prefix + "_ape.weight", w.act)[pos % m]
+    rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of)
+    return rms_norm(rows, w.vector(prefix + "_norm.weight"), cfg.norm_eps)
+
+
+def indexer_selection(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+                      qr: Tensor, start_pos: int, n_vis: Tensor, cap: dict | None) -> Tensor:
+    """Indexer rows kI_j = FP4SIM(Had(RoPE(norm(c̃_j), 4j))), queries qI likewise, then top-k of
+    Σ_h ω_h ReLU(qI_h · kI_j).  -> int [n, top_k] row ids ascending, -1 padded."""
+    p, n, hi, di = plan.prefix, x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+    j = ops.completed_blocks(start_pos, n, 4, x.device)
+    rows = run_compressor(w, cfg, cache.index, p + "indexer_compressor", x, start_pos, 4, j, ops.csa_slots)
+    cache.index.rows = krows = torch.cat([cache.index.rows, ops.index_round(ops.rope(rows, j * 4, plan.freqs))])
+    if cap is not None:
+        cap["index_rows"] = krows
+    pos = torch.arange(start_pos, start_pos + n, device=x.device)
+    qi = ops.index_round(ops.rope(w.linear(qr, p + "indexer.attn_q_b.weight").reshape(n, hi, di), pos, plan.freqs))
+    weights = indexer_weights(w.linear(x, p + "indexer.proj.weight"), di)
+    n_vis = torch.clamp(n_vis, max=krows.shape[0])
+    return select_chunked(qi, weights, krows, n_vis, cfg.index_topk, ops.select_rows, SCORE_BUDGET)
+
+
+def compressed_keys(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+                    qr: Tensor, start_pos: int, cap: dict | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Emit the rows the call completes (c_j = FP8SIM_nope(RoPE(norm(c̃_j), j·m))) and the indexer selection.
+    -> all main rows [R, hd], visible counts int [n], selection int [n, top_k] (None off CSA layers)."""
+    n, m, dev = x.shape[0], plan.ratio, x.device
+    if m == 0:
+        return torch.zeros(0, cfg.head_dim, device=dev, dtype=x.dtype), torch.zeros(n, dtype=torch.int64,
+                                                                                     device=dev), None
+    j = ops.completed_blocks(start_pos, n, m, dev)
+    slots_of = ops.csa_slots if m == 4 else hca_slots
+    rows = run_compressor(w, cfg, cache.main, plan.prefix + "attn_compressor", x, start_pos, m, j, slots_of)
+    cache.main.rows = comp = torch.cat([cache.main.rows, ops.kv_round(ops.rope(rows, j * m, plan.freqs))])
+    pos = torch.arange(start_pos, start_pos + n, device=dev)
+    n_vis = torch.clamp(ops.n_visible(pos, m), max=comp.shape[0])
+    sel = indexer_selection(w, cfg, ops, plan, cache, x, qr, start_pos, n_vis, cap) if m == 4 else None
+    if cap is not None:
+        cap["comp_rows"] = comp
+    return comp, n_vis, sel
+
+
+def grouped_output(w: DeviceWeights, cfg: ModelConfig, p: str, o: Tensor) -> Tensor:
+    """a = W_ob · (z_0 ⊕ … ⊕ z_{G-1}), z_g = W_oa[g] · (heads of group g).  o [n, nh, hd] -> [n, D]."""
+    n = o.shape[0]
+    z = w.grouped_linear(o.reshape(n, cfg.o_groups, cfg.o_group_width), p + "attn_output_a.weight")
+    return w.linear(z.reshape(n, -1), p + "attn_output_b.weight")
+
+
+def keep_window(cache: LayerCache, raw: Tensor, window: int, next_pos: int) -> None:
+    """The raw cache keeps the last window - 1 rows (with the next token: exactly `window` raw keys)."""
+    keep = window - 1
+    cache.raw = raw[raw.shape[0] - min(keep, raw.shape[0]) :] if keep > 0 else raw[:0]
+    cache.pos = next_pos
+
+
+def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+              start_pos: int, capture: bool) -> AttnResult:
+    """a = Attention(x) for n new positions start_pos.. through the layer's cache.  x [n, D] -> AttnResult."""
+    n, p, cap = x.shape[0], plan.prefix, {}
+    pos = torch.arange(start_pos, start_pos + n, device=x.device)
+    qr, q = q_path(w, cfg, p, x)
+    kv = kv_latent(w, cfg, p, x)
+    q_rot, k = ops.rope(q, pos, plan.freqs), ops.kv_round(ops.rope(kv, pos, plan.freqs))
+    comp, n_vis, sel = compressed_keys(w, cfg, ops, plan, cache, x, qr, start_pos, cap if capture else None)
+    raw = torch.cat([cache.raw, k])
+    o = attend(q_rot, start_pos, raw, start_pos - cache.raw.shape[0], cfg.window_size, comp, n_vis, sel,
+               w.vector(p + "attn_sinks.weight"), ops.attention, SCORE_BUDGET)
+    out = grouped_output(w, cfg, p, ops.rope(o, pos, plan.freqs, inverse=True))
+    keep_window(cache, raw, cfg.window_size, start_pos + n)
+    if capture:
+        cap.update(q_path=q, kv_latent=kv, rope_q=q_rot, rope_kv=k, attn_heads=o)
+    return AttnResult(out, n_vis, sel, cap)
+
+
+# -- MoE FFN -----------------------------------------------------------------------------------------------------
+
+def route(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, tokens: Tensor, start_pos: int,
+          override: Callable[[int, int, int], np.ndarray] | None) -> Routing:
+    """s = sqrt(softplus(G x)); ids = tid2eid[token] (hash layer), top-K of s + b, or the replayed ids;
+    w = route_scale · s_ids / Σ s_ids.  x [n, D], tokens [n] -> Routing."""
+    p, n, K = f"blk.{layer}.", x.shape[0], cfg.n_activated_experts
+    s = router_scores(w.linear(x, p + "ffn_gate_inp.weight"))
+    if cfg.is_hash_layer(layer):
+        keys, ids = s, hash_select(w.table(p + "ffn_gate_tid2eid.weight"), tokens)
+        margin = torch.full((n,), float("nan"), dtype=s.dtype, device=s.device)
+    else:
+        keys = s + w.vector(p + "exp_probs_b.bias")
+        ids, margin = select_topk(keys, K)
+    if override is not None:  # the margin stays the router's own
+        ids = replayed_ids(override(layer, start_pos, n), layer, start_pos, n, K, cfg.n_routed_experts, s.device)
+    return Routing(ids, routing_weights(ops.weight_scores(s, keys), ids, cfg.route_scale), margin)
+
+
+def moe(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: Routing) -> tuple[Tensor, Tensor]:
+    """Routed R = Σ_k W_down[e_k](w_k · swiglu(W_gate[e_k] x, W_up[e_k] x)) and shared
+    S = W_down swiglu(W_gate x, W_up x) (its own clamp, no routing weight).  x [n, D] -> R, S [n, D]."""
+    p, limit = f"blk.{layer}.", cfg.swiglu_limit[layer]
+
+    def expert(e: int, xe: Tensor, we: Tensor) -> Tensor:
+        h = ops.swiglu(w.expert_linear(xe, p + "ffn_gate_exps.weight", e),
+                       w.expert_linear(xe, p + "ffn_up_exps.weight", e), limit)
+        return w.expert_linear(h * we[:, None], p + "ffn_down_exps.weight", e)
+
+    h = ops.swiglu(w.linear(x, p + "ffn_gate_shexp.weight"), w.linear(x, p + "ffn_up_shexp.weight"),
+                   cfg.swiglu_limit_shexp[layer])
+    return routed_experts(x, r.ids, r.weights, expert), w.linear(h, p + "ffn_down_shexp.weight")
+
+
+# -- the block ---------------------------------------------------------------------------------------------------
+
+def hc_pre_of(w: DeviceWeights, cfg: ModelConfig, X: Tensor, prefix: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """HC_pre with the weights `prefix`fn / scale / base (prefix 'blk.l.hc_attn_' or 'blk.l.hc_ffn_')."""
+    return hc_pre(X, w.matrix(prefix + "fn.weight", w.act), w.vector(prefix + "scale.weight"),
+                  w.vector(prefix + "base.weight"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+
+def block_forward(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, X: Tensor,
+                  tokens: Tensor, start_pos: int, override: Callable | None, capture: bool) -> BlockResult:
+    """X' = layer(X) for n positions start_pos.. through the layer's cache.  X [n, H, D], tokens [n]."""
+    p, eps = plan.prefix, cfg.norm_eps
+    u, pre_a, post_a, C_a = hc_pre_of(w, cfg, X, p + "hc_attn_")
+    x = rms_norm(u, w.vector(p + "attn_norm.weight"), eps)
+    att = attention(w, cfg, ops, plan, cache, x, start_pos, capture)
+    Y = ops.hc_post(att.out, X, post_a, C_a)
+    v, pre_f, post_f, C_f = hc_pre_of(w, cfg, Y, p + "hc_ffn_")
+    xf = rms_norm(v, w.vector(p + "ffn_norm.weight"), eps)
+    r = route(w, cfg, ops, plan.layer, xf, tokens, start_pos, override)
+    routed, shared = moe(w, cfg, ops, plan.layer, xf, r)
+    X_out = ops.hc_post(routed + shared, Y, post_f, C_f)
+    if not torch.isfinite(X_out).all():
+        raise ParityError(f"layer {plan.layer}: non-finite values in the carrier at positions {start_pos}.."
+                          f"{start_pos + X.shape[0] - 1}")
+    cap = {}
+    if capture:
+        cap = {**att.captures, "hc_attn_pre": u, "attn_norm": x, "attn_out": att.out, "hc_attn_post": Y,
+               "hc_ffn_pre": v, "ffn_norm": xf, "routed_out": routed, "shared_out": shared, "hc_ffn_post": X_out}
+    return BlockResult(Y, X_out, (pre_a, post_a, C_a), (pre_f, post_f, C_f), att, r, cap)
