@@ -21,6 +21,12 @@ EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 def check_model(cfg: ModelConfig, weights: Weights) -> None:
     """Refuse a model llama.cpp's deepseek4 graph cannot run, naming the key or tensor."""
+    check_config(cfg)
+    check_expert_types(weights)
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """The deepseek4 metadata llama.cpp's loader accepts."""
     bad = sorted({r for r in cfg.compress_ratios if r not in RATIOS})
     if bad:
         raise ParityError(f"llamacpp: compress ratios {bad} in deepseek4.attention.compress_ratios; llama.cpp "
@@ -30,7 +36,11 @@ def check_model(cfg: ModelConfig, weights: Weights) -> None:
     if cfg.index_head_dim % INDEXER_BLOCK:
         raise ParityError(f"llamacpp: deepseek4.attention.indexer.key_length = {cfg.index_head_dim}; llama.cpp needs "
                           f"a multiple of {INDEXER_BLOCK} (Hadamard rotation of the indexer rows)")
-    for l in range(cfg.n_layers):
+
+
+def check_expert_types(weights: Weights) -> None:
+    """Routed experts in a type the CPU backend multiplies."""
+    for l in range(weights.config.n_layers):
         for t in EXPERT_TENSORS:
             name = f"blk.{l}.{t}.weight"
             qtype = Q(weights.info(name).ggml_type)
