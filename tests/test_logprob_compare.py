@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.logprobs.compare import compare_runs, truncated_divergence
+from parity.logprobs.compare import LogprobPreflightError, compare_runs, truncated_divergence
 from parity.logprobs.io import read_run
 
 FIX = Path(__file__).parent / "fixtures" / "logprobs"
@@ -37,8 +37,9 @@ def test_tie_flip_step_and_the_steps_after_it():
     assert s2.verdict is None and "contexts differ since step 1" in s2.note
     assert cmp.first_divergent_step() == 1 and cmp.first_non_match_step() == 1
     assert cmp.counts() == {"MATCH": 1, "TIE-FLIP": 1, "DRIFT": 0, "WRONG": 0}
-    assert cmp.ds4_test() is False
-    assert cmp.failures(["wrong"]) == [] and cmp.failures(["tie", "ds4-test"]) == ["tie", "ds4-test"]
+    # the run-level rule is n/a: B is a top-3 dump, and ds4_test compares against a local top 20
+    assert cmp.ds4_test() is None and "ds4_test: n/a (B lists top 3 < 20)" in cmp.summary_line()
+    assert cmp.failures(["wrong"]) == [] and cmp.failures(["tie", "ds4-test"]) == ["tie"]
 
 
 def test_tie_flip_becomes_wrong_with_a_tighter_margin():
@@ -53,8 +54,9 @@ def test_drift_and_match():
     assert [s.jaccard for s in cmp.steps] == [1.0, 1.0, 1.0]
     assert cmp.steps[2].max_abs_dlogprob == pytest.approx(0.2)       # frag: -6 vs -6.2
     assert cmp.first_divergent_step() is None and cmp.first_non_match_step() == 1
-    assert cmp.ds4_test() is True and cmp.failures(["wrong", "tie"]) == [] and cmp.failures(["drift"]) == ["drift"]
-    assert "MATCH 2, TIE-FLIP 0, DRIFT 1, WRONG 0; first divergent step: none; ds4_test: PASS" in cmp.summary_line()
+    assert [s.ds4_test for s in cmp.steps] == [True, True, True]  # each step passes; the run is n/a (top 3)
+    assert cmp.failures(["wrong", "tie"]) == [] and cmp.failures(["drift"]) == ["drift"]
+    assert "MATCH 2, TIE-FLIP 0, DRIFT 1, WRONG 0; first divergent step: none; ds4_test: n/a" in cmp.summary_line()
 
 
 def test_kl_and_js_bounds_by_hand():
@@ -114,14 +116,15 @@ def test_greedy_only_reference_compares_tokens_only():
     assert cmp.steps[2].note == "only in B"
     assert all(s.divergence is None and s.jaccard is None for s in cmp.steps)
     # ds4_test: the official top (selected, "logprob 0") against B's -0.2 and -0.75: within 4 nats
-    assert [s.ds4_test for s in cmp.steps[:2]] == [True, True] and cmp.ds4_test() is True
+    assert [s.ds4_test for s in cmp.steps[:2]] == [True, True] and cmp.ds4_test() is None  # B: top 3
     assert "greedy-only (tokens compared, no logprob metrics)" in cmp.summary_line()
 
 
 def test_greedy_only_wrong_token_and_missing_candidate_logprobs():
     cmp = compare_runs(run("cases.vec#wrong_case"), run("ref.ds4.json"))
     assert [s.verdict for s in cmp.steps[:2]] == ["MATCH", "WRONG"] and cmp.first_divergent_step() == 1
-    assert cmp.ds4_test() is False and "selected token mismatch" in cmp.steps[1].ds4_test_detail
+    assert cmp.steps[1].ds4_test is False and "selected token mismatch" in cmp.steps[1].ds4_test_detail
+    assert cmp.ds4_test() is None  # B is a top-3 dump: the run-level rule is n/a, the WRONG token still fails
     back = compare_runs(run("ref.ds4.json"), run("cases.vec#match_case"))   # B has no logprobs
     assert back.ds4_test() is None and "ds4_test: n/a" in back.summary_line()
     assert back.steps[2].note == "only in A"
@@ -149,7 +152,9 @@ def test_prompt_length_mismatch_is_reported(tmp_path):
     doc = json.loads((FIX / "cand_drift.ds4.json").read_text())
     doc["prompt_tokens"] = 13
     (tmp_path / "b.json").write_text(json.dumps(doc))
-    notes = compare_runs(run("ref.ds4.json"), read_run(tmp_path / "b.json")).notes
-    assert "prompt lengths differ (A 12 tokens, B 13)" in " ".join(notes)
+    with pytest.raises(LogprobPreflightError, match="prompt_tokens differs: A 12, B 13"):
+        compare_runs(run("ref.ds4.json"), read_run(tmp_path / "b.json"))
+    notes = compare_runs(run("ref.ds4.json"), read_run(tmp_path / "b.json"), force=True).notes
+    assert notes[0] == "forced: prompt_tokens differs: A 12, B 13" and notes[1].startswith("prompt lengths differ")
     # the official fixture's usage.prompt_tokens (12) agrees with the dump's
     assert not any("prompt lengths" in n for n in compare_runs(run("greedy.official.json"), run("ref.ds4.json")).notes)

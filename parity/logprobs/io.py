@@ -407,12 +407,12 @@ def flush_subnormals(logits: np.ndarray) -> np.ndarray:
 
 
 def ds4_argmax(row: np.ndarray) -> int:
-    """ds4's greedy pick: scan from id 0, keep the first strictly greater value (NaN never replaces, a NaN at
-    id 0 is never replaced; +inf wins; a row of -inf picks id 0)."""
+    """ds4's greedy pick (`sample_argmax`): the first id whose logit is strictly above every earlier one,
+    starting from -inf -- NaN never wins, +inf does, a row with nothing above -inf picks id 0."""
     row = np.asarray(row, dtype=np.float32)
-    if np.isnan(row[0]) or np.isnan(row).all():
-        return 0
-    return int(np.nanargmax(row))
+    above = np.where(np.isnan(row), -np.inf, row)
+    best = int(np.argmax(above))
+    return best if above[best] > -np.inf else 0
 
 
 def ds4_top(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
