@@ -22,7 +22,7 @@ from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
 from gpu_engine.ops import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard_matrix, identity, rms_norm, rope_frequencies
 from gpu_engine.weights import DeviceWeights
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_qat_shapes
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes
 from parity.contract.errors import ParityError
 
 __version__ = "0.1.0"
@@ -66,12 +66,20 @@ class TorchEngine:
         self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb)
         self.config = self.cfg = cfg = self.w.config
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
+        self._check_hash_tables()
         # the layer schedule: the compress-ratios-u32 fault reads it as empty (every layer ratio 0)
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
         self.ops = compose(self.switches, self._qat_ops())
         self._announce()
+
+    def _check_hash_tables(self) -> None:
+        """Every hash layer's tid2eid entry names an expert in [0, n_routed_experts) (checked once, at load)."""
+        for l in range(self.cfg.n_layers):
+            if self.cfg.is_hash_layer(l):
+                name = f"blk.{l}.ffn_gate_tid2eid.weight"
+                check_expert_ids(self.w.table(name).cpu().numpy(), self.cfg.n_routed_experts, f"tensor {name}")
 
     def _qat_ops(self) -> Ops:
         """The model's ops with the QAT round trips the options enable."""
@@ -132,6 +140,9 @@ class TorchEngine:
                               f"[n >= 1, {cfg.hc_mult}, {cfg.dim}]")
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
+        if np.min(tokens) < 0 or np.max(tokens) >= cfg.vocab_size:
+            raise ParityError(f"layer {layer}: token id out of range [0, {cfg.vocab_size}): "
+                              f"{np.min(tokens)}..{np.max(tokens)}")
         tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
         with torch.inference_mode():
             res = block_forward(self.w, cfg, self.ops, self.plans[layer], cache, self._in(carrier), tok, start_pos,

@@ -256,3 +256,50 @@ def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monk
         got = w.expert_linear(x, name, e)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert not torch.equal(got, x @ torch.from_numpy(src.expert(name, 7 - e)).T)
+
+
+def _tid2eid_copy(src, dst, layer: int, value: int):
+    """A copy of a GGUF whose hash-routing table of `layer` has entry [5, 1] set to `value` (else byte-identical)."""
+    from parity.gguf.container import GGUFFile, TensorData, write_gguf
+
+    g, name = GGUFFile(src), f"blk.{layer}.ffn_gate_tid2eid.weight"
+    table = np.frombuffer(bytes(g.data(name)), dtype=np.int32).reshape(g.tensors[name].ne[::-1]).copy()
+    table[5, 1] = value
+    tensors = [TensorData(n, i.ne, i.ggml_type, table.tobytes() if n == name else bytes(g.data(n)))
+               for n, i in g.tensors.items()]
+    write_gguf(dst, g.kv, tensors)
+    return dst
+
+
+@pytest.mark.parametrize("value", [-1, 8, 2**31 - 1])  # the tiny model has 8 routed experts
+def test_out_of_range_hash_routing_id_is_refused_at_load(tiny_f32, tmp_path, value):
+    bad = _tid2eid_copy(tiny_f32, tmp_path / "bad.gguf", 1, value)
+    with pytest.raises(ParityError, match=rf"tensor blk\.1\.ffn_gate_tid2eid\.weight: expert id {value} out of range "
+                                          r"\[0, 8\) \(1 bad of"):
+        TorchEngine(str(bad), OFF)
+    ok = _tid2eid_copy(tiny_f32, tmp_path / "ok.gguf", 1, 7)  # the largest valid id loads and routes to it
+    e = TorchEngine(str(ok), OFF)
+    out = e.forward_layer(e.new_state(), 1, e.embed(np.array([5, 6])), np.array([5, 6]), start_pos=0)
+    assert out.diag.expert_ids[0, 1] == 7
+
+
+def test_token_id_out_of_range_in_forward_layer(engine):
+    X = engine.embed(np.array([3]))
+    with pytest.raises(ParityError, match=r"layer 0: token id out of range \[0, 290\)"):
+        engine.forward_layer(engine.new_state(), 0, X, np.array([290]), start_pos=0)
+
+
+def test_qat_block_shape_is_checked(tmp_path, monkeypatch):
+    """A model whose KV nope dims (80 - 32 = 48) are not whole FP8 blocks of 64: the simulation is refused by name
+    and the engine runs with it off. (The FP4 indexer rule is not exercised: the config requires a power-of-two
+    indexer head dim, so only 1..16 could fail it, below the tiny preset's rope dim of 32.)"""
+    import dataclasses
+
+    from parity.gguf import synth
+
+    monkeypatch.setitem(synth.PRESETS, "odd", dataclasses.replace(synth.PRESETS["tiny"], head_dim=80))
+    path = synth.synthesize(tmp_path / "odd.gguf", "odd", "f32")
+    with pytest.raises(ParityError, match="torch engine: --fp8-kv needs head_dim - rope_head_dim = 48"):
+        TorchEngine(str(path), RunOptions())
+    e = TorchEngine(str(path), RunOptions(fp8_kv=False))
+    assert np.isfinite(run_sequence(e, np.array([3, 4, 5, 6, 7]))[0].logits).all()
