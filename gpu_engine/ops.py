@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from parity.contract.errors import ParityError
+
 E4M3_MAX, E4M3_AMAX_FLOOR = 448.0, 1e-4
 E2M1_MAX, E2M1_AMAX_FLOOR = 6.0, 6.0 * 2.0**-126
 
@@ -22,27 +24,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rope_frequencies(rope_dim: int, base: float, yarn: bool, factor: float, original_seq_len: int,
                      beta_fast: float, beta_slow: float) -> torch.Tensor:
-    """f_i = B^(-2i/r), YaRN-blended f_i = g_i·keep_i + g_i/factor·(1-keep_i) when `yarn` (no mscale).
-    -> float64 [r/2] on the CPU."""
-    i = torch.arange(rope_dim // 2, dtype=torch.float64)
-    g = base ** (-2.0 * i / rope_dim)
-    if not yarn:
-        return g
+    """f_i = 1 / B^(2i/r), YaRN-blended f/factor·(1-keep_i) + f·keep_i when `yarn` (no mscale), formed with
+    float32 operations as the official code does: exponent 2i/r, the pow rounded once, the reciprocal, the ramp
+    (i - low) / (high - low) clamped to [0, 1] and the blend, each in float32 (spec attention, correction 9).
+    -> float64 [r/2] on the CPU, holding those float32 values exactly (the float64 oracle uses them too)."""
+    f32 = torch.float32
+    expo = torch.arange(0, rope_dim, 2, dtype=f32) / torch.tensor(rope_dim, dtype=f32)
+    g = 1.0 / torch.pow(torch.tensor(base, dtype=f32).double(), expo.double()).to(f32)
+    if yarn:
+        def corr(beta: float) -> float:
+            return rope_dim * math.log(original_seq_len / (beta * 2 * math.pi)) / (2 * math.log(base))
 
-    def corr(beta: float) -> float:
-        return rope_dim * math.log(original_seq_len / (beta * 2 * math.pi)) / (2 * math.log(base))
+        low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
+        span = torch.tensor((high + 0.001 if high == low else high) - low, dtype=f32)
+        keep = 1.0 - torch.clamp((torch.arange(rope_dim // 2, dtype=f32) - low) / span, 0.0, 1.0)
+        g = g / torch.tensor(factor, dtype=f32) * (1.0 - keep) + g * keep
+    return g.to(torch.float64)
 
-    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
-    ramp = torch.clamp((i - low) / ((high - low) if high != low else 0.001), 0.0, 1.0)
-    keep = 1.0 - ramp
-    return g * keep + (g / factor) * (1.0 - keep)
+
+def rope_angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """φ[t, i] = p_t · f_i in freqs' dtype, one rounding (float32 like the official code).  pos [n] -> [n, r/2]."""
+    return pos.to(freqs.dtype)[:, None] * freqs[None, :]
 
 
 def rope_cos_sin(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
                  inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos φ, sin φ of φ_i = p·f_i (φ -> -φ when inverse), shaped to broadcast over x's middle axes.
     x [n, ..., d], pos [n] int, freqs [r/2] (x's dtype/device) -> cos, sin [n, 1.., r/2]."""
-    angle = pos.to(x.dtype)[:, None] * freqs[None, :]
+    angle = rope_angles(pos, freqs)
     angle = angle.reshape(angle.shape[0], *([1] * (x.dim() - 2)), angle.shape[1])
     cos, sin = torch.cos(angle), torch.sin(angle)
     if inverse:
@@ -138,6 +147,20 @@ def swiglu_symmetric_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -
         gate = torch.clamp(gate, -limit, limit)
         up = torch.clamp(up, -limit, limit)
     return torch.nn.functional.silu(gate) * up
+
+
+def q8_0_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Activations as llama.cpp's CPU backend feeds them to a Q8_0-activation matmul: per block of 32 along the last
+    axis d = amax/127 (stored as f16), q = round(x · 127/amax) to nearest even, clamped to [-127, 127], value q·d
+    (ggml's x86 quantize_row_q8_0; amax = 0 gives zeros).  Float32 arithmetic.  x [..., 32k] -> x's dtype, shape."""
+    if x.shape[-1] % 32:
+        raise ParityError(f"act_quant=q8_0: activation width {x.shape[-1]} is not a multiple of the block size 32")
+    b = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    d = (amax / 127.0).to(torch.float16).to(torch.float32)
+    inv = torch.where(amax > 0, 127.0 / amax, 0.0)
+    q = torch.clamp(torch.round(b * inv), -127.0, 127.0)
+    return (q * d).reshape(x.shape).to(x.dtype)
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:

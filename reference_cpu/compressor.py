@@ -12,7 +12,7 @@ import numpy as np
 from reference_cpu.linear import linear
 from reference_cpu.norms import rms_norm
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard
-from reference_cpu.rope import apply_rope
+from reference_cpu.rope import RopeTable, apply_rope
 from reference_cpu.state import CompressorState
 
 
@@ -80,21 +80,21 @@ def compressor_update(state: CompressorState, kv: np.ndarray, score: np.ndarray)
     return rows, first
 
 
-def main_row_post(rows: np.ndarray, pos: np.ndarray, norm: np.ndarray, eps: float, freqs: np.ndarray,
+def main_row_post(rows: np.ndarray, pos: np.ndarray, norm: np.ndarray, eps: float, rope: RopeTable,
                   fp8: bool, nope_dim: int) -> np.ndarray:
     """c_j = FP8SIM_nope(RoPE(RMSNorm_{compressor_norm}(c̃_j), j·m)): same format as a raw KV row (§7.5).
 
     rows [nb, hd], pos [nb] = j·m -> [nb, hd].
     """
-    out = apply_rope(rms_norm(rows, norm, eps), pos, freqs)
+    out = apply_rope(rms_norm(rows, norm, eps), pos, rope)
     return fp8_sim_nope(out, nope_dim) if fp8 else out
 
 
-def index_row_post(rows: np.ndarray, pos: np.ndarray, norm: np.ndarray, eps: float, freqs: np.ndarray,
+def index_row_post(rows: np.ndarray, pos: np.ndarray, norm: np.ndarray, eps: float, rope: RopeTable,
                    fp4: bool) -> np.ndarray:
     """kI_j = FP4SIM(Had(RoPE(RMSNorm_{indexer_compressor_norm}(c̃_j), 4j))); Had+FP4 only with the simulation on (§7.5).
 
     rows [nb, d_I], pos [nb] = j·4 -> [nb, d_I].
     """
-    out = apply_rope(rms_norm(rows, norm, eps), pos, freqs)
+    out = apply_rope(rms_norm(rows, norm, eps), pos, rope)
     return fp4_e2m1_roundtrip(hadamard(out)) if fp4 else out

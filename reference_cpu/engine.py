@@ -22,7 +22,7 @@ from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.linear import linear
 from reference_cpu.model import Numerics, block_forward
 from reference_cpu.norms import rms_norm
-from reference_cpu.rope import rope_frequencies
+from reference_cpu.rope import RopeSpec, RopeTable
 from reference_cpu.state import SequenceState
 from reference_cpu.weights_cache import WeightStore
 
@@ -45,15 +45,12 @@ def check_options(options: RunOptions, cfg: ModelConfig) -> None:
                           "(FP4 blocks of 32); run with --no-fp4-indexer")
 
 
-def layer_frequencies(cfg: ModelConfig, layer: int) -> np.ndarray:
-    """RoPE table of a layer: plain rope_theta when ratio = 0, compress_rope_theta (+ YaRN if the file says so) else.
-
-    -> [rope_head_dim / 2] float64.
-    """
+def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
+    """RoPE of a layer: plain rope_theta when ratio = 0, compress_rope_theta (+ YaRN if the file says so) else."""
     if cfg.ratio(layer) == 0:
-        return rope_frequencies(cfg.rope_head_dim, cfg.rope_theta)
-    return rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn, cfg.rope_factor,
-                            cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+        return RopeSpec(cfg.rope_head_dim, cfg.rope_theta, yarn=False)
+    return RopeSpec(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.yarn, cfg.rope_factor, cfg.original_seq_len,
+                    cfg.beta_fast, cfg.beta_slow)
 
 
 class ReferenceEngine:
@@ -70,7 +67,8 @@ class ReferenceEngine:
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
         self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override)
-        self.freqs = [layer_frequencies(self.config, l).astype(self.dtype) for l in range(self.config.n_layers)]
+        self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
+                     for l in range(self.config.n_layers)]
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype)
@@ -101,7 +99,7 @@ class ReferenceEngine:
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
         return block_forward(self.store, cfg, layer, state.layers[layer], carrier.astype(self.dtype, copy=False),
-                             tokens, int(start_pos), self.freqs[layer], self.numerics, capture)
+                             tokens, int(start_pos), self.rope[layer], self.numerics, capture)
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """carrier [n, H, D] -> (final_norm [n, D], logits [n, V]): HC head, output_norm, output (§8.3)."""

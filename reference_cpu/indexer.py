@@ -12,17 +12,17 @@ import numpy as np
 
 from reference_cpu.linear import linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
-from reference_cpu.rope import apply_rope
+from reference_cpu.rope import RopeTable, apply_rope
 
 
-def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, freqs: np.ndarray, n_heads: int,
+def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, rope: RopeTable, n_heads: int,
                     fp4: bool) -> np.ndarray:
     """qI_h = FP4SIM(Had(RoPE((W_Iqb qr)_h, t))), no per-head norm; Had+FP4 only with the simulation on (§8.2).
 
     qr [n, q_lora_rank], wq_b [n_heads·d_I, q_lora_rank], pos [n] -> [n, n_heads, d_I].
     """
     q = linear(qr, wq_b).reshape(qr.shape[0], n_heads, -1)
-    q = apply_rope(q, pos, freqs)
+    q = apply_rope(q, pos, rope)
     return fp4_e2m1_roundtrip(hadamard(q)) if fp4 else q
 
 

@@ -32,7 +32,7 @@ from reference_cpu.moe import (
 )
 from reference_cpu.norms import rms_norm
 from reference_cpu.quant_sim import fp8_sim_nope
-from reference_cpu.rope import apply_rope
+from reference_cpu.rope import RopeTable, apply_rope
 from reference_cpu.state import CompressorState, LayerState
 from reference_cpu.weights_cache import WeightStore
 
@@ -61,7 +61,7 @@ def run_compressor(state: CompressorState, x: np.ndarray, pos: np.ndarray, store
 
 
 def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray, pos: np.ndarray,
-              freqs: np.ndarray, num: Numerics, cap: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              rope: RopeTable, num: Numerics, cap: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """a = Attention(x) for n new positions through the layer's caches (spec attention §11-§12, §16).
 
     x [n, D] (attn_norm output), pos [n] -> a [n, D], n_comp_visible int [n], index_sel int [n, top_k] (-1 pad).
@@ -70,8 +70,8 @@ def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, 
     qr, q = q_path(x, store.dense(p + "attn_q_a.weight"), store.dense(p + "attn_q_a_norm.weight"),
                    store.dense(p + "attn_q_b.weight"), cfg.n_heads, eps)
     kv = kv_latent(x, store.dense(p + "attn_kv.weight"), store.dense(p + "attn_kv_a_norm.weight"), eps)
-    q_rot = apply_rope(q, pos, freqs)
-    k = apply_rope(kv, pos, freqs)
+    q_rot = apply_rope(q, pos, rope)
+    k = apply_rope(kv, pos, rope)
     if num.fp8_kv:
         k = fp8_sim_nope(k, cfg.nope_dim)
 
@@ -79,12 +79,12 @@ def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, 
     if m > 0:
         run_compressor(st.comp, x, pos, store, p + "attn_compressor",
                        lambda r, jp: main_row_post(r, jp, store.dense(p + "attn_compressor_norm.weight"), eps,
-                                                   freqs, num.fp8_kv, cfg.nope_dim))
+                                                   rope, num.fp8_kv, cfg.nope_dim))
     if cfg.has_indexer(layer):
         run_compressor(st.index, x, pos, store, p + "indexer_compressor",
                        lambda r, jp: index_row_post(r, jp, store.dense(p + "indexer_compressor_norm.weight"), eps,
-                                                    freqs, num.fp4_indexer))
-        q_idx = indexer_queries(qr, store.dense(p + "indexer.attn_q_b.weight"), pos, freqs, cfg.index_n_heads,
+                                                    rope, num.fp4_indexer))
+        q_idx = indexer_queries(qr, store.dense(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
                                 num.fp4_indexer)
         w_idx = indexer_weights(x, store.dense(p + "indexer.proj.weight"), cfg.index_head_dim)
         sel = select_rows(q_idx, w_idx, st.index.rows, pos, m, cfg.index_topk)
@@ -94,7 +94,7 @@ def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, 
     comp = st.comp.rows if m > 0 else np.zeros((0, cfg.head_dim), x.dtype)
     o = attend(q_rot, pos, raw, raw_start, cfg.window_size, comp, m, sel, store.dense(p + "attn_sinks.weight"),
                1.0 / math.sqrt(cfg.head_dim))
-    a = grouped_output(apply_rope(o, pos, freqs, inverse=True), store.dense(p + "attn_output_a.weight"),
+    a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.dense(p + "attn_output_a.weight"),
                        store.dense(p + "attn_output_b.weight"), cfg.o_groups)
 
     keep = cfg.window_size - 1
@@ -160,7 +160,7 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
 
 
 def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, X: np.ndarray,
-                  tokens: np.ndarray, start_pos: int, freqs: np.ndarray, num: Numerics,
+                  tokens: np.ndarray, start_pos: int, rope: RopeTable, num: Numerics,
                   capture: bool) -> LayerOutput:
     """X' = layer(X) for n positions start_pos.. (spec residual-ffn §5).
 
@@ -176,7 +176,7 @@ def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerSta
     u, pre_a, post_a, comb_a = hc_pre(X, store.dense(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
                                       store.dense(p + "hc_attn_base.weight"), *hc_args)
     x = rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps)
-    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, freqs, num, cap)
+    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, cap)
     Y = hc_post(a, X, post_a, comb_a)
 
     v, pre_f, post_f, comb_f = hc_pre(Y, store.dense(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
