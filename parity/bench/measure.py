@@ -340,7 +340,7 @@ def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: A
             "sel": rng.integers(-1, 1024, (n_lp, S))}
     widths = {"H": H, "F": FP_DIM, "K": K, "E": E, "S": S}
     header = TraceHeader(engine="synthetic", engine_version="0", model={"file": "x.gguf", "size": 0,
-                         "header_sha256": "0"}, dtype="float32", n_hc=H, dim=4096, top_k=K,
+                         "header_sha256": "0" * 64}, dtype="float32", n_hc=H, dim=4096, top_k=K,
                          tokens=(np.arange(n_pos) % 290).tolist(), n_prompt=n_pos, chunks=[n_pos], decode=0,
                          positions=list(range(n_pos)), checkpoints=names, full=[], flags={})
     return Trace(header, make_table("ckpt", ckpt, widths), make_table("hc", hc, widths),
