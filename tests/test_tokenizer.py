@@ -174,3 +174,106 @@ def test_tokenize_cli(tok, tiny_f32, tmp_path):
     assert r.output.splitlines()[0] == "[" + ", ".join(map(str, ids_of(tok, "t", "he", "Ċ"))) + "]"
     r = CliRunner().invoke(cli, ["tokenize", "-m", str(tiny_f32)])
     assert r.exit_code != 0 and "exactly one of --prompt and --prompt-file" in r.output
+
+
+# ----------------------------------------------------------------------------------------------
+# ds4 mode: ds4's own pre-tokenizer (every byte >= 0x80 is a letter) and its own prompt layout
+
+@pytest.mark.parametrize("text, pieces", [
+    ("abc中文def", ["abc中文def"]),                            # CJK inside a letter run stays in it (ds4)
+    ("中文def", ["中文", "def"]),                              # ... but a CJK run at a piece start splits off
+    ("say “hi”—ok…", ["say", " “hi”—ok…"]),                    # curly quotes, dash, ellipsis are "letters"
+    ("5€ ①x", ["5", "€", " ①x"]),
+    ("a\u00a0b\u3000c", ["a\u00a0b\u3000c"]),                  # NBSP and the ideographic space too
+    ("hi 😀!", ["hi", " 😀", "!"]),
+    ("a｜b", ["a｜b"]),                                        # fullwidth bar in user text
+    ("1234 abc", ["123", "4", " abc"]),                       # ASCII: the same as the model's split
+    ("x)  y\n\n z", ["x", ")", " ", " y", "\n\n", " z"]),
+    ("    int", ["   ", " int"]),
+])
+def test_ds4_pre_tokenizer_pieces(text, pieces):
+    from parity.gguf.tokenizer import ds4_pieces
+
+    assert ds4_pieces(text) == pieces
+
+
+def test_ds4_mode_bpe_is_the_reference_bpe_over_ds4_pieces(tok):
+    from parity.gguf.tokenizer import ds4_pieces
+
+    table = {b: c for c, b in DEC.items()}
+    for text in ("abc中文def", "say “hi”—ok…", "the layer of the token", "hi 😀!\n\n"):
+        expect = []
+        for piece in ds4_pieces(text):
+            expect += _reference_bpe_word(tok, "".join(table[b] for b in piece.encode()))
+        assert tok.encode_text(text, "ds4") == expect and tok.decode(expect) == text.encode()
+    # the synthetic merges never span a split the two modes place differently: the modes agree on these
+    assert tok.encode_text("say “hi”—ok…", "ds4") == tok.encode_text("say “hi”—ok…")
+
+
+@pytest.fixture(scope="module")
+def spanning(tiny_f32, tmp_path_factory):
+    """A tokenizer-only GGUF: the synthetic vocab plus the merge 'c â' (c + the first byte of “, U+201C), which
+    only ds4's split can apply (the model's regex puts “ in a piece of its own)."""
+    from parity.gguf.container import write_gguf
+
+    kv = {k: v for k, v in GGUFFile(tiny_f32).kv.items() if k.startswith("tokenizer.")}
+    kv["tokenizer.ggml.tokens"] = Value(VT.ARRAY, [*kv["tokenizer.ggml.tokens"].value, "câ"], VT.STRING)
+    kv["tokenizer.ggml.merges"] = Value(VT.ARRAY, [*kv["tokenizer.ggml.merges"].value, "c â"], VT.STRING)
+    kv.pop("tokenizer.ggml.token_type", None)
+    path = tmp_path_factory.mktemp("spanning") / "spanning.gguf"
+    write_gguf(path, kv, [])
+    return path
+
+
+def test_modes_disagree_where_a_merge_spans_the_model_split(spanning):
+    from parity.gguf.tokenizer import mode_difference
+
+    t = load_tokenizer(spanning)
+    model, ds4 = t.encode_text("abc“", "model"), t.encode_text("abc“", "ds4")
+    assert t.tokens[ds4[2]] == "câ" and "câ" not in [t.tokens[i] for i in model]
+    assert t.decode(model) == t.decode(ds4) == "abc“".encode()
+    line = mode_difference(t, model, ds4)
+    assert line == ("tokenizers disagree: the model's gives 6 tokens, ds4's 5; first difference at token 2 "
+                    "(model 'c', ds4 <0x63e2>); --tokenizer ds4 reproduces ds4")
+    assert mode_difference(t, model, model) is None
+
+
+def _reference_bpe_word(tok, word: str) -> list[int]:
+    rank = _ranks(tok.path)
+    parts = list(word)
+    while len(parts) > 1:
+        r, i = min((rank.get((a, b), len(rank)), i) for i, (a, b) in enumerate(itertools.pairwise(parts)))
+        if r == len(rank):
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return [tok.tokens.index(p) for p in parts]
+
+
+def test_ds4_mode_never_reads_the_chat_template(tok):
+    odd = dataclasses.replace(tok, chat_template="{{ bos_token }}SYSTEM{{ messages[-1]['content'] }}<｜Assistant｜>")
+    bos, user, asst, end = (tok.specials[s] for s in (BOS, USER, ASSISTANT, END_THINK))
+    hi = tok.encode_text("Hi", "ds4")
+    assert chat_ids(odd, "Hi", mode="ds4") == [bos, user, *hi, asst, end]
+    assert chat_ids(odd, "Hi") != chat_ids(odd, "Hi", mode="ds4")  # the model's mode renders the template
+
+
+def test_ds4_think_max_prefix(tok):
+    from parity.gguf.chat import REASONING_EFFORT_MAX
+
+    bos, user, asst, think = (tok.specials[s] for s in (BOS, USER, ASSISTANT, THINK))
+    ids = chat_ids(tok, "Hi", system="S", mode="ds4", think_max=True)
+    prefix, system, hi = (tok.encode_text(t, "ds4") for t in (REASONING_EFFORT_MAX, "S", "Hi"))
+    assert ids == [bos, *prefix, *system, user, *hi, asst, think]
+    assert REASONING_EFFORT_MAX.startswith("Reasoning Effort: Absolute maximum with no shortcuts permitted.\n")
+    assert REASONING_EFFORT_MAX.endswith("is left unchecked.\n\n") and REASONING_EFFORT_MAX.count("\n") == 4
+
+
+def test_tokenize_cli_modes_and_the_disagreement_line(tiny_f32, spanning):
+    r = CliRunner().invoke(cli, ["tokenize", "-m", str(spanning), "-p", "abc“", "--tokenizer", "ds4", "--json"])
+    d = __import__("json").loads(r.stdout)
+    assert d["ids"] == chat_ids(load_tokenizer(spanning), "abc“", mode="ds4") and d["tokenizer"] == "ds4"
+    assert d["modes_disagree"].startswith("tokenizers disagree: the model's gives")
+    assert r.stderr.count("\n") == 1 and "--tokenizer ds4 reproduces ds4" in r.stderr
+    same = CliRunner().invoke(cli, ["tokenize", "-m", str(tiny_f32), "-p", "the layer", "--system", "Be brief."])
+    assert same.exit_code == 0 and same.stderr == ""
+    assert " -sys" not in CliRunner().invoke(cli, ["tokenize", "--help"]).output

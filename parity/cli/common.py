@@ -39,6 +39,24 @@ def inject_option(help: str = "") -> Callable:
     return click.option("--inject", multiple=True, metavar="FAULT", help=text)
 
 
+def tokenizer_option() -> Callable:
+    return click.option("--tokenizer", type=click.Choice(["model", "ds4"]), default="model", show_default=True,
+                        help="model: the GGUF's own pre-tokenizer and chat template; ds4: exactly ds4's (bytes >= 0x80 "
+                             "are letters, the prompt built without the template).")
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """Exactly one of --prompt / --prompt-file -> the text (a file read raw as UTF-8, as ds4 reads it)."""
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if prompt is not None:
+        return prompt
+    try:
+        return Path(prompt_file).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(f"{prompt_file} is not UTF-8 (byte {e.start})") from None
+
+
 def json_option(help: str = "Print the result as JSON on stdout (errors too: {\"error\": ..., \"exit_code\": ...}).",
                 ) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help=help)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import click
 
-from parity.cli.common import echo_json, json_errors, json_option, markdown_option, model_option, write_text
+from parity.cli.common import (
+    echo_json,
+    json_errors,
+    json_option,
+    markdown_option,
+    model_option,
+    read_prompt,
+    tokenizer_option,
+    write_text,
+)
 from parity.logprobs.compare import DRIFT_TOL, FAIL_ON, TIE_MARGIN
 
 
@@ -63,36 +72,45 @@ def logprobs(a: str, b: str, as_json: bool, markdown_path: str | None, fail_on: 
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
               help="Read the prompt from a file, raw (a trailing newline is part of the prompt, as in ds4).")
 @click.option("--chat/--raw", default=True, show_default=True,
-              help="--chat: one user turn through the chat template (ds4's prompt). --raw: the text as written, "
+              help="--chat: one user turn through the model's chat template (--tokenizer ds4: ds4's own prompt "
+                   "layout). --raw: the text as written, "
                    "with ds4's 7 specials recognised (ds4 --dump-tokens).")
 @click.option("--system", default="", show_default=True,
               help="System text (--chat). ds4's own default is 'You are a helpful assistant'; '' matches the "
                    "official vectors and ds4_test.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True,
               help="--chat: end with <think> (thinking) instead of </think> (ds4 --nothink).")
+@click.option("--think-max", is_flag=True,
+              help="--chat: ds4's think max: the reasoning-effort prefix after BOS, then <think> (ds4 applies it "
+                   "only with --ctx >= 393216; below that it falls back to plain thinking).")
+@tokenizer_option()
 @json_option(help="Print ids, vocab strings and piece bytes as JSON (errors too).")
 @json_errors
 def tokenize(model: str, prompt: str | None, prompt_file: str | None, chat: bool, system: str, thinking: bool,
-             as_json: bool) -> None:
-    """Print the token ids ds4 would feed for a prompt, then one `id  vocab-string` line per token.
+             think_max: bool, tokenizer: str, as_json: bool) -> None:
+    """Print the token ids of a prompt, then one `id  vocab-string` line per token (ds4's --dump-tokens
+    layout, so the two can be diffed). When the model's and ds4's tokenizers disagree on the prompt, one
+    line on stderr says where.
 
-    The output matches ds4's --dump-tokens layout, so the two can be diffed.
+    \b
+    Example: v4parity tokenize -m tiny.gguf -p "abc中文def" --tokenizer ds4
     """
-    from parity.gguf.tokenizer import chat_ids, load_tokenizer
+    from parity.gguf.tokenizer import chat_ids, load_tokenizer, mode_difference
 
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        try:
-            with open(prompt_file, "rb") as f:
-                prompt = f.read().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise click.BadParameter(f"{prompt_file} is not UTF-8 (byte {e.start})") from None
+    prompt = read_prompt(prompt, prompt_file)
     tok = load_tokenizer(model)
-    ids = chat_ids(tok, prompt, system, thinking) if chat else tok.encode_rendered(prompt)
+
+    def encode(mode: str) -> list[int]:
+        return chat_ids(tok, prompt, system, thinking, mode, think_max) if chat else tok.encode_rendered(prompt, mode)
+
+    ids = encode(tokenizer)
+    other = encode("ds4" if tokenizer == "model" else "model")
+    note = mode_difference(tok, *((ids, other) if tokenizer == "model" else (other, ids)))
+    if note:
+        click.secho(f"note: {note}", fg="yellow", err=True)
     if as_json:
         rows = [{"id": i, "token": tok.tokens[i], "bytes": list(tok.piece(i))} for i in ids]
-        echo_json({"ids": ids, "n_tokens": len(ids), "tokens": rows})
+        echo_json({"ids": ids, "n_tokens": len(ids), "tokenizer": tokenizer, "modes_disagree": note, "tokens": rows})
         return
     click.echo("[" + ", ".join(map(str, ids)) + "]")
     for i in ids:

@@ -17,6 +17,15 @@ from typing import Any
 from parity.contract.errors import ParityError
 from parity.gguf.vocab import ASSISTANT, END_THINK, THINK, USER
 
+# ds4's think-max prefix (ds4.c DS4_REASONING_EFFORT_MAX_PREFIX; DeepSeek's "Think Max" text), BPE'd after BOS.
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+    "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+    "scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+
 
 class ChatTemplateError(ParityError):
     """The chat template does not parse, or raised while rendering."""
@@ -53,18 +62,20 @@ def chat_messages(text: str, system: str = "") -> list[dict[str, str]]:
 
 
 def render_chat(template: str, messages: Sequence[dict[str, Any]], *, bos_token: str, eos_token: str,
-                thinking: bool, add_generation_prompt: bool = True) -> str:
+                thinking: bool, add_generation_prompt: bool = True, **extra: Any) -> str:
     """Render `messages` with a Jinja chat template (the generation prompt appended by default)."""
     from jinja2 import TemplateError
 
     tmpl = _compile(template)
     try:
         return tmpl.render(messages=list(messages), bos_token=bos_token, eos_token=eos_token,
-                           thinking=thinking, add_generation_prompt=add_generation_prompt)
+                           thinking=thinking, add_generation_prompt=add_generation_prompt, **extra)
     except TemplateError as e:
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
 
 
-def ds4_layout(text: str, system: str, thinking: bool, bos_token: str) -> str:
-    """BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>): ds4's `encode_chat_prompt`."""
-    return bos_token + system + USER + text + ASSISTANT + (THINK if thinking else END_THINK)
+def ds4_layout(text: str, system: str, thinking: bool, bos_token: str, think_max: bool = False) -> str:
+    """BOS + [reasoning-effort prefix] + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>):
+    ds4's `encode_chat_prompt` (think max: the prefix, then <think>)."""
+    prefix = REASONING_EFFORT_MAX if think_max else ""
+    return bos_token + prefix + system + USER + text + ASSISTANT + (THINK if thinking or think_max else END_THINK)
