@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,8 +107,9 @@ def test_integer_or_string_where_a_float_is_required(key):
             load(with_key(key, bad))
 
 
-@pytest.mark.parametrize("key", [P + "attention.compress_ratios", P + "swiglu_clamp_exp", P + "swiglu_clamp_shexp"])
-@pytest.mark.parametrize("length", [0, 1, 5, 8, 44])
+@pytest.mark.parametrize("key,length", [(k, n) for k in (P + "swiglu_clamp_exp", P + "swiglu_clamp_shexp")
+                                        for n in (0, 1, 5, 8, 44)]
+                         + [(P + "attention.compress_ratios", n) for n in (0, 1, 5)])
 def test_wrong_per_layer_array_length(key, length):
     old = BASE_KV[key]
     values = (list(old.value) * 10)[:length]
@@ -120,6 +122,32 @@ def test_per_layer_arrays_accept_block_count_and_the_mtp_slot():
         kv = with_key(P + "attention.compress_ratios", Value(VT.ARRAY, [0, 0, 4, 128, 4, 128, 0][:n], VT.I32))
         kv[P + "swiglu_clamp_exp"] = Value(VT.ARRAY, [1.5] * n, VT.F32)
         assert load(kv).compress_ratios == (0, 0, 4, 128, 4, 128)
+
+
+@pytest.mark.parametrize("extra", [1, 2, 38])
+def test_compress_ratios_longer_than_block_count_are_accepted_and_the_extra_noted(extra):
+    """Spec correction 2: at least block_count entries, the first block_count used (a real release has 46 for 43)."""
+    n = BASE_CFG.n_layers
+    ratios = [*BASE_CFG.compress_ratios, *([0, 4, 128] * extra)[:extra]]
+    cfg = load(with_key(P + "attention.compress_ratios", Value(VT.ARRAY, ratios, VT.I32)))
+    assert cfg.compress_ratios == BASE_CFG.compress_ratios
+    assert f"{n + extra} entries for {n} layers" in cfg.notes["compress_ratios"]
+    assert f"{extra} extra" in cfg.notes["compress_ratios"]
+
+
+def test_error_messages_cap_the_quoted_value():
+    huge = Value(VT.ARRAY, np.arange(10**6, dtype=np.int32), VT.I32)
+    for key in (P + "block_count", "tokenizer.ggml.tokens"):
+        with pytest.raises(MetadataError) as e:
+            load(with_key(key, huge))
+        assert key in str(e.value) and len(str(e.value)) < 300, str(e.value)[:400]
+
+
+@pytest.mark.parametrize("bad", [Value(VT.STRING, "abc"), Value(VT.U32, 7),
+                                 Value(VT.ARRAY, list(range(VOCAB)), VT.I32)])
+def test_token_list_of_the_wrong_type_is_an_error_naming_it(bad):
+    with pytest.raises(MetadataError, match=r"key 'tokenizer\.ggml\.tokens': expected an array of STRING"):
+        load(with_key("tokenizer.ggml.tokens", bad))
 
 
 def test_float_array_where_integer_array_required():

@@ -13,14 +13,14 @@ from gguf.constants import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.contract.errors import GGUFError, ParityError
+from parity.contract.errors import GGUFError, ParityError, TensorError
 from parity.gguf.config import config_from_metadata
 from parity.gguf.container import VT, GGUFFile, TensorData, Value, write_gguf
 from parity.gguf.inventory import REAL_RELEASE_TYPES, expected_tensors, layout_bytes, validate
 from parity.gguf.quant_blocks import random_blocks
 from parity.gguf.synth import init_weight, metadata, preset_config, synthesize, tensor_type
 from parity.gguf.vocab import synthetic_vocab
-from parity.gguf.weights import Weights
+from parity.gguf.weights import Weights, same_model
 
 V4_FLASH = preset_config("tiny", 129280).__class__(
     dim=4096, n_layers=43, vocab_size=129280, n_heads=64, head_dim=512, rope_head_dim=64, q_lora_rank=1024,
@@ -67,8 +67,10 @@ def test_writer_reader_round_trip(tmp_path):
         assert (got.type, got.elem_type) == (v.type, v.elem_type), k
         if v.type == VT.F32 or v.elem_type == VT.F32:
             np.testing.assert_array_equal(np.float32(got.value), np.float32(v.value))
+        elif v.type == VT.ARRAY:
+            assert list(got.value) == list(v.value), k
         else:
-            assert got.value == (list(v.value) if isinstance(v.value, list | tuple) else v.value), k
+            assert got.value == v.value, k
     assert f.tensors["a.weight"].shape == (3, 32) and f.tensors["b.weight"].nbytes == 2 * 2 * 34
     assert f.tensors["a.weight"].offset % 32 == 0 and f.tensors["b.weight"].offset % 32 == 0
 
@@ -247,3 +249,107 @@ def test_importing_parity_and_cli_help_do_not_import_torch():
     code = "import sys, parity, parity.cli; parity.cli.cli(['--help'], standalone_mode=False); " \
            "sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def _tensor_file(tmp_path, tensors, data_len):
+    """A GGUF with no metadata and the given (name, ne, ggml type, offset) tensor infos."""
+    info = b""
+    for name, ne, ggml_type, offset in tensors:
+        info += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(ne))
+        info += struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", ggml_type, offset)
+    head = _header(n_tensors=len(tensors)) + info
+    head += bytes(-len(head) % 32)
+    path = tmp_path / "t.gguf"
+    path.write_bytes(head + bytes(data_len))
+    return path
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (0, 32), (64, 32), (0, 96)])
+def test_overlapping_tensors_are_refused(tmp_path, offsets):
+    """Two F32 tensors of 32 floats (128 bytes) whose byte ranges overlap."""
+    tensors = [("a.weight", (32,), 0, offsets[0]), ("b.weight", (32,), 0, offsets[1])]
+    with pytest.raises(GGUFError, match=r"tensors '[ab].weight' \(bytes \d+\.\.\d+\) and '[ab].weight' .* overlap"):
+        GGUFFile(_tensor_file(tmp_path, tensors, 512))
+
+
+def test_adjacent_tensors_are_accepted(tmp_path):
+    f = GGUFFile(_tensor_file(tmp_path, [("a", (32,), 0, 128), ("b", (32,), 0, 0)], 256))
+    assert f.tensors["b"].offset + 128 == f.tensors["a"].offset
+
+
+def test_unsupported_ggml_type_is_a_tensor_error_naming_tensor_and_type(tmp_path):
+    kv = metadata(preset_config("tiny", len(synthetic_vocab().tokens)), "tiny")
+    raw = bytes(2 * 40)  # Q8_1: 32 values in 40 bytes; gguf-py has no dequantizer for it
+    path = small_file(tmp_path, kv=kv, tensors=[TensorData("odd.weight", (32, 2), int(Q.Q8_1), raw)])
+    with pytest.raises(TensorError, match=r"odd\.weight.*ggml type Q8_1 cannot be dequantized"):
+        Weights(path).tensor("odd.weight")
+
+
+def test_error_lines_cap_long_names(tmp_path):
+    name = "n" * 100_000
+    tensors = [(name, (32,), 0, 0), ("b", (32,), 0, 0)]
+    with pytest.raises(GGUFError) as e:
+        GGUFFile(_tensor_file(tmp_path, tensors, 256))
+    assert "overlap" in str(e.value) and len(str(e.value)) < 400
+
+
+def test_big_arrays_are_views_and_string_arrays_lazy(tiny_f32):
+    f = GGUFFile(tiny_f32)
+    types = f.kv["tokenizer.ggml.token_type"].value
+    assert isinstance(types, np.ndarray) and not types.flags.owndata and not types.flags.writeable
+    tokens = f.kv["tokenizer.ggml.tokens"].value
+    vocab = synthetic_vocab().tokens
+    assert len(tokens) == len(vocab) and tokens[5] == vocab[5] and list(tokens) == vocab
+    assert len(repr(tokens)) < 200
+
+
+def test_identity_covers_the_tensor_data_and_reads_the_old_form(tmp_path):
+    a = Weights(synthesize(tmp_path / "a.gguf", "tiny", "real-mix", seed=3)).identity()
+    b = Weights(synthesize(tmp_path / "b.gguf", "tiny", "real-mix", seed=4)).identity()
+    c = Weights(synthesize(tmp_path / "c.gguf", "tiny", "real-mix", seed=3)).identity()
+    # different seeds: same size and header (the old identity cannot tell them apart), other data hash
+    assert (a["size"], a["header_sha256"]) == (b["size"], b["header_sha256"])
+    assert a["data_sha256"] != b["data_sha256"] and a["data_sha256"] == c["data_sha256"]
+    assert not same_model(a, b) and same_model(a, c)
+    old = {k: a[k] for k in ("file", "size", "header_sha256")}
+    assert same_model(old, b) and same_model(b, old)  # an old identity is compared on what it carries
+    assert not same_model(old, {**b, "size": b["size"] + 1})
+
+
+def test_data_hash_samples_the_documented_blocks(tmp_path):
+    """An independent transcription of the recipe in data_sha256's docstring, on a file with a big tensor."""
+    import hashlib
+
+    kv = metadata(preset_config("tiny", len(synthetic_vocab().tokens)), "tiny")
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((64, 512)).astype("<f4").tobytes()    # 128 KiB: sampled
+    small = rng.standard_normal((2, 32)).astype("<f4").tobytes()    # whole
+    path = small_file(tmp_path, kv=kv, tensors=[TensorData("big", (512, 64), 0, big),
+                                                 TensorData("small", (32, 2), 0, small)])
+    h = hashlib.sha256()
+    h.update(b"big\0" + struct.pack("<Q", len(big)))
+    for k in range(16):
+        at = k * (len(big) - 4096) // 15
+        h.update(big[at: at + 4096])
+    h.update(b"small\0" + struct.pack("<Q", len(small)) + small)
+    assert Weights(path).identity()["data_sha256"] == h.hexdigest()[:32]
+    flipped = bytearray(big)
+    flipped[len(big) // 2 + 100] ^= 1  # between sampled blocks 7 (59255..63351) and 8 (67720..71816)
+    path2 = small_file(tmp_path / "2", kv=kv, tensors=[TensorData("big", (512, 64), 0, bytes(flipped)),
+                                                        TensorData("small", (32, 2), 0, small)])
+    assert Weights(path2).identity()["data_sha256"] == h.hexdigest()[:32]  # the stated limit of sampling
+
+
+def test_inspect_reports_extra_compress_ratios_and_refuses_a_scalar_token_list(tmp_path):
+    from parity.contract.errors import MetadataError
+    from parity.gguf.report import inspect_model
+
+    cfg = preset_config("tiny", len(synthetic_vocab().tokens))
+    kv = metadata(cfg, "tiny")
+    kv["deepseek4.attention.compress_ratios"] = Value(VT.ARRAY, [*cfg.compress_ratios, 0, 4, 128], VT.I32)
+    report = inspect_model(str(small_file(tmp_path, kv=kv)))
+    assert report["config"]["compress_ratios"] == list(cfg.compress_ratios)
+    assert "3 extra" in report["notes"]["compress_ratios"]
+    kv["tokenizer.ggml.tokens"] = Value(VT.STRING, "abc")
+    with pytest.raises(MetadataError, match="tokenizer.ggml.tokens"):
+        inspect_model(str(small_file(tmp_path / "s", kv=kv)))

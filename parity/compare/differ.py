@@ -21,6 +21,7 @@ import pandas as pd
 from parity.compare import metrics
 from parity.contract.checkpoints import checkpoint_depth, checkpoint_layer
 from parity.contract.errors import ParityError, TraceError
+from parity.gguf.weights import same_model
 from parity.tracing.records import Trace
 
 
@@ -60,7 +61,7 @@ def preflight(a: Trace, b: Trace) -> list[str]:
         at = lambda t: t[i] if i < len(t) else "end"  # noqa: E731
         problems.append(f"token ids differ at position {i} (A: {at(ha.tokens)}, B: {at(hb.tokens)}; "
                         f"A has {len(ha.tokens)} tokens, B {len(hb.tokens)})")
-    if _model_key(ha.model) != _model_key(hb.model):
+    if not same_model(ha.model, hb.model):
         problems.append(f"model identity differs: A {_model_str(ha.model)} vs B {_model_str(hb.model)}")
     if ha.checkpoints != hb.checkpoints:
         only_a = [c for c in ha.checkpoints if c not in hb.checkpoints]
@@ -81,12 +82,14 @@ def _first_token_difference(ta: list[int], tb: list[int]) -> int | None:
 
 
 def _model_key(m: dict) -> tuple:
-    """What identifies a model: size + header hash (the file name is informational)."""
+    """The part of a model identity both forms carry: size + header hash (the file name is informational).
+    Two identities are the same model by `parity.gguf.weights.same_model` (adds the data hash when both have it)."""
     return m["size"], m["header_sha256"]
 
 
 def _model_str(m: dict) -> str:
-    return f"{m['file']} ({m['size']} bytes, header {m['header_sha256']})"
+    data = f", data {m['data_sha256']}" if "data_sha256" in m else ", no data hash (old identity)"
+    return f"{m['file']} ({m['size']} bytes, header {m['header_sha256']}{data})"
 
 
 def _short(xs: list) -> str:

@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from parity.contract.errors import MetadataError
 from parity.gguf.container import FLOAT_TYPES, INTEGER_TYPES, VT, Value
 
@@ -65,6 +67,7 @@ class ModelConfig:
     bos_token_id: int
     eos_token_id: int
     derived: dict[str, str] = field(default_factory=dict, compare=False)
+    notes: dict[str, str] = field(default_factory=dict, compare=False)  # accepted oddities, e.g. extra entries
 
     # -- per-layer facts (a function of (cfg, layer), as in the official code) --------------------
     def ratio(self, layer: int) -> int:
@@ -99,11 +102,20 @@ class ModelConfig:
         d["compress_ratios"] = list(self.compress_ratios)
         d["swiglu_limit"] = list(self.swiglu_limit)
         d["swiglu_limit_shexp"] = list(self.swiglu_limit_shexp)
+        d.pop("notes")
         return d
 
 
 # ------------------------------------------------------------------------------------------------
 # Typed readers
+
+def quote(v: Any, limit: int = 60) -> str:
+    """repr(v) capped at `limit` characters (an error line never carries a whole array)."""
+    if isinstance(v, np.ndarray) and v.size > 8:
+        v = f"<{v.size} x {v.dtype}: {np.array2string(v.ravel()[:4], separator=', ')[:-1]}, ...]>"
+        return v if len(v) <= limit else v[: limit - 3] + "..."
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 class _Meta:
@@ -123,7 +135,7 @@ class _Meta:
     def int(self, key: str, lo: int = 0, hi: int = 1 << 40) -> int:
         v = self.get(key, f"an integer in [{lo}, {hi}]")
         if v.type not in INTEGER_TYPES:
-            raise self.fail(key, "an integer (any GGUF integer width)", f"{v.type_name()} {v.value!r}")
+            raise self.fail(key, "an integer (any GGUF integer width)", f"{v.type_name()} {quote(v.value)}")
         if not lo <= v.value <= hi:
             raise self.fail(key, f"an integer in [{lo}, {hi}]", f"{v.type_name()} {v.value}")
         return int(v.value)
@@ -132,7 +144,7 @@ class _Meta:
         bound = f"{'(' if lo_open else '['}{lo}, {hi}]"
         v = self.get(key, f"a float in {bound}")
         if v.type not in FLOAT_TYPES:
-            raise self.fail(key, "a float (F32 or F64)", f"{v.type_name()} {v.value!r}")
+            raise self.fail(key, "a float (F32 or F64)", f"{v.type_name()} {quote(v.value)}")
         x = float(v.value)
         if not math.isfinite(x) or x < lo or x > hi or (lo_open and x == lo):
             raise self.fail(key, f"a finite float in {bound}", f"{v.type_name()} {x}")
@@ -141,23 +153,109 @@ class _Meta:
     def bool(self, key: str) -> bool:
         v = self.get(key, "a BOOL")
         if v.type != VT.BOOL:
-            raise self.fail(key, "a BOOL", f"{v.type_name()} {v.value!r}")
+            raise self.fail(key, "a BOOL", f"{v.type_name()} {quote(v.value)}")
         return bool(v.value)
 
     def str(self, key: str) -> str:
         v = self.get(key, "a STRING")
         if v.type != VT.STRING:
-            raise self.fail(key, "a STRING", f"{v.type_name()} {v.value!r}")
+            raise self.fail(key, "a STRING", f"{v.type_name()} {quote(v.value)}")
         return v.value
 
-    def array(self, key: str, elem_types: frozenset, what: str, lengths: tuple[int, ...]) -> list:
-        expected = f"an array of {what} with {' or '.join(map(str, lengths))} entries"
+    def array(self, key: str, elem_types: frozenset, what: str, lengths: tuple[int, int]) -> list:
+        """An array with lengths[0] .. lengths[1] entries (lengths[1] None: no upper bound)."""
+        lo, hi = lengths
+        span = f"at least {lo}" if hi is None else f"{lo} or {hi}" if hi == lo + 1 else f"{lo}..{hi}"
+        expected = f"an array of {what} with {span} entries"
         v = self.get(key, expected)
         if v.type != VT.ARRAY or v.elem_type not in elem_types:
             raise self.fail(key, expected, v.type_name())
-        if len(v.value) not in lengths:
+        if not lo <= len(v.value) <= (len(v.value) if hi is None else hi):
             raise self.fail(key, expected, f"{len(v.value)} entries")
         return list(v.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# The contract as data: (field, key, type, range). A bound given as a string is an earlier field's value.
+
+@dataclass(frozen=True)
+class Key:
+    """One scalar metadata key: the ModelConfig field it sets (None: checked only), its type and range."""
+
+    field: str | None
+    key: str                       # without the "deepseek4." prefix unless it starts with "tokenizer."
+    kind: str                      # int | float | bool
+    lo: float | str = 0
+    hi: float | str = 1 << 40
+    lo_open: bool = False
+
+    @property
+    def full_key(self) -> str:
+        return self.key if self.key.startswith("tokenizer.") else ARCH + "." + self.key
+
+
+KEYS_HEAD = (  # read first: the shape of the model
+    Key("n_layers", "block_count", "int", 1, 4096),
+    Key("dim", "embedding_length", "int", 1, 1 << 20),
+    Key("n_heads", "attention.head_count", "int", 1, 4096),
+    Key(None, "attention.head_count_kv", "int", 1, 4096),
+    Key("head_dim", "attention.key_length", "int", 1, 1 << 16),
+    Key(None, "attention.value_length", "int", 1, 1 << 16),
+    Key("rope_head_dim", "rope.dimension_count", "int", 2, "head_dim"),
+    Key("o_groups", "attention.output_group_count", "int", 1, "n_heads"),
+)
+KEYS_MOE = (
+    Key("index_head_dim", "attention.indexer.key_length", "int", "rope_head_dim", 1 << 16),
+    Key("n_routed_experts", "expert_count", "int", 1, 1 << 16),
+    Key(None, "expert_gating_func", "int", 0, 255),
+    Key("n_shared_experts", "expert_shared_count", "int", 1, 1),
+    Key(None, "expert_weights_norm", "bool"),
+)
+KEYS_REST = (
+    Key("q_lora_rank", "attention.q_lora_rank", "int", 1, 1 << 20),
+    Key("o_lora_rank", "attention.output_lora_rank", "int", 1, 1 << 20),
+    Key("window_size", "attention.sliding_window", "int", 1, 1 << 24),
+    Key("rope_theta", "rope.freq_base", "float", 0.0, 1e12, lo_open=True),
+    Key("compress_rope_theta", "attention.compress_rope_freq_base", "float", 0.0, 1e12, lo_open=True),
+    Key("index_n_heads", "attention.indexer.head_count", "int", 1, 4096),
+    Key("index_topk", "attention.indexer.top_k", "int", 1, 1 << 24),
+    Key("hc_mult", "hyper_connection.count", "int", 1, 64),
+    Key("hc_sinkhorn_iters", "hyper_connection.sinkhorn_iterations", "int", 1, 10000),
+    Key("hc_eps", "hyper_connection.epsilon", "float", 0.0, 1.0),
+    Key("norm_eps", "attention.layer_norm_rms_epsilon", "float", 0.0, 1.0, lo_open=True),
+    Key("n_activated_experts", "expert_used_count", "int", 1, "n_routed_experts"),
+    Key("moe_inter_dim", "expert_feed_forward_length", "int", 1, 1 << 20),
+    Key("route_scale", "expert_weights_scale", "float", 0.0, 1e6, lo_open=True),
+    Key("n_hash_layers", "hash_layer_count", "int", 0, "n_layers"),
+    Key("context_length", "context_length", "int", 1, 1 << 40),
+    Key("bos_token_id", "tokenizer.ggml.bos_token_id", "int", 0, "vocab_max"),
+    Key("eos_token_id", "tokenizer.ggml.eos_token_id", "int", 0, "vocab_max"),
+)
+YARN_KEYS = (
+    Key("rope_factor", "rope.scaling.factor", "float", 1.0, 1e6),
+    Key("original_seq_len", "rope.scaling.original_context_length", "int", 1, 1 << 40),
+    Key("beta_fast", "rope.scaling.yarn_beta_fast", "float", 0.0, 1e6, lo_open=True),
+    Key("beta_slow", "rope.scaling.yarn_beta_slow", "float", 0.0, 1e6, lo_open=True),
+)
+# (key, required value, what the expectation says) for keys whose only allowed value is fixed by V4
+FIXED = (
+    ("expert_gating_func", GATING_SQRT_SOFTPLUS, f"{GATING_SQRT_SOFTPLUS} (sqrt(softplus), the only V4 gating)"),
+    ("expert_weights_norm", True, "true (V4 renormalises the selected weights)"),
+)
+
+
+def _read_keys(m: _Meta, keys: tuple[Key, ...], out: dict[str, Any]) -> dict[str, Any]:
+    """Read `keys` into `out` (by field, or by key for check-only keys); string bounds look up `out`."""
+    for k in keys:
+        lo, hi = (out[b] if isinstance(b, str) else b for b in (k.lo, k.hi))
+        if k.kind == "int":
+            v = m.int(k.full_key, lo, hi)
+        elif k.kind == "float":
+            v = m.float(k.full_key, lo, hi, lo_open=k.lo_open)
+        else:
+            v = m.bool(k.full_key)
+        out[k.field or k.key] = v
+    return out
 
 
 def _per_layer_lengths(n_layers: int) -> tuple[int, int]:
@@ -175,67 +273,78 @@ def config_from_metadata(kv: dict[str, Value], source: str,
     m = _Meta(kv, source)
     arch = m.str("general.architecture")
     if arch != ARCH:
-        raise m.fail("general.architecture", f"'{ARCH}'", repr(arch))
+        raise m.fail("general.architecture", f"'{ARCH}'", quote(arch))
     p = ARCH + "."
     derived: dict[str, str] = {}
-
-    n_layers = m.int(p + "block_count", 1, 4096)
-    dim = m.int(p + "embedding_length", 1, 1 << 20)
-    n_heads = m.int(p + "attention.head_count", 1, 4096)
-    n_kv_heads = m.int(p + "attention.head_count_kv", 1, 4096)
-    if n_kv_heads != 1:
-        raise m.fail(p + "attention.head_count_kv", "1 (one shared K=V head)", str(n_kv_heads))
-    head_dim = m.int(p + "attention.key_length", 1, 1 << 16)
-    value_length = m.int(p + "attention.value_length", 1, 1 << 16)
-    if value_length != head_dim:
-        expected = f"= key_length ({head_dim}), K and V share one row"
-        raise m.fail(p + "attention.value_length", expected, str(value_length))
-    rope_dim = m.int(p + "rope.dimension_count", 2, head_dim)
-    if rope_dim % 2:
-        raise m.fail(p + "rope.dimension_count", "an even number (interleaved pairs)", str(rope_dim))
-    o_groups = m.int(p + "attention.output_group_count", 1, n_heads)
-    if n_heads % o_groups:
-        raise m.fail(p + "attention.output_group_count", f"a divisor of head_count ({n_heads})", str(o_groups))
-
-    ratios = m.array(p + "attention.compress_ratios", INTEGER_TYPES, "integers", _per_layer_lengths(n_layers))
-    for i, r in enumerate(ratios):
-        if r < 0 or r == 1 or r > 1 << 20:
-            raise m.fail(p + "attention.compress_ratios", "entries 0 (no compression) or >= 2", f"entry {i} = {r}")
-    ratios = tuple(int(r) for r in ratios[:n_layers])
-
-    yarn = False
-    rope_factor, original_seq_len, beta_fast, beta_slow = 1.0, 0, 0.0, 0.0
-    if p + "rope.scaling.type" in kv:
-        scaling = m.str(p + "rope.scaling.type")
-        if scaling == "yarn":
-            yarn = True
-            rope_factor = m.float(p + "rope.scaling.factor", 1.0, 1e6)
-            original_seq_len = m.int(p + "rope.scaling.original_context_length", 1, 1 << 40)
-            beta_fast = m.float(p + "rope.scaling.yarn_beta_fast", 0.0, 1e6, lo_open=True)
-            beta_slow = m.float(p + "rope.scaling.yarn_beta_slow", 0.0, 1e6, lo_open=True)
-        elif scaling != "none":
-            raise m.fail(p + "rope.scaling.type", "'yarn' or 'none'", repr(scaling))
-    if not yarn:
-        derived["yarn"] = "off: no rope.scaling.type = yarn key (compressed layers use plain compress_rope_freq_base)"
-
-    index_head_dim = m.int(p + "attention.indexer.key_length", rope_dim, 1 << 16)
-    n_experts = m.int(p + "expert_count", 1, 1 << 16)
-    gating = m.int(p + "expert_gating_func", 0, 255)
-    if gating != GATING_SQRT_SOFTPLUS:
-        expected = f"{GATING_SQRT_SOFTPLUS} (sqrt(softplus), the only V4 gating)"
-        raise m.fail(p + "expert_gating_func", expected, str(gating))
+    notes: dict[str, str] = {}
+    f = _read_keys(m, KEYS_HEAD, {})
+    _cross_checks_head(m, f)
+    f["compress_ratios"] = _compress_ratios(m, f["n_layers"], notes)
+    f.update(_yarn(m, derived))
+    _read_keys(m, KEYS_MOE, f)
+    for key, want, expected in FIXED:
+        if f[key] != want:
+            raise m.fail(p + key, expected, str(f[key]).lower() if isinstance(want, bool) else str(f[key]))
     for key in ("expert_group_count", "expert_group_used_count"):
         if p + key in kv and m.int(p + key, 0, 1 << 16) != 0:
             raise m.fail(p + key, "0 or absent (V4 has no expert groups)", str(kv[p + key].value))
-    n_shared = m.int(p + "expert_shared_count", 1, 1)
-    if not m.bool(p + "expert_weights_norm"):
-        raise m.fail(p + "expert_weights_norm", "true (V4 renormalises the selected weights)", "false")
+    f["swiglu_limit"], f["swiglu_limit_shexp"] = _clamps(m, f["n_layers"], derived)
+    f["vocab_size"] = _vocab_size(m, tensor_shapes, derived)
+    f["vocab_max"] = f["vocab_size"] - 1
+    _read_keys(m, KEYS_REST, f)
+    fields = set(ModelConfig.__dataclass_fields__) - {"expert_weights_norm"}  # the FIXED check read a key of that name
+    cfg = ModelConfig(**{k: v for k, v in f.items() if k in fields}, expert_weights_norm=True,
+                      score_func="sqrtsoftplus", derived=derived, notes=notes)
+    _cross_checks_tail(m, cfg)
+    return cfg
 
-    clamp_lengths = _per_layer_lengths(n_layers)
-    clamp_types = FLOAT_TYPES
-    swiglu = m.array(p + "swiglu_clamp_exp", clamp_types, "floats", clamp_lengths)
-    if p + "swiglu_clamp_shexp" in kv:
-        swiglu_sh = m.array(p + "swiglu_clamp_shexp", clamp_types, "floats", clamp_lengths)
+
+def _cross_checks_head(m: _Meta, f: dict[str, Any]) -> None:
+    p = ARCH + "."
+    if f["attention.value_length"] != f["head_dim"]:
+        expected = f"= key_length ({f['head_dim']}), K and V share one row"
+        raise m.fail(p + "attention.value_length", expected, str(f["attention.value_length"]))
+    if f["rope_head_dim"] % 2:
+        raise m.fail(p + "rope.dimension_count", "an even number (interleaved pairs)", str(f["rope_head_dim"]))
+    if f["n_heads"] % f["o_groups"]:
+        raise m.fail(p + "attention.output_group_count", f"a divisor of head_count ({f['n_heads']})",
+                     str(f["o_groups"]))
+    if f["attention.head_count_kv"] != 1:
+        raise m.fail(p + "attention.head_count_kv", "1 (one shared K=V head)", str(f["attention.head_count_kv"]))
+
+
+def _compress_ratios(m: _Meta, n_layers: int, notes: dict[str, str]) -> tuple[int, ...]:
+    """At least block_count entries (spec Corrections item 2); the first block_count are used, extras noted."""
+    key = ARCH + ".attention.compress_ratios"
+    ratios = m.array(key, INTEGER_TYPES, "integers", (n_layers, None))
+    for i, r in enumerate(ratios):
+        if r < 0 or r == 1 or r > 1 << 20:
+            raise m.fail(key, "entries 0 (no compression) or >= 2", f"entry {i} = {r}")
+    if len(ratios) > n_layers:
+        notes["compress_ratios"] = (f"{len(ratios)} entries for {n_layers} layers: the first {n_layers} are used, "
+                                    f"{len(ratios) - n_layers} extra (MTP slot(s)) {quote(ratios[n_layers:])}")
+    return tuple(int(r) for r in ratios[:n_layers])
+
+
+def _yarn(m: _Meta, derived: dict[str, str]) -> dict[str, Any]:
+    p = ARCH + "."
+    out = {"yarn": False, "rope_factor": 1.0, "original_seq_len": 0, "beta_fast": 0.0, "beta_slow": 0.0}
+    if p + "rope.scaling.type" in m.kv:
+        scaling = m.str(p + "rope.scaling.type")
+        if scaling == "yarn":
+            return _read_keys(m, YARN_KEYS, {"yarn": True})
+        if scaling != "none":
+            raise m.fail(p + "rope.scaling.type", "'yarn' or 'none'", quote(scaling))
+    derived["yarn"] = "off: no rope.scaling.type = yarn key (compressed layers use plain compress_rope_freq_base)"
+    return out
+
+
+def _clamps(m: _Meta, n_layers: int, derived: dict[str, str]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    p = ARCH + "."
+    lengths = _per_layer_lengths(n_layers)
+    swiglu = m.array(p + "swiglu_clamp_exp", FLOAT_TYPES, "floats", lengths)
+    if p + "swiglu_clamp_shexp" in m.kv:
+        swiglu_sh = m.array(p + "swiglu_clamp_shexp", FLOAT_TYPES, "floats", lengths)
     else:
         swiglu_sh = swiglu
         derived["swiglu_limit_shexp"] = "from deepseek4.swiglu_clamp_exp (swiglu_clamp_shexp absent)"
@@ -243,60 +352,32 @@ def config_from_metadata(kv: dict[str, Value], source: str,
         for i, c in enumerate(arr):
             if not (math.isfinite(c) and c >= 0):
                 raise m.fail(p + key, "finite non-negative clamps", f"entry {i} = {c}")
+    return tuple(float(c) for c in swiglu[:n_layers]), tuple(float(c) for c in swiglu_sh[:n_layers])
 
-    if p + "vocab_size" in kv:
-        vocab = m.int(p + "vocab_size", 1, 1 << 31)
-    else:
-        shape = (tensor_shapes or {}).get("token_embd.weight")
-        if shape is None or len(shape) != 2:
-            raise m.fail(p + "vocab_size", "an integer, or a 2-D token_embd.weight to derive it from", "neither")
-        vocab = int(shape[0])
-        derived["vocab_size"] = f"from token_embd.weight rows ({vocab}); key {p}vocab_size absent"
 
-    cfg = ModelConfig(
-        dim=dim, n_layers=n_layers, vocab_size=vocab, n_heads=n_heads, head_dim=head_dim,
-        rope_head_dim=rope_dim,
-        q_lora_rank=m.int(p + "attention.q_lora_rank", 1, 1 << 20),
-        o_groups=o_groups,
-        o_lora_rank=m.int(p + "attention.output_lora_rank", 1, 1 << 20),
-        window_size=m.int(p + "attention.sliding_window", 1, 1 << 24),
-        compress_ratios=ratios,
-        rope_theta=m.float(p + "rope.freq_base", 0.0, 1e12, lo_open=True),
-        compress_rope_theta=m.float(p + "attention.compress_rope_freq_base", 0.0, 1e12, lo_open=True),
-        yarn=yarn, rope_factor=rope_factor, original_seq_len=original_seq_len,
-        beta_fast=beta_fast, beta_slow=beta_slow,
-        index_n_heads=m.int(p + "attention.indexer.head_count", 1, 4096),
-        index_head_dim=index_head_dim,
-        index_topk=m.int(p + "attention.indexer.top_k", 1, 1 << 24),
-        hc_mult=m.int(p + "hyper_connection.count", 1, 64),
-        hc_sinkhorn_iters=m.int(p + "hyper_connection.sinkhorn_iterations", 1, 10000),
-        hc_eps=m.float(p + "hyper_connection.epsilon", 0.0, 1.0),
-        norm_eps=m.float(p + "attention.layer_norm_rms_epsilon", 0.0, 1.0, lo_open=True),
-        n_routed_experts=n_experts,
-        n_activated_experts=m.int(p + "expert_used_count", 1, n_experts),
-        n_shared_experts=n_shared,
-        moe_inter_dim=m.int(p + "expert_feed_forward_length", 1, 1 << 20),
-        route_scale=m.float(p + "expert_weights_scale", 0.0, 1e6, lo_open=True),
-        expert_weights_norm=True,
-        score_func="sqrtsoftplus",
-        n_hash_layers=m.int(p + "hash_layer_count", 0, n_layers),
-        swiglu_limit=tuple(float(c) for c in swiglu[:n_layers]),
-        swiglu_limit_shexp=tuple(float(c) for c in swiglu_sh[:n_layers]),
-        context_length=m.int(p + "context_length", 1, 1 << 40),
-        bos_token_id=m.int("tokenizer.ggml.bos_token_id", 0, vocab - 1),
-        eos_token_id=m.int("tokenizer.ggml.eos_token_id", 0, vocab - 1),
-        derived=derived,
-    )
-    if p + "embedding_length_out" in kv:  # optional (llama.cpp writes it); when present it must agree
+def _vocab_size(m: _Meta, tensor_shapes: dict[str, tuple[int, ...]] | None, derived: dict[str, str]) -> int:
+    p = ARCH + "."
+    if p + "vocab_size" in m.kv:
+        return m.int(p + "vocab_size", 1, 1 << 31)
+    shape = (tensor_shapes or {}).get("token_embd.weight")
+    if shape is None or len(shape) != 2:
+        raise m.fail(p + "vocab_size", "an integer, or a 2-D token_embd.weight to derive it from", "neither")
+    derived["vocab_size"] = f"from token_embd.weight rows ({shape[0]}); key {p}vocab_size absent"
+    return int(shape[0])
+
+
+def _cross_checks_tail(m: _Meta, cfg: ModelConfig) -> None:
+    p = ARCH + "."
+    if p + "embedding_length_out" in m.kv:  # optional (llama.cpp writes it); when present it must agree
         hd_out = m.int(p + "embedding_length_out", 1, 1 << 30)
         if hd_out != cfg.hc_mult * cfg.dim:
             raise m.fail(p + "embedding_length_out", f"hc count x embedding_length = {cfg.hc_mult * cfg.dim}",
                          str(hd_out))
     if cfg.index_head_dim & (cfg.index_head_dim - 1):
         raise m.fail(p + "attention.indexer.key_length", "a power of two (Hadamard size)", str(cfg.index_head_dim))
-    if "tokenizer.ggml.tokens" in kv:
-        n_tokens = len(kv["tokenizer.ggml.tokens"].value)
-        if n_tokens != vocab:
-            raise m.fail("tokenizer.ggml.tokens", f"{vocab} entries (= vocab_size)", f"{n_tokens}")
-    return cfg
-
+    tokens = m.kv.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        if tokens.type != VT.ARRAY or tokens.elem_type != VT.STRING:
+            raise m.fail("tokenizer.ggml.tokens", "an array of STRING (one entry per token)", tokens.type_name())
+        if len(tokens.value) != cfg.vocab_size:
+            raise m.fail("tokenizer.ggml.tokens", f"{cfg.vocab_size} entries (= vocab_size)", f"{len(tokens.value)}")

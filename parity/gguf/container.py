@@ -10,8 +10,10 @@ entries, tensor infos (name, n_dims, ne[ne0 first], ggml type, offset), padding 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -27,6 +29,10 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+# Python objects per entry cost ~300 bytes: these caps keep a hostile count within the reader's memory bound
+# (peak <= 2 x file size + 16 MiB, tests/test_fuzz_gguf.py); real files are far below them.
+MAX_KV = 1 << 14
+MAX_TENSORS = 1 << 14
 
 
 class VT(IntEnum):
@@ -153,15 +159,60 @@ class _Cursor:
             if et == VT.ARRAY:
                 raise GGUFError(f"{self.path}: {what}: nested arrays are not supported")
             if et == VT.STRING:
-                self.need(count * 8, f"{what} ({count} strings)")  # each string has at least its u64 length
-                return Value(vt, [self.string(f"{what}[{i}]") for i in range(count)], et)
+                return Value(vt, self.strings(count, what), et)
             width = np.dtype(SCALAR_DTYPE[et]).itemsize
             self.need(count * width, f"{what} ({count} x {et.name})")
             arr = np.frombuffer(self.buf, dtype=SCALAR_DTYPE[et], count=count, offset=self.pos)
             self.pos += count * width
-            items = arr.astype(bool) if et == VT.BOOL else arr
-            return Value(vt, items.tolist(), et)
+            return Value(vt, arr.astype(bool) if et == VT.BOOL else arr, et)  # a read-only view of the mapping
         return Value(vt, self.scalar(vt, what))
+
+    def strings(self, count: int, what: str) -> StringArray:
+        """`count` strings as a `StringArray`: offsets only (8 bytes per entry, each entry >= 8 file bytes)."""
+        self.need(count * 8, f"{what} ({count} strings)")  # each string has at least its u64 length
+        starts, ends = np.empty(count, np.int64), np.empty(count, np.int64)
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{what}[{i}] length")
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8
+            if pos + n > size:
+                self.pos = pos
+                self.need(n, f"{what}[{i}]")
+            try:
+                str(buf[pos: pos + n], "utf-8")  # validated now, decoded again when read
+            except UnicodeDecodeError:
+                raise GGUFError(f"{self.path}: {what}[{i}] is not valid UTF-8 at offset {pos}") from None
+            starts[i], ends[i] = pos, pos + n
+            pos += n
+        self.pos = pos
+        return StringArray(buf, starts, ends)
+
+
+class StringArray(Sequence):
+    """A GGUF string array kept as offsets into the mapped file; items decode on access (a list-like)."""
+
+    def __init__(self, buf: memoryview, starts: np.ndarray, ends: np.ndarray) -> None:
+        self._buf, self._starts, self._ends = buf, starts, ends
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return str(self._buf[self._starts[i]: self._ends[i]], "utf-8")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s[:20]) for s in self[:3])
+        return f"StringArray({len(self)} strings: [{head}{', ...' if len(self) > 3 else ''}])"
 
 
 class GGUFFile:
@@ -185,57 +236,69 @@ class GGUFFile:
         n_kv = cur.scalar(VT.U64, "metadata count")
         # every KV needs >= 8+4 bytes and every tensor info >= 8+4+8+4+8: refuse impossible counts now
         cur.need(n_kv * 12 + n_tensors * 32, f"{n_kv} metadata entries and {n_tensors} tensor infos")
+        if n_kv > MAX_KV or n_tensors > MAX_TENSORS:
+            raise GGUFError(f"{self.path}: {n_kv} metadata entries / {n_tensors} tensors: more than this reader "
+                            f"accepts ({MAX_KV} / {MAX_TENSORS}; a V4 shard has < 100 / < 3000)")
         self.kv: dict[str, Value] = {}
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
             if key in self.kv:
-                raise GGUFError(f"{self.path}: duplicate metadata key {key!r}")
-            self.kv[key] = cur.value(cur.scalar(VT.U32, f"type of {key!r}"), f"metadata {key!r}")
+                raise GGUFError(f"{self.path}: duplicate metadata key {_q(key)}")
+            self.kv[key] = cur.value(cur.scalar(VT.U32, f"type of {_q(key)}"), f"metadata {_q(key)}")
         self.alignment = self._alignment()
         infos = []
         for i in range(n_tensors):
             name = cur.string(f"tensor name #{i}")
-            n_dims = cur.scalar(VT.U32, f"n_dims of {name!r}")
+            n_dims = cur.scalar(VT.U32, f"n_dims of {_q(name)}")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{self.path}: tensor {name!r} has n_dims={n_dims} (allowed 1..{MAX_DIMS})")
-            ne = tuple(cur.scalar(VT.U64, f"ne of {name!r}") for _ in range(n_dims))
-            ggml_type = cur.scalar(VT.U32, f"type of {name!r}")
-            offset = cur.scalar(VT.U64, f"offset of {name!r}")
+                raise GGUFError(f"{self.path}: tensor {_q(name)} has n_dims={n_dims} (allowed 1..{MAX_DIMS})")
+            ne = tuple(cur.scalar(VT.U64, f"ne of {_q(name)}") for _ in range(n_dims))
+            ggml_type = cur.scalar(VT.U32, f"type of {_q(name)}")
+            offset = cur.scalar(VT.U64, f"offset of {_q(name)}")
             infos.append((name, ne, ggml_type, offset))
         self.data_start = -(-cur.pos // self.alignment) * self.alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, ggml_type, offset in infos:
             self.tensors[name] = self._check_tensor(name, ne, ggml_type, offset, size)
+        self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        """Tensor data ranges lie in the data section and do not overlap (two names, one set of bytes)."""
+        by_start = sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes))
+        for prev, t in itertools.pairwise(by_start):
+            if t.offset < prev.offset + prev.nbytes:
+                a, b = (f"{_q(x.name)} (bytes {x.offset}..{x.offset + x.nbytes})" for x in (prev, t))
+                raise GGUFError(f"{self.path}: tensors {a} and {b} overlap")
 
     def _alignment(self) -> int:
         v = self.kv.get("general.alignment")
         if v is None:
             return DEFAULT_ALIGNMENT
         if v.type not in INTEGER_TYPES or not 1 <= v.value <= 1 << 20 or v.value & (v.value - 1):
-            raise GGUFError(f"{self.path}: general.alignment must be a power-of-two integer, got {v.value!r}")
+            raise GGUFError(f"{self.path}: general.alignment must be a power-of-two integer, got {_q(v.value)}")
         return int(v.value)
 
     def _check_tensor(self, name: str, ne: tuple, ggml_type: int, offset: int, size: int) -> TensorInfo:
         if name in self.tensors:
-            raise GGUFError(f"{self.path}: duplicate tensor {name!r}")
+            raise GGUFError(f"{self.path}: duplicate tensor {_q(name)}")
         try:
             qtype = GGMLQuantizationType(ggml_type)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {name!r} has unknown ggml type {ggml_type}") from None
+            raise GGUFError(f"{self.path}: tensor {_q(name)} has unknown ggml type {ggml_type}") from None
         if qtype not in GGML_QUANT_SIZES:
-            raise GGUFError(f"{self.path}: tensor {name!r} has unsupported ggml type {qtype.name}")
+            raise GGUFError(f"{self.path}: tensor {_q(name)} has unsupported ggml type {qtype.name}")
         if any(d < 1 or d > 1 << 40 for d in ne):
-            raise GGUFError(f"{self.path}: tensor {name!r} has an impossible dimension in ne={ne}")
+            raise GGUFError(f"{self.path}: tensor {_q(name)} has an impossible dimension in ne={ne}")
         if offset % self.alignment:
-            raise GGUFError(f"{self.path}: tensor {name!r} offset {offset} is not aligned to {self.alignment}")
+            raise GGUFError(f"{self.path}: tensor {_q(name)} offset {offset} is not aligned to {self.alignment}")
         try:
             nbytes = tensor_nbytes(ne, ggml_type)
         except GGUFError as e:
-            raise GGUFError(f"{self.path}: tensor {name!r}: {e}") from None
+            raise GGUFError(f"{self.path}: tensor {_q(name)}: {e}") from None
         start = self.data_start + offset
         if start + nbytes > size:
             raise GGUFError(
-                f"{self.path}: tensor {name!r} runs past the end of the file "
+                f"{self.path}: tensor {_q(name)} runs past the end of the file "
                 f"(bytes {start}..{start + nbytes}, file has {size})"
             )
         return TensorInfo(name, ne, ggml_type, start, nbytes)
@@ -248,6 +311,12 @@ class GGUFFile:
     def header_bytes(self) -> memoryview:
         """Header, metadata and tensor table (everything before the data section)."""
         return memoryview(self._map)[: self.data_start]
+
+
+def _q(v: Any, limit: int = 60) -> str:
+    """repr(v) capped at `limit` characters, for error messages."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ def inspect_model(path: str) -> dict[str, Any]:
     return {
         "file": w.identity(),
         "config": cfg.to_dict() | {"derived": cfg.derived},
+        "notes": dict(cfg.notes),
         "schedule": [
             {"layer": l, "ratio": cfg.ratio(l), "kind": layer_kind(cfg.ratio(l)), "hash": cfg.is_hash_layer(l),
              "indexer": cfg.has_indexer(l)}
@@ -49,6 +50,8 @@ def print_inspection(report: dict[str, Any]) -> None:
     for k, v in cfg.items():
         t.add_row(k, str(v), f"[yellow]derived: {derived[k]}[/]" if k in derived else "metadata")
     con.print(t)
+    for k, note in report["notes"].items():
+        con.print(f"[yellow]note[/] {k}: {note}")
     s = Table(title="layer schedule")
     for col in ("layer", "ratio", "kind", "hash-routed", "indexer"):
         s.add_column(col)

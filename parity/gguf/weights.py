@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,8 @@ def shard_paths(path: str | os.PathLike) -> list[Path]:
     return paths
 
 
-def dequantize_bytes(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Dequantize raw tensor bytes to float32 of numpy `shape` (I32 stays int32)."""
+def dequantize_bytes(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], name: str = "?") -> np.ndarray:
+    """Dequantize raw tensor bytes to float32 of numpy `shape` (I32 stays int32); `name` is for errors."""
     qtype = GGMLQuantizationType(ggml_type)
     if qtype == GGMLQuantizationType.I32:
         return np.frombuffer(raw, dtype="<i4").reshape(shape)
@@ -46,7 +47,12 @@ def dequantize_bytes(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) ->
         return np.frombuffer(raw, dtype="<f4").reshape(shape)
     block, size = GGML_QUANT_SIZES[qtype]
     rows = np.asarray(raw).reshape(-1, shape[-1] // block * size)
-    return quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
+    try:
+        out = quants.dequantize(rows, qtype)
+    except NotImplementedError:
+        raise TensorError(f"tensor {name!r}: ggml type {qtype.name} cannot be dequantized by this reader "
+                          "(gguf-py has no dequantizer for it)") from None
+    return out.astype(np.float32, copy=False).reshape(shape)
 
 
 class Weights:
@@ -87,7 +93,7 @@ class Weights:
     def tensor(self, name: str) -> np.ndarray:
         """Whole tensor, dequantized, numpy shape = reversed(ne); non-finite values are an error."""
         info = self.info(name)
-        out = dequantize_bytes(self.raw(name), info.ggml_type, info.shape)
+        out = dequantize_bytes(self.raw(name), info.ggml_type, info.shape, f"{self.paths[0]}: {name}")
         _check_finite(out, name)
         return out
 
@@ -104,18 +110,56 @@ class Weights:
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e of a 3-D expert tensor (numpy (E, out, in)) as a float32 (out, in) matrix."""
-        out = dequantize_bytes(*self.expert_raw(name, e))
+        out = dequantize_bytes(*self.expert_raw(name, e), f"{self.paths[0]}: {name}[expert {e}]")
         _check_finite(out, f"{name}[expert {e}]")
         return out
 
     def identity(self) -> dict:
-        """Model identity for trace headers: total size and a hash of every header + tensor table."""
+        """Model identity for trace headers: total size, a hash of every header + tensor table, and a sampled
+        hash of the tensor data (`data_sha256`, see `data_sha256`)."""
         h = hashlib.sha256()
         size = 0
         for f in self.files:
             h.update(f.header_bytes())
             size += Path(f.path).stat().st_size
-        return {"file": Path(self.paths[0]).name, "size": size, "header_sha256": h.hexdigest()[:32]}
+        return {"file": Path(self.paths[0]).name, "size": size, "header_sha256": h.hexdigest()[:32],
+                "data_sha256": data_sha256(self.files)}
+
+
+SAMPLE_BLOCK = 4096      # bytes per sampled block
+SAMPLE_BLOCKS = 16       # blocks per tensor larger than WHOLE_LIMIT
+WHOLE_LIMIT = 64 * 1024  # tensors up to this size are hashed whole
+
+
+def data_sha256(files: list[GGUFFile]) -> str:
+    """A cheap content hash of the tensor data (first 32 hex digits of a sha256).
+
+    For every tensor, shard by shard in tensor-table order, the hash takes the name (UTF-8), a NUL, its byte
+    count (u64 little-endian) and its bytes: all of them when the tensor has at most 64 KiB, else 16 blocks
+    of 4 KiB starting at byte k * (nbytes - 4096) // 15, k = 0..15 (first and last 4 KiB included). It reads at
+    most 64 KiB per tensor (~85 MB for V4-Flash's 1 328 tensors), so a change to the weights outside the
+    sampled blocks is not seen; any re-quantisation, re-seeding or re-conversion changes sampled bytes.
+    """
+    h = hashlib.sha256()
+    for f in files:
+        for name, info in f.tensors.items():
+            raw = f.data(name)
+            h.update(name.encode() + b"\0" + struct.pack("<Q", info.nbytes))
+            if info.nbytes <= WHOLE_LIMIT:
+                h.update(raw)
+                continue
+            for k in range(SAMPLE_BLOCKS):
+                at = k * (info.nbytes - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
+                h.update(raw[at: at + SAMPLE_BLOCK])
+    return h.hexdigest()[:32]
+
+
+def same_model(a: dict, b: dict, *, compare_file: bool = False) -> bool:
+    """Whether two model identities name the same model: size, header hash and, when both carry it (identities
+    written before the data hash lack it), the data hash; the file name only with `compare_file`."""
+    keys = ["size", "header_sha256"] + (["data_sha256"] if "data_sha256" in a and "data_sha256" in b else [])
+    keys += ["file"] if compare_file else []
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
 def _check_finite(arr: np.ndarray, what: str) -> None:
