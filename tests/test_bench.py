@@ -176,10 +176,10 @@ def test_bench_quick_end_to_end(tmp_path) -> None:
 
 
 def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
-    """Synthetic real-size traces are well-formed: diff finds the drift planted from checkpoint blk.1 on."""
+    """Synthetic real-size traces are well-formed: diff finds the drift planted from checkpoint blk.2.attn on."""
     td = bench.time_trace_diff(4, 16, reps=1, tmp=tmp_path)
-    assert td["checkpoints"] == 6 and td["positions"] == 16
-    assert td["first_drift"] == "blk.1"
+    assert td["checkpoints"] == 2 * 4 + 2 and td["positions"] == 16
+    assert td["first_drift"] == "blk.2.attn"
     assert td["from_npz_s"] > 0 and td["npz_mb"] > 0
 
 

@@ -336,8 +336,13 @@ def synthetic_trace(n_layers: int, n_pos: int, rng: np.random.Generator, base: A
           "pre": f32(2 * n_lp, H), "post": f32(2 * n_lp, H), "comb": f32(2 * n_lp, H * H)}
     moe = {"layer": lp[0], "pos": lp[1], "ids": rng.integers(0, 256, (n_lp, E)), "w": f32(n_lp, E),
            "margin": f32(n_lp)}
-    attn = {"layer": lp[0], "pos": lp[1], "n_comp": lp[1] // 4, "has_sel": lp[0] % 2 == 0,
-            "sel": rng.integers(-1, 1024, (n_lp, S))}
+    has_sel = lp[0] % 2 == 0
+    sel = np.where(has_sel[:, None], rng.integers(-1, 1024, (n_lp, S)), -1)
+    attn = {"layer": lp[0], "pos": lp[1], "n_comp": lp[1] // 4, "has_sel": has_sel, "sel": sel}
+    final = ck == n_ck - 1  # final_norm: one [D] vector (one l2 number) with argmax and top-k logits
+    ckpt["l2s"][final, 1:] = np.nan
+    ckpt["top_ids"][final] = np.arange(K)
+    ckpt["top_logits"][final] = -np.arange(K, dtype=np.float32)
     widths = {"H": H, "F": FP_DIM, "K": K, "E": E, "S": S}
     header = TraceHeader(engine="synthetic", engine_version="0", model={"file": "x.gguf", "size": 0,
                          "header_sha256": "0" * 64}, dtype="float32", n_hc=H, dim=4096, top_k=K,
@@ -363,7 +368,8 @@ def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str
 
     rng = np.random.default_rng(0)
     a = synthetic_trace(n_layers, n_pos, rng)
-    b = synthetic_trace(n_layers, n_pos, rng, base=a, drift_from=n_layers // 2)
+    b = synthetic_trace(n_layers, n_pos, rng, base=a,
+                        drift_from=trace_checkpoints(n_layers).index(f"blk.{n_layers // 2}.attn"))
     tmp.mkdir(parents=True, exist_ok=True)
     pa, pb = write_trace(a, tmp / "a.npz"), write_trace(b, tmp / "b.npz")
     del a, b
