@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from parity.cli.common import echo_json, json_errors, json_option, model_option
 from parity.gguf.synth import PRESETS, QUANTS
 
 
@@ -16,29 +15,42 @@ from parity.gguf.synth import PRESETS, QUANTS
               help="f32: all F32; real-mix: the real release's per-class types; mxfp4: MXFP4 experts.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed -> same bytes).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="GGUF file to write.")
-def synth(preset: str, quant: str, seed: int, output: str) -> None:
-    """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names."""
+@json_option()
+@json_errors
+def synth(preset: str, quant: str, seed: int, output: str, as_json: bool) -> None:
+    """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
+
+    Example: v4parity synth --preset tiny --quant real-mix -o tiny.gguf
+    """
     from parity.gguf.synth import synthesize
 
     path = synthesize(output, preset, quant, seed)
-    click.echo(f"wrote {path} ({path.stat().st_size:,} bytes; preset={preset} quant={quant} seed={seed})")
+    size = path.stat().st_size
+    if as_json:
+        echo_json({"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed})
+    else:
+        click.echo(f"wrote {path} ({size:,} bytes; preset={preset} quant={quant} seed={seed})")
 
 
 @click.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of tables.")
-def inspect(model: str, as_json: bool) -> None:
-    """Show config (derived values marked), layer schedule, tensor table and validation result.
+@model_option()
+@click.option("--tensors", is_flag=True, help="Also list every tensor (name, shape, type, bytes).")
+@json_option(help="Print the whole report (tensors included) as JSON (errors too).")
+@json_errors
+def inspect(model: str, tensors: bool, as_json: bool) -> None:
+    """Show config (derived values marked), layer schedule, the tensor count and validation result.
 
-    Exits non-zero when the file does not satisfy the deepseek4 contract.
+    \b
+    Exit codes: 0 valid, 1 the file does not satisfy the deepseek4 contract, 2 unreadable metadata.
+    Example: v4parity inspect -m tiny.gguf --tensors
     """
     from parity.gguf.report import inspect_model, print_inspection
 
     report = inspect_model(model)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        echo_json(report)
     else:
-        print_inspection(report)
+        print_inspection(report, tensors=tensors)
     if not report["validation"]["ok"]:
         raise SystemExit(1)
 

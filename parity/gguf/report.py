@@ -36,7 +36,7 @@ def inspect_model(path: str) -> dict[str, Any]:
     }
 
 
-def print_inspection(report: dict[str, Any]) -> None:
+def print_inspection(report: dict[str, Any], tensors: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -64,7 +64,7 @@ def print_inspection(report: dict[str, Any]) -> None:
         tt.add_column(col, justify="right" if col == "bytes" else "left")
     for r in report["tensors"]:
         tt.add_row(r["name"], "x".join(map(str, r["shape"])), r["type"], f"{r['bytes']:,}")
-    con.print(tt)
+    con.print(tt if tensors else f"{tt.title} (--tensors lists them)")
     v = report["validation"]
     if v["ok"]:
         con.print("[green]validation: OK[/] (all expected tensors present with allowed shapes and types)")

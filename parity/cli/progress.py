@@ -1,0 +1,78 @@
+"""Progress of long commands: a bar with ETA on a terminal, plain periodic lines in a log.
+
+`Progress` is a callable `progress(stage, done, total)` -- the callback the API functions take -- so a
+command passes one instance down and the API never prints. On a terminal (stderr is a TTY) it redraws one
+line: `stage [#####.....] done/total elapsed ETA`; otherwise it writes `stage done/total elapsed` lines,
+at most one per `interval` seconds per stage, plus the first and the last of each stage, so a CI log shows
+progress without flooding.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+ProgressFn = Callable[[str, int, "int | None"], None]
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class Progress:
+    """`progress(stage, done, total)`: report that `done` of `total` units of `stage` are finished."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 10.0, terminal: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic, width: int = 30) -> None:
+        self.stream = stream or sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.interval, self.clock, self.width = interval, clock, width
+        self.stage: str | None = None
+        self.started = self.last_line = 0.0
+        self.drawn = False
+        self.shown = 0  # length of the terminal line on screen
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        now = self.clock()
+        if stage != self.stage:
+            self._end_line()
+            self.stage, self.started, self.last_line = stage, now, -float("inf")
+        elapsed = now - self.started
+        finished = total is not None and done >= total
+        if self.terminal:
+            line = self._bar(stage, done, total, elapsed)
+            self.stream.write("\r" + line.ljust(self.shown) + ("\n" if finished else ""))
+            self.drawn, self.shown = not finished, 0 if finished else len(line)
+            self.stream.flush()
+        elif finished or now - self.last_line >= self.interval:
+            count = f"{done}/{total}" if total is not None else str(done)
+            self.stream.write(f"{stage} {count} {_clock(elapsed)}\n")
+            self.stream.flush()
+            self.last_line = now
+
+    def _bar(self, stage: str, done: int, total: int | None, elapsed: float) -> str:
+        if not total:
+            return f"{stage} {done} {_clock(elapsed)}"
+        frac = min(done / total, 1.0)
+        fill = round(frac * self.width)
+        eta = _clock(elapsed / done * (total - done)) if done else "?"
+        return f"{stage} [{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} {_clock(elapsed)} ETA {eta}"
+
+    def _end_line(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn, self.shown = False, 0
+
+    def close(self) -> None:
+        """End an unfinished terminal line (call when a command stops early)."""
+        self._end_line()
+        self.stream.flush()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
