@@ -20,8 +20,16 @@ from gpu_engine.dequant import dequantize
 from gpu_engine.faults import FAULTS, Faults, compose
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
-from gpu_engine.ops import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard_matrix, identity, rms_norm, rope_frequencies
-from gpu_engine.weights import DeviceWeights
+from gpu_engine.ops import (
+    fp4_e2m1_roundtrip,
+    fp8_sim_nope,
+    hadamard_matrix,
+    identity,
+    q8_0_roundtrip,
+    rms_norm,
+    rope_frequencies,
+)
+from gpu_engine.weights import UNQUANTIZED, DeviceWeights
 from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes
 from parity.contract.errors import ParityError
 
@@ -29,6 +37,26 @@ __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 512  # kept dequantized dense matrices (speed only: the cached values are the exact dequantization)
 DTYPES = {"float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64),
           "bfloat16": (torch.float32, torch.bfloat16)}  # (activations/state, matmul operands)
+ACT_QUANT = {"none": None, "q8_0": q8_0_roundtrip}  # act_quant values this engine implements
+# what each approximate mode does, for the stderr announcement (keys as RunOptions.approximations() names them)
+APPROXIMATIONS = {"dtype=bfloat16": "bf16 matmul operands, fp32 state",
+                  "act_quant=q8_0": "activations rounded to Q8_0 blocks of 32 before every matmul with a quantized "
+                                    "weight, as llama.cpp's CPU backend"}
+
+
+def check_options(options: RunOptions, cache_mb: int) -> None:
+    """Refuse what the torch engine cannot honour, naming the option (no silent fallback to the exact path)."""
+    if options.dtype not in DTYPES:
+        raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
+    if cache_mb < 0:
+        raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
+    if options.act_quant not in ACT_QUANT:
+        raise ParityError(f"torch engine: act_quant={options.act_quant} is not implemented "
+                          f"(implemented: {', '.join(ACT_QUANT)})")
+    for name, exact in (("kv_cache", "f32"), ("rope_angles", "exact")):
+        if getattr(options, name) != exact:
+            raise ParityError(f"torch engine: {name}={getattr(options, name)} is not implemented "
+                              f"(implemented: {exact})")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,19 +82,17 @@ class TorchEngine:
     faults = FAULTS  # capability: the porting bugs RunOptions.inject can switch on
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
-        if options.dtype not in DTYPES:
-            raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
-        if cache_mb < 0:
-            raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
+        check_options(options, cache_mb)
         self.options = options
         self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
         self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
-        self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb)
+        self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb, ACT_QUANT[options.act_quant])
         self.config = self.cfg = cfg = self.w.config
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
         self._check_hash_tables()
+        self._check_act_quant()
         # the layer schedule: the compress-ratios-u32 fault reads it as empty (every layer ratio 0)
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
@@ -81,6 +107,18 @@ class TorchEngine:
                 name = f"blk.{l}.ffn_gate_tid2eid.weight"
                 check_expert_ids(self.w.table(name).cpu().numpy(), self.cfg.n_routed_experts, f"tensor {name}")
 
+    def _check_act_quant(self) -> None:
+        """The HC mixing matrices are applied outside `DeviceWeights`' products: act_quant is refused for a file
+        where one of them is quantized (deepseek4 files store them F16 or F32)."""
+        if self.w.act_quant is None:
+            return
+        hc = ["output_hc_fn.weight", *(f"blk.{l}.hc_{k}_fn.weight" for l in range(self.cfg.n_layers)
+                                       for k in ("attn", "ffn"))]
+        for name in hc:
+            if self.w.q[name].qtype not in UNQUANTIZED:
+                raise ParityError(f"torch engine: act_quant={self.options.act_quant} is not implemented for the "
+                                  f"quantized HC matrix {name} ({self.w.q[name].qtype.name})")
+
     def _qat_ops(self) -> Ops:
         """The model's ops with the QAT round trips the options enable."""
         opts, cfg = self.options, self.cfg
@@ -89,8 +127,8 @@ class TorchEngine:
                    index_round=(lambda x: fp4_e2m1_roundtrip(x @ had)) if opts.fp4_indexer else identity)
 
     def _announce(self) -> None:
-        if self.options.dtype == "bfloat16":
-            print("torch engine: APPROXIMATE bfloat16 path (bf16 matmul operands, fp32 state)", file=sys.stderr)
+        for mode in self.options.approximations():
+            print(f"torch engine: APPROXIMATE {mode} ({APPROXIMATIONS[mode]})", file=sys.stderr)
         if self.switches.active:
             print(f"torch engine: FAULTS INJECTED: {', '.join(self.switches.active)}", file=sys.stderr)
 

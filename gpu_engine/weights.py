@@ -90,12 +90,18 @@ class QTensor:
         return out.to(dtype)
 
 
+UNQUANTIZED = (Q.F32, Q.F16, Q.BF16)  # weight types whose matmuls never see rounded activations
+
+
 class DeviceWeights:
     """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor`, F32 vectors dense, I32 as int64.
-    Products take activations in `act` and multiply in `mm` (bfloat16 on the approximate path)."""
+    Products take activations in `act` and multiply in `mm` (bfloat16 on the approximate path); `act_quant`, when
+    given, rounds the activations of every product whose weight is quantized (not F32/F16/BF16) first."""
 
-    def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0) -> None:
+    def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0,
+                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.source = Weights(path)
+        self.act_quant = act_quant
         self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self.config: ModelConfig = self.source.config
@@ -158,22 +164,29 @@ class DeviceWeights:
         return qt.dense(dtype, self._scratch(name, n) if scratch else None)
 
     def matrix(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Whole matrix `name` dequantized to dtype, memory the caller may keep.  -> numpy shape of the tensor"""
+        """Whole matrix `name` dequantized to dtype, memory the caller may keep.  -> numpy shape of the tensor
+        A caller multiplying with it bypasses `act_quant`: the engine refuses act_quant for such a quantized weight."""
         return self._whole(name, dtype, scratch=False)
+
+    def _operand(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x as the matmul operand for weight `name`: rounded by `act_quant` when the weight is quantized."""
+        if self.act_quant is not None and self._qtensor(name).qtype not in UNQUANTIZED:
+            x = self.act_quant(x)
+        return x.to(self.mm)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """y = x Wᵀ.  x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
-        return (x.to(self.mm) @ self._whole(name, self.mm, scratch=True).T).to(self.act)
+        return (self._operand(x, name) @ self._whole(name, self.mm, scratch=True).T).to(self.act)
 
     def grouped_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """z_g = W[g] x_g per group, W [G·r, w] read as G blocks of r rows.  x [n, G, w] -> [n, G, r]"""
         w = self._whole(name, self.mm, scratch=True).reshape(x.shape[1], -1, x.shape[2])
-        return torch.einsum("ngw,grw->ngr", x.to(self.mm), w).to(self.act)
+        return torch.einsum("ngw,grw->ngr", self._operand(x, name), w).to(self.act)
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """y = x W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one reused buffer.
         x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
-        y = self._qtensor(name).expert_linear(e, x.to(self.mm), lambda n: self._scratch("experts", n))
+        y = self._qtensor(name).expert_linear(e, self._operand(x, name), lambda n: self._scratch("experts", n))
         return y.to(self.act)
 
     def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_options_errors_and_announcements(tiny_f32, capsys):
     capsys.readouterr()
     TorchEngine(str(tiny_f32), RunOptions(dtype="bfloat16", inject=("sink-dropped",), device="auto"))
     err = capsys.readouterr().err
-    assert "APPROXIMATE bfloat16" in err and "FAULTS INJECTED: sink-dropped" in err
+    assert "APPROXIMATE dtype=bfloat16 (bf16 matmul operands" in err and "FAULTS INJECTED: sink-dropped" in err
     TorchEngine(str(tiny_f32), RunOptions())
     assert capsys.readouterr().err == ""  # the default path says nothing
     e = TorchEngine(str(tiny_f32), RunOptions())
@@ -303,3 +303,86 @@ def test_qat_block_shape_is_checked(tmp_path, monkeypatch):
         TorchEngine(str(path), RunOptions())
     e = TorchEngine(str(path), RunOptions(fp8_kv=False))
     assert np.isfinite(run_sequence(e, np.array([3, 4, 5, 6, 7]))[0].logits).all()
+
+
+# -- act_quant=q8_0: activations as llama.cpp's CPU backend rounds them before a quantized matmul ----------------
+
+def _q8_0_numpy(x: np.ndarray) -> np.ndarray:
+    """Independent restatement of ggml's x86 quantize_row_q8_0 (then dequantized): per 32-block d = amax/127 stored
+    as f16, q = rint(x · (127/amax)) (half to even), value q·d."""
+    b = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0))
+    return (np.clip(np.rint(b * inv), -127, 127) * d).reshape(x.shape)
+
+
+def test_q8_0_roundtrip_matches_ggml_rounding():
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from gpu_engine.ops import q8_0_roundtrip
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2000, 64, generator=g) * s for s in (1e-5, 0.1, 1.0, 300.0)])
+    ours = q8_0_roundtrip(x).numpy()
+    np.testing.assert_array_equal(ours, _q8_0_numpy(x.numpy()))
+    # gguf-py's generic C-reference port (q = roundf(x / d)) agrees away from exact ties: 0 of 512000 differ here
+    np.testing.assert_array_equal(ours, quants.dequantize(quants.quantize(x.numpy(), Q.Q8_0), Q.Q8_0))
+    # exact ties (amax = 127: scale 1) round half to even as the x86 path does; a zero block stays zero
+    tie = torch.zeros(2, 32)
+    tie[0, :4] = torch.tensor([127.0, 2.5, 3.5, -2.5])
+    assert q8_0_roundtrip(tie)[0, :4].tolist() == [127.0, 2.0, 4.0, -2.0] and (q8_0_roundtrip(tie)[1] == 0).all()
+    with pytest.raises(ParityError, match="not a multiple of the block size 32"):
+        q8_0_roundtrip(torch.ones(3, 48))
+
+
+def test_act_quant_none_is_the_default_path_bit_for_bit(tiny_realmix, tiny_f32, capsys):
+    """act_quant=none (explicit) runs the default path; on an F32-only model q8_0 changes no bit (no quantized
+    matmul) but still announces itself."""
+    prompt = np.random.default_rng(13).integers(2, 290, 20)
+    for path, approx in ((tiny_realmix, "none"), (tiny_f32, "q8_0")):
+        base = run_sequence(TorchEngine(str(path), RunOptions()), prompt, decode_steps=2, capture=True)
+        other = run_sequence(TorchEngine(str(path), RunOptions(act_quant=approx)), prompt, decode_steps=2,
+                             capture=True)
+        for a, b in zip(base, other, strict=True):
+            np.testing.assert_array_equal(a.logits, b.logits)
+            for ca, cb in zip(a.captures, b.captures, strict=True):
+                for k in ca:
+                    np.testing.assert_array_equal(ca[k], cb[k], err_msg=f"{path.name} {approx} {k}")
+    assert "torch engine: APPROXIMATE act_quant=q8_0 (activations rounded to Q8_0" in capsys.readouterr().err
+
+
+def test_act_quant_q8_0_rounds_only_quantized_matmuls(tiny_mxfp4):
+    """mxfp4 model: only the routed experts are quantized. Layer 0's attention and shared expert stay bit-identical,
+    the routed experts differ by a bounded amount (measured rel L2 0.0091..0.0131 per position, in line with the
+    ~1.2e-2 the llama.cpp spec reports for its own Q8_0 activations), and equal an independent NumPy emulation
+    (gguf-py dequantization, Q8_0-rounded inputs of gate/up and of down) to 6.2e-8."""
+    from parity.gguf.weights import Weights
+
+    prompt = np.random.default_rng(12).integers(2, 290, 24)
+    ex = run_sequence(TorchEngine(str(tiny_mxfp4), OFF), prompt, capture=True)[0].captures[0]
+    eng = TorchEngine(str(tiny_mxfp4), RunOptions(fp8_kv=False, fp4_indexer=False, act_quant="q8_0"))
+    ap = run_sequence(eng, prompt, capture=True)[0].captures[0]
+    for k in ("attn_out", "ffn_norm", "shared_out"):
+        np.testing.assert_array_equal(ap[k], ex[k], err_msg=k)
+    rel = metrics.rel_l2(ex["routed_out"], ap["routed_out"])
+    assert rel.min() > 0.009 and rel.max() < 0.0135, (rel.min(), rel.max())  # measured 0.0091 .. 0.0131
+    w, lim, x = Weights(str(tiny_mxfp4)), eng.cfg.swiglu_limit[0], ap["ffn_norm"]
+    want = np.zeros(x.shape, np.float64)
+    for t in range(len(x)):
+        for e, wt in zip(ap["expert_ids"][t], ap["expert_weights"][t], strict=True):
+            g, u = (_q8_0_numpy(x[t]).astype(np.float64) @ w.expert(f"blk.0.ffn_{k}_exps.weight", int(e)).T
+                    for k in ("gate", "up"))
+            g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+            h = (g / (1 + np.exp(-g)) * u * wt).astype(np.float32)
+            want[t] += _q8_0_numpy(h) @ w.expert("blk.0.ffn_down_exps.weight", int(e)).T.astype(np.float64)
+    assert metrics.rel_l2(want, ap["routed_out"]).max() < 1e-7  # measured 6.2e-8
+
+
+def test_unimplemented_numerics_options_are_refused(tiny_f32):
+    for opts, what in ((RunOptions(act_quant="bf16"), "act_quant=bf16"), (RunOptions(kv_cache="f16"), "kv_cache=f16"),
+                       (RunOptions(rope_angles="recurrence"), "rope_angles=recurrence")):
+        with pytest.raises(ParityError, match=f"torch engine: {what} is not implemented"):
+            TorchEngine(str(tiny_f32), opts)
