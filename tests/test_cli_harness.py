@@ -30,10 +30,10 @@ def traces(tiny_f32, tmp_path_factory):
     ref, tor, bad = d / "ref.trace", d / "torch.trace", d / "bad.trace"
     run("trace", "--engine", "reference", "--model", tiny_f32, "--tokens", TOKENS, "--decode", 2, "--positions",
         "all", "--full", "blk.2,final_norm,logits", "--dump-logprobs", d / "ref.json", "--top-k", 5, "-o", ref)
-    run("trace", "--engine", "torch", "--model", tiny_f32, "--follow", ref, "--full", "blk.2,final_norm,logits",
-        "-o", tor)
-    run("trace", "--engine", "torch", "--model", tiny_f32, "--follow", ref, "--inject", "compress-ratios-u32",
-        "-o", bad)
+    run("trace", "--engine", "torch", "-m", tiny_f32, "--follow", ref, "--full", "blk.2,final_norm,logits",
+        "--top-k", 5, "-o", tor)
+    run("trace", "--engine", "torch", "-m", tiny_f32, "--follow", ref, "--inject", "compress-ratios-u32",
+        "--top-k", 5, "-o", bad)
     return {"dir": d, "ref": ref, "torch": tor, "bad": bad, "model": tiny_f32}
 
 
@@ -166,3 +166,61 @@ def test_golden_traces_regenerate_and_gate(tmp_path):
         assert committed.stat().st_size < 150_000 and not api.load_trace(committed).header.full
         res = run("gate", "--golden", committed, "--candidate", tmp_path / name)
         assert "PASSED" in res.output
+
+
+def test_trace_decode_records_every_decode_position_by_default(traces, tmp_path):
+    assert "every decode position" in run("trace", "--help").output
+    res = run("trace", "--engine", "reference", "-m", traces["model"], "--tokens", TOKENS, "--decode", 2,
+              "-o", tmp_path / "d.trace", "--json")
+    d = json.loads(res.stdout)
+    # 8 prompt tokens: the prompt's last position 7, then the two decode positions 8 and 9
+    assert d["positions"] == [7, 8, 9] and api.load_trace(tmp_path / "d.trace").header.positions == [7, 8, 9]
+    # not a terminal: plain progress lines on stderr (stage, done/total, elapsed)
+    assert "trace reference: 8 tokens + 2 decode 3/3 0:0" in res.stderr
+    run("trace", "--engine", "reference", "-m", traces["model"], "--tokens", TOKENS, "-o", tmp_path / "l.trace")
+    assert api.load_trace(tmp_path / "l.trace").header.positions == [7]
+
+
+def test_bad_output_extensions_are_clean_errors(traces, tmp_path):
+    res = run("plot", traces["ref"], traces["bad"], "-o", tmp_path / "x.txt", ok=False)
+    assert res.exit_code == 2 and "use one of .png, .pdf, .svg" in res.output and not (tmp_path / "x.txt").exists()
+    res = run("convert", traces["ref"], tmp_path / "x.json", ok=False)
+    assert res.exit_code == 2 and "a trace is .trace (text) or .npz (binary)" in res.output
+    res = run("plot", traces["ref"], traces["bad"], "-o", tmp_path / "x.txt", "--json", ok=False)
+    assert res.exit_code == 2 and "use one of .png" in json.loads(res.output)["error"]
+
+
+def _commands(group, prefix=()):
+    import click
+
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*prefix, name))
+        else:
+            yield " ".join((*prefix, name)), cmd
+
+
+def test_one_cli_options_are_spelled_and_chosen_the_same_everywhere():
+    import click
+
+    from parity.cli.common import DEVICES, DTYPES
+
+    seen, problems = {}, []
+    for name, cmd in _commands(cli):
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.name in ("help", "version"):
+                continue
+            seen.setdefault(p.name, []).append(name)
+            checks = [(bool(p.help), "no help text"),
+                      (p.name != "model" or set(p.opts) == {"-m", "--model"}, "not -m/--model"),
+                      (p.name != "dtype" or tuple(p.type.choices) == DTYPES, f"choices {DTYPES}"),
+                      (p.name != "device" or tuple(p.type.choices) == DEVICES, f"choices {DEVICES}"),
+                      (p.name != "inject" or (not isinstance(p.type, click.Choice) and p.multiple), "free text"),
+                      ("--markdown" not in p.opts or not p.is_flag, "--markdown takes a FILE"),
+                      ("--system" not in p.opts or "-sys" not in p.opts, "no -sys")]
+            problems += [f"{name} {'/'.join(p.opts)}: {want}" for ok, want in checks if not ok]
+    for name in ("trace", "plot", "import", "synth", "inspect", "diff", "gate", "logprobs", "tokenize", "convert",
+                 "export", "report", "envelope", "bisect"):
+        if name not in seen["as_json"]:
+            problems.append(f"{name}: no --json")
+    assert problems == []

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import click
 
+from parity.cli.common import device_option, echo_json, json_option
+
 ENGINES = ("reference", "torch")
 
 
 @click.command()
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Device of the torch engine and the torch dequantizers (the reference always runs on CPU).")
+@device_option(help="Device of the torch engine and the torch dequantizers (auto: CUDA when present; the "
+                    "reference always runs on CPU).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Directory for bench.json and bench.md (the tables).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=".bench", show_default=True,
@@ -25,7 +27,9 @@ ENGINES = ("reference", "torch")
 @click.option("--quick", is_flag=True,
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
-def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads: int, quick: bool) -> None:
+@json_option(help="Print the report as JSON on stdout instead of the tables.")
+def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads: int, quick: bool,
+          as_json: bool) -> None:
     """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,
     scaling to 512 tokens, tracing overhead, peak memory, and the dequantizers of every ggml type against
     gguf.quants. Prints the tables and writes OUT/bench.json and OUT/bench.md.
@@ -44,10 +48,12 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads
     if unknown or not chosen:
         raise ParityError(f"--engines: unknown engine(s) {unknown or [engines]}; choose from {', '.join(ENGINES)}")
     console = Console(stderr=True)
-    if device == "cuda":
+    if device != "cpu":
         import torch
 
-        if not torch.cuda.is_available():
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
             raise ParityError("--device cuda: torch sees no CUDA device on this machine (use --device cpu)")
     if torch_threads < 0:
         raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
@@ -58,6 +64,9 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     table = render_markdown(report)
     (out / "bench.md").write_text(table)
+    if as_json:
+        echo_json(report)
+        return
     Console().print(Markdown(table))
     click.echo(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
 
