@@ -165,3 +165,108 @@ def plot(report: Any, out: str | os.PathLike) -> Path:
     from parity.compare.plot import plot_drift
 
     return plot_drift(report, out)
+
+
+# ---------------------------------------------------------------- envelope, bisect, check
+
+def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOptions | None = None,
+             output: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """Measure the noise envelope of `engine` on `model` (benign pairs, never with faults) and store it as a
+    section of `output` (default traces/<model stem>.envelope.json). Returns (Envelope, path)."""
+    from parity.bisect.envelope import save_envelope
+
+    env = measure_envelope(model, engine, options or RunOptions(), progress)
+    return env, save_envelope(output or default_envelope_path(model), env, model_identity(model))
+
+
+def default_envelope_path(model: str | os.PathLike) -> Path:
+    return Path("traces") / (Path(model).stem + ".envelope.json")
+
+
+def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
+                     progress: Callable[[str], None] | None = None) -> Any:
+    """Benign pairs for the envelope of `engine` with `options` (faults and routing replay dropped)."""
+    from dataclasses import replace
+
+    from parity.bisect.envelope import CALIBRATION_DECODE, calibration_prompt
+    from parity.bisect.envelope import measure_envelope as measure
+
+    clean = replace(options, inject=(), expert_override=None)
+    qat = {"fp8_kv": clean.fp8_kv, "fp4_indexer": clean.fp4_indexer}
+    ref = load_engine("reference", str(model), RunOptions(**qat))
+    ref64 = load_engine("reference", str(model), RunOptions(dtype="float64", **qat))
+    cand = load_engine(engine, str(model), clean)
+    cand32 = load_engine(engine, str(model), replace(clean, dtype="float32")) if clean.dtype != "float32" else None
+    prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
+    return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress)
+
+
+def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[int] | None = None,
+           decode: int = 4, chunk: int | None = None, options: RunOptions | None = None,
+           envelope: str | os.PathLike | None = None, routing_replay: bool = False,
+           progress: Callable[[str], None] | None = None) -> Any:
+    """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
+    `envelope`: a file; default traces/<model stem>.envelope.json when present, else measured now."""
+    from dataclasses import replace
+
+    from parity.bisect.envelope import load_envelope
+    from parity.bisect.search import ReplayRouter, builtin_prompt
+    from parity.bisect.search import bisect as run_bisect
+
+    say = progress or (lambda _m: None)
+    options = options or RunOptions()
+    path = Path(envelope) if envelope is not None else default_envelope_path(model)
+    if path.exists():
+        say(f"envelope: {path} ({options.dtype})")
+        env = load_envelope(path, options.dtype, model_identity(model))
+    elif envelope is not None:
+        raise TraceError(f"envelope file {path} does not exist")
+    else:
+        say(f"envelope: no {path}; measuring it now (save one with `v4parity envelope`)")
+        env = measure_envelope(model, engine, options, say)
+    ref = load_engine("reference", str(model), RunOptions(fp8_kv=options.fp8_kv, fp4_indexer=options.fp4_indexer))
+    router = ReplayRouter() if routing_replay else None
+    cand = load_engine(engine, str(model), replace(options, expert_override=router))
+    prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
+    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router)
+
+
+def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
+          tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
+          fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None) -> Any:
+    """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
+    then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
+    size + header hash) in `envelope_search` (default: the model's directory and ./traces), else measured now
+    from the reference alone. `fault_engines`: engines whose fault switches form the defect library.
+    Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
+    from parity.bisect.check import check as run_check
+    from parity.bisect.inputs import CheckPreflightError, envelope_for, load_candidate, preflight
+    from parity.contract.engine import engine_faults
+    from parity.gguf.weights import Weights
+
+    say = progress or (lambda _m: None)
+    w = Weights(model)
+    identity, config = w.identity(), w.config
+    trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
+    preflight(trace_, config, identity)
+    search = envelope_search if envelope_search is not None else [Path(model).parent, Path("traces")]
+    found = envelope_for(identity, trace_.header.dtype, envelope, search)
+    if found is None and trace_.header.dtype != "float32":
+        raise CheckPreflightError(f"no stored {trace_.header.dtype} envelope for this model in "
+                                  f"{', '.join(map(str, search))}: measure one with `v4parity envelope --dtype "
+                                  f"{trace_.header.dtype}` or pass --envelope")
+    if found is None:
+        say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked)")
+        env = measure_envelope(model, "reference", RunOptions(), say)
+    else:
+        env = found[0]
+        say(f"envelope: {found[1]} ({trace_.header.dtype})")
+    library = [(n, lambda o, n=n: load_engine(n, str(model), o), engine_faults(n)) for n in fault_engines]
+    empty = [n for n, _, faults in library if not faults]
+    if empty:
+        raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
+    return run_check(trace_, lambda o: load_engine("reference", str(model), o), env, fault_engines=library,
+                     progress=say)
+
+
+# ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

@@ -186,17 +186,19 @@ def test_envelope_is_measured_and_round_trips(env32, envbf16, tmp_path):
     assert envbf16.checkpoints["blk.3"] > 30 * env32.checkpoints["blk.3"]  # bf16 floor measured separately
     assert set(envbf16.components) == {"oracle", "rechunk", "dtype"}
     path = tmp_path / "m.envelope.json"
-    save_envelope(path, env32, {"file": "m"})
-    save_envelope(path, envbf16, {"file": "m"})
-    back = load_envelope(path, "bfloat16", {"file": "m"})
+    model = {"file": "m.gguf", "size": 100, "header_sha256": "ab" * 16}
+    save_envelope(path, env32, model)
+    save_envelope(path, envbf16, model)
+    back = load_envelope(path, "bfloat16", model)
     assert back == envbf16
+    assert load_envelope(path, "bfloat16", model | {"file": "renamed.gguf"}) == envbf16  # identity, not file name
     with pytest.raises(ParityError, match="measured on model"):
-        load_envelope(path, "float32", {"file": "other"})
+        load_envelope(path, "float32", model | {"header_sha256": "cd" * 16})
     doc = json.loads(path.read_text())
     del doc["dtypes"]["float32"]["k"]                   # a hand-edited section never falls back to the default k
     path.write_text(json.dumps(doc))
     with pytest.raises(ParityError, match=r"float32 section has missing fields \['k'\]"):
-        load_envelope(path, "float32", {"file": "m"})
+        load_envelope(path, "float32", model)
     with pytest.raises(ParityError, match="fp8_kv"):   # an envelope only judges runs with its QAT simulations
         bisect(FakeEngine(), FakeEngine(RunOptions(fp8_kv=False)), PROMPT, 0, env32)
     with pytest.raises(ParityError, match="no router-margin drift for layer 3"):   # never a silent 0

@@ -28,6 +28,7 @@ from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_bytes
+from parity.gguf.weights import same_model
 from parity.tracing.runner import ChunkResult, run_sequence, stack
 
 ENVELOPE_VERSION = 1
@@ -239,7 +240,7 @@ def save_envelope(path: str | os.PathLike, env: Envelope, model_identity: dict) 
     doc = {"format": "v4parity-envelope", "version": ENVELOPE_VERSION, "model": model_identity, "dtypes": {}}
     if path.exists():
         old = _read(path)
-        if old["model"] == model_identity:
+        if same_model(old["model"], model_identity):
             doc["dtypes"] = old["dtypes"]
     doc["dtypes"][env.dtype] = asdict(env)
     return atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
@@ -257,10 +258,10 @@ def _read(path: Path) -> dict:
 
 
 def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | None = None) -> Envelope:
-    """The `dtype` section of an envelope file; refuses a file measured on another model."""
+    """The `dtype` section of an envelope file; refuses a file measured on another model (`same_model`)."""
     path = Path(path)
     doc = _read(path)
-    if model_identity is not None and doc["model"] != model_identity:
+    if model_identity is not None and not same_model(doc["model"], model_identity):
         raise ParityError(f"{path} was measured on model {doc['model']}, not {model_identity}")
     if dtype not in doc["dtypes"]:
         raise ParityError(f"{path} has no {dtype} section (has: {', '.join(sorted(doc['dtypes']))}); "

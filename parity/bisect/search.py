@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from parity.tracing.runner import ChunkResult, all_tokens, run_sequence, stack
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
 QUANT_MBITS = {"rope_kv": 3, "comp_rows": 3, "index_rows": 1}   # e4m3, e4m3, e2m1
+QUANT_FORMAT = {"rope_kv": "FP8 e4m3", "comp_rows": "FP8 e4m3", "index_rows": "FP4 e2m1"}
 # An isolated code flip touches at most this fraction of a row's elements (at least one element).
 FLIP_FRACTION = 1 / 32
 
@@ -205,8 +206,9 @@ class _Judge:
             return SubopResult(name, "defect", float(err[i]), floor, float(gate(err[i], floor, self.env.k,
                                self.env.eps)), int(pos[i]), f"{name}: {what} at position {pos[i]}")
         status = "noise" if (flips or (err > tol).any()) else "ok"
-        detail = f"{len(flips)} isolated FP8/FP4 code flip(s) from position {self.taint}" if flips else (
-            f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")
+        detail = (f"{len(flips)} isolated {QUANT_FORMAT[name]} code flip(s) in {name} from position {self.taint}"
+                  if flips else
+                  f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")
         return SubopResult(name, status, worst, floor, float(gate(worst, floor, self.env.k, self.env.eps)),
                            None, detail)
 
@@ -263,8 +265,15 @@ def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], lay
     """Every sub-op of `layer`, in SUBOPS order, both engines fed the reference's inputs."""
     r_outs = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
     c_outs = teacher_forced(cand, ref, [layer], capture=True)[layer]
-    pos = np.concatenate([c.start_pos + np.arange(len(c.tokens)) for c in ref])
-    ratio = cand.config.ratio(layer)
+    return compare_subops(r_outs, c_outs, ref, layer, cand.config.ratio(layer), env,
+                          (ref_engine.name, cand.name))
+
+
+def compare_subops(r_outs: Sequence[LayerOutput], c_outs: Sequence[LayerOutput], chunks: Sequence[ChunkResult],
+                   layer: int, ratio: int, env: Envelope, names: tuple[str, str]) -> list[SubopResult]:
+    """Judge every sub-op capture of two runs of `layer` over the chunk schedule `chunks` (one LayerOutput per
+    chunk on each side, captured), in SUBOPS order; `names` are the two sides' names for error messages."""
+    pos = np.concatenate([c.start_pos + np.arange(len(c.tokens)) for c in chunks])
     judge = _Judge(layer, env, pos, ratio)
     margin = np.concatenate([o.diag.router_margin for o in r_outs])
     results = []
@@ -272,23 +281,35 @@ def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], lay
         parts = []
         for name in caps:
             if name in ROW_CAPTURES:
-                _cat(r_outs, name, ref_engine.name, layer)
-                _cat(c_outs, name, cand.name, layer)
+                _cat(r_outs, name, names[0], layer)
+                _cat(c_outs, name, names[1], layer)
                 parts.append(judge.rows(name, r_outs, c_outs))
                 continue
-            a, b = _cat(r_outs, name, ref_engine.name, layer), _cat(c_outs, name, cand.name, layer)
+            a, b = _cat(r_outs, name, names[0], layer), _cat(c_outs, name, names[1], layer)
             if name == "index_sel":
                 parts.append(judge.sets(name, a, b, pos, None))
             elif name == "expert_ids":
                 parts.append(judge.sets(name, a, b, pos, margin))
             elif name == "expert_weights":
-                wa, wb, same = aligned_weights(_cat(r_outs, "expert_ids", ref_engine.name, layer), a,
-                                               _cat(c_outs, "expert_ids", cand.name, layer), b)
+                wa, wb, same = aligned_weights(_cat(r_outs, "expert_ids", names[0], layer), a,
+                                               _cat(c_outs, "expert_ids", names[1], layer), b)
                 parts.append(judge.floats(name, wa[same], wb[same], pos[same]))
             else:
                 parts.append(judge.floats(name, a, b, pos))
         results.append(_worst(parts, sub))
     return results
+
+
+def inherited_flips(ref_engine: Engine, ref: Sequence[ChunkResult], inputs: Sequence[ChunkResult], layer: int,
+                    env: Envelope) -> list[SubopResult]:
+    """The reference's `layer` run on its own inputs and on another run's inputs (`inputs`: chunks whose carrier
+    entering `layer` is taken), both captured and judged sub-op by sub-op. When the other run's input drift is
+    inside the envelope, an excess at this layer is either a legitimate QAT code flip the drift tipped over
+    (named in the sub-op's detail) or a defect-like amplification (status 'defect'). 2 layer-runs."""
+    own = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
+    other = teacher_forced(ref_engine, inputs, [layer], capture=True)[layer]
+    return compare_subops(own, other, ref, layer, ref_engine.config.ratio(layer), env,
+                          (ref_engine.name, f"{ref_engine.name} on the other run's inputs"))
 
 
 # ---------------------------------------------------------------- orchestration
@@ -314,7 +335,7 @@ class ReplayRouter:
         return self.ids[layer][start_pos : start_pos + n]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Culprit:
     layer: int | str               # layer index, or "embed" / "head"
     subop: str | None
@@ -323,7 +344,38 @@ class Culprit:
     detail: str
 
 
-@dataclass
+@dataclass(frozen=True)
+class FreeStage:
+    """Step 1: the reference's greedy run and the candidate teacher-forced on its tokens, judged per checkpoint."""
+
+    ref: list[ChunkResult]
+    free: list[ChunkResult]
+    tokens: list[int]
+    errs: dict[str, np.ndarray]    # checkpoint -> per-position rel-L2
+    max_excess: dict[str, float]   # checkpoint -> max excess over the envelope
+    trajectory: Trajectory
+    row_mismatch: tuple[int, int] | None
+    routing: list[LayerRouting]
+
+    @property
+    def clean(self) -> bool:
+        return (max(self.max_excess.values()) <= 1 and self.trajectory.first_wrong is None
+                and self.row_mismatch is None)
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """Steps 2-4: what localisation found (verdict 'defect' or 'noise')."""
+
+    verdict: str
+    culprit: Culprit
+    attribution: list[LayerAttribution]
+    probes: list[SpliceProbe] = field(default_factory=list)
+    subops: list[SubopResult] = field(default_factory=list)
+    runs: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class BisectReport:
     verdict: str                   # "defect" | "no defect" | "noise"
     summary: str
@@ -380,23 +432,23 @@ def _where(pos: int | None, n_prompt: int) -> tuple[int | None, str]:
     return None, f"prefill position {pos}"
 
 
-def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
-           chunk: int | None = None, progress: Progress | None = None,
-           replay: ReplayRouter | None = None) -> BisectReport:
-    """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
-    `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
-    say = progress or (lambda _m: None)
-    env.check_options(cand.options)
+class _Clock:
+    """Seconds per stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.t0, 3)
+        self.t0 = now
+
+
+def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
+               chunk: int | None, say: Progress, replay: ReplayRouter | None = None) -> FreeStage:
+    """Step 1 (2 full runs): reference greedy, candidate teacher-forced on the reference's tokens."""
     L, P = cand.config.n_layers, len(prompt)
-    t0 = time.perf_counter()
-    seconds: dict[str, float] = {}
-    runs = {"full": 0, "teacher_forced": 0, "splice": 0, "drill_down_layers": 0}
-
-    def lap(name: str) -> None:
-        nonlocal t0
-        seconds[name] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
-
     say(f"reference: {P} prompt tokens + {decode} greedy decode steps")
     ref = run_sequence(ref_engine, prompt, decode, chunk=chunk)
     tokens = [int(t) for t in all_tokens(ref)]
@@ -404,84 +456,116 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
         replay.fill(ref)
     say(f"{cand.name}: same tokens (teacher-forced)")
     free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:])
-    runs["full"] = 2
-    lap("full_runs")
     errs = checkpoint_errors(ref, free)
     excess = {n: float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()}
     logits = [np.concatenate([c.logits for c in run]) for run in (ref, free)]
-    traj = trajectory(*logits, errs, P, L, env)
-    report = BisectReport("no defect", "", None, P, decode, tokens,
-                          {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration},
-                          excess, trajectory=traj, runs=runs, seconds=seconds)
-    report.row_mismatch = first_visibility_mismatch(ref, [c.diags for c in free], range(L))
-    report.routing = routing(ref, free, env)
-    worst = max(excess, key=excess.get)
-    if excess[worst] <= 1 and traj.first_wrong is None and report.row_mismatch is None:
-        first_pos = int(errs[worst].argmax())
-        flips = sum(r.flips for r in report.routing)
-        report.summary = (f"NO DEFECT: every checkpoint within the envelope (max excess {excess[worst]:.2g} at "
-                          f"{worst}, position {first_pos}); steps {_counts(traj)}"
-                          + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
-        lap("verdict")
-        return report
-
-    return _localise(report, ref_engine, cand, ref, free, errs, env, say, lap)
+    return FreeStage(ref, free, tokens, errs, excess, trajectory(*logits, errs, P, L, env),
+                     first_visibility_mismatch(ref, [c.diags for c in free], range(L)), routing(ref, free, env))
 
 
-def _localise(report: BisectReport, ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult],
-              free: Sequence[ChunkResult], errs: dict[str, np.ndarray], env: Envelope, say: Progress,
-              lap: Callable[[str], None]) -> BisectReport:
+def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
+           chunk: int | None = None, progress: Progress | None = None,
+           replay: ReplayRouter | None = None) -> BisectReport:
+    """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
+    `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
+    say = progress or (lambda _m: None)
+    env.check_options(cand.options)
+    clock = _Clock()
+    fs = free_stage(ref_engine, cand, prompt, decode, env, chunk, say, replay)
+    clock.lap("full_runs")
+    runs = {"full": 2, "teacher_forced": 0, "splice": 0, "drill_down_layers": 0, "flip_check_layers": 0}
+    envelope = {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration}
+    base = dict(n_prompt=len(prompt), decode=decode, tokens=fs.tokens, envelope=envelope, max_excess=fs.max_excess,
+                row_mismatch=fs.row_mismatch, routing=fs.routing, trajectory=fs.trajectory)
+    if fs.clean:
+        clock.lap("verdict")
+        return BisectReport("no defect", _clean_summary(fs), None, runs=runs, seconds=clock.seconds, **base)
+    ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock)
+    report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
+                          subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
+    report = replace(report, summary=summarize(report, env))
+    clock.lap("verdict")
+    return report
+
+
+def _clean_summary(fs: FreeStage) -> str:
+    worst = max(fs.max_excess, key=fs.max_excess.get)
+    flips = sum(r.flips for r in fs.routing)
+    return (f"NO DEFECT: every checkpoint within the envelope (max excess {fs.max_excess[worst]:.2g} at "
+            f"{worst}, position {int(fs.errs[worst].argmax())}); steps {_counts(fs.trajectory)}"
+            + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
+
+
+def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env: Envelope, say: Progress,
+             clock: _Clock) -> LocalStage:
     """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
-    L, P, runs = ref_engine.config.n_layers, report.n_prompt, report.runs
+    L, P = ref_engine.config.n_layers, n_prompt
     say("teacher-forced pass: every candidate layer on the reference's inputs")
-    tf = teacher_forced(cand, ref, list(range(L)))
-    runs["teacher_forced"] = 1
-    report.attribution = attribute(ref, tf, errs, env)
-    lap("teacher_forced")
-    if report.max_excess[EMBED] > 1:
-        pos = int(np.argmax(errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
-        report.culprit = Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs"))
-        return _finish(report, "defect", env, lap)
-    layer, report.probes = mirror_bisect(ref_engine, free, errs, ref, env, say)
-    runs["splice"] = len(report.probes)
-    lap("splice")
+    attribution = attribute(fs.ref, teacher_forced(cand, fs.ref, list(range(L))), fs.errs, env)
+    runs = {"teacher_forced": 1}
+    clock.lap("teacher_forced")
+    if fs.max_excess[EMBED] > 1:
+        pos = int(np.argmax(fs.errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
+        return LocalStage("defect", Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs")),
+                          attribution, runs=runs)
+    layer, probes = mirror_bisect(ref_engine, fs.free, fs.errs, fs.ref, env, say)
+    runs["splice"] = len(probes)
+    clock.lap("splice")
     if layer == L:
-        report.culprit = Culprit("head", None, None, None, "layers clean; final norm / output head differ")
-        return _finish(report, "defect", env, lap)
-    local = [a.layer for a in report.attribution if a.kind == "local"]
+        return LocalStage("defect", Culprit("head", None, None, None, "layers clean; final norm / output head differ"),
+                          attribution, probes, runs=runs)
+    local = [a.layer for a in attribution if a.kind == "local"]
     if not local:
-        worst = max(report.max_excess, key=report.max_excess.get)
-        report.culprit = Culprit(layer, None, None, None, (
-            f"no candidate layer departs on the reference's inputs; the excess ({report.max_excess[worst]:.3g} at "
-            f"{worst}; the splice first departs after layer {layer}) is amplified sub-envelope drift (QAT code "
-            "flips or near-ties downstream)"))
-        return _finish(report, "noise", env, lap)
+        return replace(_inherited_noise(ref_engine, fs, layer, env, say), attribution=attribution, probes=probes,
+                       runs=runs | {"flip_check_layers": 2})
     if layer not in local:  # the splice saw amplified sub-envelope drift: trust the local evidence
         say(f"splice points at layer {layer}, which does not depart locally; using layer {local[0]}")
         layer = local[0]
+    runs["drill_down_layers"] = 0
+    subops: list[SubopResult] = []
     for cand_layer in [layer, *(l for l in local if l != layer)]:
         say(f"drill-down: layer {cand_layer}, {len(SUBOPS)} sub-ops")
-        subs = drill_down(ref_engine, cand, ref, cand_layer, env)
+        subs = drill_down(ref_engine, cand, fs.ref, cand_layer, env)
         runs["drill_down_layers"] += 1
         hit = next((s for s in subs if s.status == "defect"), None)
         if hit or cand_layer == layer:
-            report.subops = subs
+            subops = subs
         if hit:
             step, where = _where(hit.position, P)
-            report.culprit = Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}")
-            lap("drill_down")
-            return _finish(report, "defect", env, lap)
-    lap("drill_down")
-    att = report.attribution[layer]
-    if not any(s.status == "noise" for s in report.subops):
-        pos = att.worst_position
+            clock.lap("drill_down")
+            return LocalStage("defect", Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}"),
+                              attribution, probes, subops, runs)
+    clock.lap("drill_down")
+    if not any(s.status == "noise" for s in subops):
+        pos = attribution[layer].worst_position
         step, where = _where(pos, P)
-        report.culprit = Culprit(layer, None, pos, step, f"{where}; no captured sub-op differs: the defect is "
-                                 "between captures")
-        return _finish(report, "defect", env, lap)
-    noisy = next(s for s in report.subops if s.status == "noise")
-    report.culprit = Culprit(layer, noisy.name, None, None, noisy.detail)
-    return _finish(report, "noise", env, lap)
+        return LocalStage("defect", Culprit(layer, None, pos, step, f"{where}; no captured sub-op differs: the "
+                                            "defect is between captures"), attribution, probes, subops, runs)
+    noisy = next(s for s in subops if s.status == "noise")
+    return LocalStage("noise", Culprit(layer, noisy.name, None, None, noisy.detail), attribution, probes, subops, runs)
+
+
+def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: Envelope,
+                     say: Progress) -> LocalStage:
+    """No candidate layer departs locally: the excess is amplified sub-envelope drift; name the QAT code flip
+    the drift tips over in the first layer outside the envelope (2 layer-runs)."""
+    worst = max(fs.max_excess, key=fs.max_excess.get)
+    first = _first_free_departure(fs.max_excess, ref_engine.config.n_layers)
+    say(f"no local departure; naming the QAT code flip the drift tips over at layer {first}")
+    flips = inherited_flips(ref_engine, fs.ref, fs.free, first, env)
+    named = [s for s in flips if s.status == "noise" and "code flip" in s.detail]
+    why = (f"{named[0].name}: {named[0].detail}" if named else
+           "no isolated QAT code flip found there (near-ties or amplification downstream)")
+    return LocalStage("noise", Culprit(first, named[0].name if named else None, None, None, (
+        f"no candidate layer departs on the reference's inputs; the excess ({fs.max_excess[worst]:.3g} at {worst}; "
+        f"the splice first departs after layer {splice_layer}) is amplified sub-envelope drift; the reference's "
+        f"layer {first} on the candidate's inputs shows {why}")), [])
+
+
+def _first_free_departure(excess: dict[str, float], n_layers: int) -> int:
+    """The first layer (depth order) with a free-running checkpoint outside the envelope; the last layer when
+    only final_norm / logits are out."""
+    return next((l for l in range(n_layers) if max(excess[block_attn(l)], excess[block(l)]) > 1), n_layers - 1)
 
 
 def _step_detail(pos: int, n_prompt: int, what: str) -> tuple[int | None, str]:
@@ -491,13 +575,6 @@ def _step_detail(pos: int, n_prompt: int, what: str) -> tuple[int | None, str]:
 
 def _counts(traj: Trajectory) -> str:
     return ", ".join(f"{n} {v}" for v, n in traj.counts.items() if n) or "none"
-
-
-def _finish(report: BisectReport, verdict: str, env: Envelope, lap: Callable[[str], None]) -> BisectReport:
-    report.verdict = verdict
-    report.summary = summarize(report, env)
-    lap("verdict")
-    return report
 
 
 def summarize(report: BisectReport, env: Envelope) -> str:

@@ -38,26 +38,6 @@ def _options(dtype: str, device: str, no_fp8_kv: bool, no_fp4_indexer: bool, inj
                       inject=tuple(inject))
 
 
-def _measure(model: str, engine: str, opts, say):
-    """Benign pairs for the envelope of `engine` (never with faults injected)."""
-    from dataclasses import replace
-
-    from parity.bisect.envelope import CALIBRATION_DECODE, calibration_prompt, measure_envelope
-    from parity.contract.engine import load_engine
-
-    clean = replace(opts, inject=(), expert_override=None)
-    ref = load_engine("reference", model, _options("float32", "cpu", not opts.fp8_kv, not opts.fp4_indexer))
-    ref64 = load_engine("reference", model, _options("float64", "cpu", not opts.fp8_kv, not opts.fp4_indexer))
-    cand = load_engine(engine, model, clean)
-    cand32 = load_engine(engine, model, replace(clean, dtype="float32")) if clean.dtype != "float32" else None
-    prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    return measure_envelope(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=say)
-
-
-def _default_envelope_path(model: str) -> Path:
-    return Path("traces") / (Path(model).stem + ".envelope.json")
-
-
 model_opt = click.option("--model", "-m", required=True, type=click.Path(exists=True, dir_okay=False),
                          help="deepseek4 GGUF file.")
 engine_opt = click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
@@ -84,11 +64,10 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
 
     Example: v4parity envelope -m tiny-f32.gguf --engine torch --dtype bfloat16
     """
-    from parity.bisect.envelope import save_envelope
-    from parity.gguf.weights import Weights
+    from parity import api
 
-    env = _measure(model, engine, _options(dtype, device, no_fp8_kv, no_fp4_indexer), _stderr)
-    path = save_envelope(output or _default_envelope_path(model), env, Weights(model).identity())
+    env, path = api.envelope(model, engine=engine, options=_options(dtype, device, no_fp8_kv, no_fp4_indexer),
+                             output=output, progress=_stderr)
     worst = max(env.checkpoints, key=env.checkpoints.get)
     click.echo(f"wrote {dtype} envelope to {path} (k={env.k:g}, eps={env.eps:g}; largest floor "
                f"{env.checkpoints[worst]:.3g} at {worst}; logit_rel {env.logit_rel:.3g})")
@@ -123,29 +102,16 @@ def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, dev
 
     Example: v4parity bisect -m tiny-f32.gguf --engine torch --inject no-decode-compression
     """
-    from dataclasses import replace
-
-    from parity.bisect.envelope import load_envelope
-    from parity.bisect.search import ReplayRouter
-    from parity.bisect.search import bisect as run_bisect
-    from parity.contract.engine import load_engine
+    from parity import api
     from parity.gguf.weights import Weights
 
-    opts = _options(dtype, device, no_fp8_kv, no_fp4_indexer, inject)
-    path = Path(envelope_path) if envelope_path else _default_envelope_path(model)
-    if path.exists():
-        _stderr(f"envelope: {path} ({dtype})")
-        env = load_envelope(path, dtype, Weights(model).identity())
-    elif envelope_path:
-        raise click.BadParameter(f"{path} does not exist", param_hint="--envelope")
-    else:
-        _stderr(f"envelope: no {path}; measuring it now (save one with `v4parity envelope`)")
-        env = _measure(model, engine, opts, _stderr)
-    ref = load_engine("reference", model, _options("float32", "cpu", no_fp8_kv, no_fp4_indexer))
-    router = ReplayRouter() if routing_replay else None
-    cand = load_engine(engine, model, replace(opts, expert_override=router))
-    prompt = _tokens(tokens, tokens_file, ref.config.vocab_size, ref.config.bos_token_id)
-    report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=_stderr, replay=router)
+    if envelope_path is not None and not Path(envelope_path).exists():
+        raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
+    cfg = Weights(model).config
+    prompt = _tokens(tokens, tokens_file, cfg.vocab_size, cfg.bos_token_id)
+    report = api.bisect(model, engine=engine, tokens=prompt, decode=decode, chunk=chunk,
+                        options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
+                        routing_replay=routing_replay, progress=_stderr)
     if plot:
         from parity.bisect.search import plot_report
 

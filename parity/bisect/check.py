@@ -1,0 +1,372 @@
+"""`check`: the full verdict for a trace written by any engine — MATCH, NOISE (explained) or DEFECT (where, why).
+
+The candidate is only a trace (text/binary, or imported from ds4 / llama.cpp dumps): the harness cannot call
+its engine. Stages, each a pure function of the ones before (costs in reference layer-runs: one layer over
+every position of the run, L = layers):
+1. follow: the reference runs the candidate's tokens on the candidate's chunk schedule with the QAT flags the
+   header declares (L layer-runs + head). This free-running pass is computed once and reused by every stage;
+2. free-running profile per checkpoint (candidate's full vectors vs the reference), judged by the envelope;
+   structural check: the candidate's visible compressed-row counts vs the reference's;
+3. teacher-forced local error: where the candidate recorded full vectors at every position, the reference runs
+   layer l on the candidate's own carrier entering l (its caches built from the candidate's earlier inputs)
+   and is compared with the candidate's blk.l.attn / blk.l (one layer-run per layer with an input);
+4. each layer that departs locally is explained by the hypotheses of `parity.bisect.hypotheses`, cheapest
+   first (benign numerics, then the defect library); a free-running excess without any local departure is
+   amplified sub-envelope drift, and the QAT code flip it tips over is named (2 layer-runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from parity.bisect.attribution import teacher_forced
+from parity.bisect.envelope import Envelope, gate
+from parity.bisect.hypotheses import (
+    Fit,
+    benign_variants,
+    defect_library,
+    fit,
+    name_subop,
+    routing_replay,
+    table_rows,
+)
+from parity.bisect.search import inherited_flips
+from parity.compare.metrics import rel_l2, set_overlap
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
+from parity.contract.engine import Engine, LayerOutput, RunOptions
+from parity.contract.errors import ParityError, TraceError
+from parity.tracing.records import Trace
+from parity.tracing.runner import ChunkResult, forward_chunk
+
+Progress = Callable[[str], None]
+EngineFactory = Callable[[RunOptions], Engine]
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str              # benign | defect
+    name: str              # hypothesis or fault name, or "unexplained"
+    layer: int | None
+    subop: str | None
+    evidence: str
+
+
+@dataclass(frozen=True)
+class CheckCulprit:
+    layer: int | str | None
+    subop: str | None
+    position: int | None
+    decode_step: int | None
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One checkpoint: worst free-running and local (teacher-forced) error over the traced positions."""
+
+    checkpoint: str
+    free: float | None          # None: the candidate recorded no full vectors here
+    free_excess: float | None
+    local: float | None         # None: no teacher-forced run for this checkpoint
+    local_excess: float | None
+    floor: float
+    position: int | None        # first position outside the envelope (local first, else free)
+    status: str                 # ok | outside (free only: inherited) | local | structural | not judged
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    verdict: str                      # MATCH | NOISE | DEFECT
+    headline: str
+    culprit: CheckCulprit | None
+    causes: tuple[Cause, ...]
+    table: tuple[CheckRow, ...]
+    layer_runs: dict[str, int]        # reference (and fault-engine) layer-runs by stage
+    notes: tuple[str, ...]
+    n_prompt: int
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerLocal:
+    """Local comparison of one layer: excesses of blk.l.attn / blk.l and structure."""
+
+    layer: int
+    local_attn: float | None
+    local: float | None
+    excess: float                     # max of the two halves' excess
+    position: int | None              # first position outside the envelope, or of a structural difference
+    structural: str | None            # what differs structurally (visible rows, routing), else None
+
+
+# ---------------------------------------------------------------- follow
+
+def replay(engine: Engine, tokens: Sequence[int], chunks: Sequence[int]) -> list[ChunkResult]:
+    """Run `tokens` through `engine` on exactly the chunk schedule `chunks` (a followed trace's: prefill pieces,
+    then one token per decode step; tokens are taken from the trace, never generated)."""
+    if sum(chunks) != len(tokens):
+        raise TraceError(f"chunk schedule {list(chunks)} covers {sum(chunks)} tokens, the trace has {len(tokens)}")
+    state, out, pos = engine.new_state(), [], 0
+    toks = np.asarray(tokens, dtype=np.int64)
+    for n in chunks:
+        out.append(forward_chunk(engine, state, toks[pos : pos + n], pos))
+        pos += n
+    return out
+
+
+def reference_options(trace: Trace) -> tuple[RunOptions, list[str]]:
+    """The reference's options for a followed trace: float32, the QAT flags the header declares (on when it
+    declares none, as the model defines them; said in the notes). Declared approximations are not followed:
+    they are the first hypotheses tested."""
+    flags, notes = trace.header.flags, []
+    qat = {}
+    for name in ("fp8_kv", "fp4_indexer"):
+        if name in flags:
+            qat[name] = bool(flags[name])
+        else:
+            qat[name] = True
+            notes.append(f"the header declares no {name}; the reference runs it on (the model's definition)")
+    return RunOptions(dtype="float32", **qat), notes
+
+
+# ---------------------------------------------------------------- candidate as chunk results
+
+def candidate_chunks(trace: Trace, ref: Sequence[ChunkResult]) -> tuple[list[ChunkResult] | None, list[str]]:
+    """The candidate's recorded carriers cut into the reference's chunks, for teacher forcing; None when the
+    trace lacks full vectors at every position (the local error needs each layer's whole input)."""
+    h, vec = trace.header, trace.vectors or {}
+    n_total = len(h.tokens)
+    if h.positions != list(range(n_total)):
+        return None, [f"the candidate traced {len(h.positions)} of {n_total} positions: no teacher-forced local "
+                      "error (record every position with full vectors: --positions all --full all)"]
+    carriers = [n for n in vec if n not in (FINAL_NORM, LOGITS)]
+    notes = []
+    if EMBED not in carriers:
+        notes.append("the candidate recorded no embed: its layer 0 is fed the reference's embedding")
+    chunks = []
+    for c in ref:
+        sl = slice(c.start_pos, c.start_pos + len(c.tokens))
+        cks = {n: np.asarray(vec[n][sl], np.float32) for n in carriers}
+        cks.setdefault(EMBED, c.checkpoints[EMBED])
+        chunks.append(ChunkResult(c.start_pos, c.tokens, cks, c.logits, []))
+    return chunks, notes
+
+
+def _rows_at(trace: Trace, name: str) -> np.ndarray | None:
+    vec = trace.vectors or {}
+    return None if name not in vec else np.asarray(vec[name])
+
+
+# ---------------------------------------------------------------- profile and local error
+
+def free_profile(trace: Trace, ref: Sequence[ChunkResult], env: Envelope) -> dict[str, np.ndarray]:
+    """Per-position rel-L2 of every checkpoint (and logits) the candidate recorded full vectors of: name -> [P]."""
+    pos = np.asarray(trace.header.positions)
+    out = {}
+    for name in (trace.vectors or {}):
+        got = _rows_at(trace, name)
+        want = np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref])[pos]
+        out[name] = rel_l2(want, got)
+    return out
+
+
+def routing_flips(trace: Trace, outs: Sequence[LayerOutput], layer: int) -> np.ndarray:
+    """Positions where the candidate's expert set differs from the reference's on the candidate's inputs."""
+    moe = table_rows(trace, "moe", layer)
+    if not len(moe["pos"]):
+        return np.zeros(0, dtype=np.int64)
+    ids = np.concatenate([o.diag.expert_ids for o in outs])[moe["pos"]]
+    return moe["pos"][set_overlap(ids, moe["ids"]) < 1]
+
+
+def local_errors(trace: Trace, outs: dict[int, list[LayerOutput]], env: Envelope) -> list[LayerLocal]:
+    """One LayerLocal per teacher-forced layer: the candidate's recorded output vs the reference's layer run on
+    the candidate's input."""
+    rows = []
+    for layer, o in sorted(outs.items()):
+        fit_ = fit(trace, o, layer, env)
+        rows.append(LayerLocal(layer, fit_.err_attn, fit_.err, fit_.excess, fit_.position,
+                               fit_.structural))
+    return rows
+
+
+# ---------------------------------------------------------------- the verdict
+
+@dataclass
+class _Stages:
+    """What the stages found (assembled into the frozen report at the end)."""
+
+    causes: list[Cause] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    runs: dict[str, int] = field(default_factory=dict)
+    culprit: CheckCulprit | None = None
+
+
+def _decode_step(pos: int | None, n_prompt: int) -> int | None:
+    return None if pos is None or pos < n_prompt else pos - n_prompt
+
+
+def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
+          fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
+          progress: Progress | None = None) -> CheckReport:
+    """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
+    fault_engines: (engine name, factory(options), fault names) for the defect library."""
+    say = progress or (lambda _m: None)
+    t0 = time.perf_counter()
+    h = trace.header
+    opts, notes = reference_options(trace)
+    env.check_options(opts)
+    ref_engine = make_reference(opts)
+    L = ref_engine.config.n_layers
+    st = _Stages(notes=list(notes), runs={"free": L})
+    say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")
+    ref = replay(ref_engine, h.tokens, h.chunks)
+    free = free_profile(trace, ref, env)
+    if not free:
+        raise TraceError(f"{h.engine} trace has no full vectors: check needs them (trace with --full all, or "
+                         "import the dumps)")
+    cand, more = candidate_chunks(trace, ref)
+    st.notes += more
+    layers = [] if cand is None else [l for l in range(L) if (EMBED if l == 0 else block(l - 1)) in cand[0].checkpoints
+                                      and (block(l) in free or block_attn(l) in free)]
+    say(f"teacher-forced: {len(layers)} reference layers on the candidate's inputs")
+    tf = teacher_forced(ref_engine, cand, layers) if cand is not None else {}
+    st.runs["local"] = len(layers)
+    local = local_errors(trace, tf, env)
+    departing = [r for r in local if r.excess > 1 or r.structural is not None]
+    if departing:
+        _explain(trace, ref_engine, make_reference, cand, tf, departing, env, fault_engines, st, say)
+    else:
+        _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
+    names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
+    table = _table(names, free, local, env, h.positions)
+    verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
+    report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
+                         h.n_prompt, round(time.perf_counter() - t0, 3))
+    from parity.bisect.check_report import headline
+
+    return replace(report, headline=headline(report))
+
+
+def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], cand: list[ChunkResult] | None,
+                  free: dict[str, np.ndarray], env: Envelope, st: _Stages, say: Progress) -> None:
+    """No layer departs locally: a free-running excess is amplified sub-envelope drift; name its QAT flip."""
+    out = [n for n in trace.header.checkpoints if n in free
+           and float(gate(free[n].max(), env.floor(n), env.k, env.eps)) > 1]
+    if not out:
+        return
+    first = next((checkpoint_layer(n) for n in out if checkpoint_layer(n) is not None), None)
+    worst = max(out, key=lambda n: float(gate(free[n].max(), env.floor(n), env.k, env.eps)))
+    ex = float(gate(free[worst].max(), env.floor(worst), env.k, env.eps))
+    base = (f"free-running excess {ex:.3g} at {worst} with every layer inside the envelope on the candidate's own "
+            "inputs: amplified sub-envelope drift")
+    if cand is None or first is None:
+        st.causes.append(Cause("benign", "amplified-drift", first, None, base + " (no local error available)"))
+        return
+    say(f"free-running excess from layer {first}: looking for the QAT code flip the drift tips over")
+    subs = inherited_flips(ref_engine, ref, cand, first, env)
+    st.runs["flip_check"] = 2
+    flip = next((s for s in subs if s.status == "noise" and "code flip" in s.detail), None)
+    if flip is None:
+        st.causes.append(Cause("benign", "amplified-drift", first, None,
+                               base + f"; no isolated QAT code flip at layer {first} (near-ties or amplification)"))
+        return
+    st.causes.append(Cause("benign", "fp8-code-flip" if "FP8" in flip.detail else "fp4-code-flip", first, flip.name,
+                           base + f"; the reference's layer {first} on the candidate's inputs: {flip.detail}"))
+
+
+def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
+             tf: dict[int, list[LayerOutput]], departing: list[LayerLocal], env: Envelope,
+             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
+             say: Progress) -> None:
+    """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
+    nothing benign explains is the culprit, matched against the defect library."""
+    accepted: list[str] = []
+    st.runs.update(hypotheses=0, defect_library=0, drill_down=0)
+    variants = benign_variants(trace, ref_engine.options)
+    for d in departing:
+        say(f"layer {d.layer}: local excess {d.excess:.3g}" + (f", {d.structural}" if d.structural else ""))
+        order = [v for v in variants if v.name in accepted] + [v for v in variants if v.name not in accepted]
+        hit = None
+        flips = routing_flips(trace, tf[d.layer], d.layer)
+        if len(flips) and d.structural is None:
+            st.runs["hypotheses"] += 1
+            hit = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, env)
+        for v in order if hit is None else ():
+            try:
+                engine = make_reference(v.options)
+            except ParityError as e:
+                st.notes.append(f"hypothesis {v.name} not testable: {e}")
+                variants = [w for w in variants if w.name != v.name]
+                continue
+            st.runs["hypotheses"] += 1
+            outs = teacher_forced(engine, cand, [d.layer])[d.layer]
+            f = fit(trace, outs, d.layer, env)
+            if f.explains:
+                hit = (v.name, engine, f)
+                break
+        if hit is not None:
+            name, engine, f = hit
+            accepted.append(name)
+            sub = name_subop(ref_engine, engine, cand, d.layer, env) if engine is not None else "router"
+            st.runs["drill_down"] += 2 if engine is not None else 0
+            st.causes.append(Cause("benign", name, d.layer, sub, _evidence(d, f)))
+            continue
+        _defect(trace, ref_engine, cand, d, env, fault_engines, st, say)
+        return
+
+
+def _evidence(d: LayerLocal, f: Fit) -> str:
+    return (f"local excess {d.excess:.3g} (rel-L2 {d.local if d.local is not None else d.local_attn:.3g}) -> "
+            f"{f.excess:.3g} (rel-L2 {f.err if f.err is not None else f.err_attn:.3g}) with the variant"
+            + (f"; {d.structural}" if d.structural else ""))
+
+
+def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, env: Envelope,
+            fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
+            say: Progress) -> None:
+    say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
+    best, n = defect_library(trace, ref_engine, cand, d.layer, env, fault_engines)
+    st.runs["defect_library"] += n
+    unexplained = d.local if d.local is not None else d.local_attn
+    if best is not None and best.fit.explains:
+        sub = name_subop(ref_engine, best.engine, cand, d.layer, env)
+        st.runs["drill_down"] += 2
+        ev = (f"matches {best.name}: residual {best.fit.err if best.fit.err is not None else best.fit.err_attn:.3g} "
+              f"vs unexplained {unexplained:.3g}" + (f"; {d.structural}" if d.structural else ""))
+        st.causes.append(Cause("defect", best.name, d.layer, sub, ev))
+    else:
+        sub = None
+        closest = (f"; closest known fault {best.name} leaves {best.fit.excess:.3g} x the envelope"
+                   if best is not None else "; no engine offers fault switches")
+        st.causes.append(Cause("defect", "unexplained", d.layer, None,
+                               f"local excess {d.excess:.3g} (rel-L2 {unexplained:.3g})"
+                               + (f"; {d.structural}" if d.structural else "") + closest))
+    st.culprit = CheckCulprit(d.layer, sub, d.position, _decode_step(d.position, trace.header.n_prompt))
+
+
+def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[LayerLocal], env: Envelope,
+           positions: Sequence[int]) -> list[CheckRow]:
+    by_layer = {r.layer: r for r in local}
+    rows = []
+    for n in names:
+        floor = env.floor(n)
+        fe = free.get(n)
+        f = None if fe is None else float(fe.max())
+        fx = None if fe is None else float(gate(f, floor, env.k, env.eps))
+        lr = by_layer.get(checkpoint_layer(n)) if checkpoint_layer(n) is not None else None
+        lo = None if lr is None else (lr.local_attn if n.endswith(".attn") else lr.local)
+        lx = None if lo is None else float(gate(lo, floor, env.k, env.eps))
+        pos = None
+        if fe is not None and fx is not None and fx > 1:
+            pos = int(positions[int(np.argmax(fe > env.k * floor + env.eps))])
+        if lx is not None and lx > 1 and lr is not None:
+            pos = lr.position
+        status = ("not judged" if fe is None else "structural" if lr is not None and lr.structural and
+                  not n.endswith(".attn") else "local" if lx is not None and lx > 1 else
+                  "outside" if fx is not None and fx > 1 else "ok")
+        rows.append(CheckRow(n, f, fx, lo, lx, floor, pos, status))
+    return rows

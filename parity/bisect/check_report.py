@@ -1,0 +1,123 @@
+"""Printers of a `CheckReport`: the headline, plain text, Markdown, JSON and a figure. No computation here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from parity.bisect.check import CheckReport, CheckRow
+
+
+def _where(report: CheckReport) -> str:
+    c = report.culprit
+    if c is None:
+        return ""
+    parts = [f"layer {c.layer}"] + ([f"sub-op {c.subop}"] if c.subop else [])
+    if c.decode_step is not None:
+        parts.append(f"decode step {c.decode_step} (position {c.position})")
+    elif c.position is not None:
+        parts.append(f"prefill position {c.position}")
+    return ", ".join(parts)
+
+
+def _benign_summary(report: CheckReport) -> str:
+    groups: dict[tuple[str, str | None], list[int | None]] = {}
+    for c in report.causes:
+        if c.kind == "benign":
+            groups.setdefault((c.name, c.subop), []).append(c.layer)
+    return "; ".join(f"{n} at layer{'s' if len(ls) > 1 else ''} {', '.join(str(x) for x in ls)}"
+                     + (f" ({s})" if s else "") for (n, s), ls in groups.items())
+
+
+def headline(report: CheckReport) -> str:
+    """The verdict in words a person reads (first output line)."""
+    if report.verdict == "MATCH":
+        worst = max((r for r in report.table if r.free_excess is not None), key=lambda r: r.free_excess)
+        return (f"MATCH: every checkpoint is inside the noise envelope (largest excess {worst.free_excess:.2g} at "
+                f"{worst.checkpoint})")
+    if report.verdict == "NOISE":
+        return f"NOISE: every difference beyond the envelope is explained as benign: {_benign_summary(report)}"
+    d = next(c for c in report.causes if c.kind == "defect")
+    what = f"matches known fault {d.name}" if d.name != "unexplained" else "unexplained by every known fault"
+    return f"DEFECT at {_where(report)}: {what} ({d.evidence})"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _row(r: CheckRow) -> list[str]:
+    return [r.checkpoint, _num(r.free), _num(r.free_excess), _num(r.local), _num(r.local_excess), _num(r.floor),
+            "-" if r.position is None else str(r.position), r.status]
+
+
+COLUMNS = ["checkpoint", "free rel-L2", "free excess", "local rel-L2", "local excess", "floor", "position",
+           "status"]
+
+
+def to_text(report: CheckReport) -> str:
+    lines = [report.headline]
+    lines += [f"  cause ({c.kind}): {c.name} at layer {c.layer}" + (f", {c.subop}" if c.subop else "")
+              + f": {c.evidence}" for c in report.causes]
+    lines += [f"  note: {n}" for n in report.notes]
+    cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
+    lines.append(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s")
+    rows = [COLUMNS, *(_row(r) for r in report.table)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def to_markdown(report: CheckReport) -> str:
+    out = [f"# v4parity check: {report.verdict}", "", report.headline, ""]
+    if report.causes:
+        out += ["| kind | name | layer | sub-op | evidence |", "|---|---|---|---|---|"]
+        out += [f"| {c.kind} | {c.name} | {c.layer} | {c.subop or '-'} | {c.evidence} |" for c in report.causes]
+        out.append("")
+    out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(_row(r)) + " |" for r in report.table]
+    out += ["", *(f"- {n}" for n in report.notes)]
+    return "\n".join(out) + "\n"
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def to_json(report: CheckReport) -> dict[str, Any]:
+    """The JSON document: verdict, culprit {layer, subop, position, decode_step}, causes, table."""
+    return _plain({"verdict": report.verdict,
+                   "culprit": asdict(report.culprit) if report.culprit else None,
+                   "causes": [asdict(c) for c in report.causes],
+                   "table": [asdict(r) for r in report.table]})
+
+
+def plot(report: CheckReport, path: str) -> None:
+    """Free-running and local excess per checkpoint, the envelope at 1, the culprit marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    xs = range(len(report.table))
+    for attr, style, label in (("free_excess", "o-", "free-running"), ("local_excess", "s--", "local")):
+        ys = [getattr(r, attr) for r in report.table]
+        ax.semilogy([x for x, y in zip(xs, ys, strict=True) if y is not None],
+                    [max(y, 1e-3) for y in ys if y is not None], style, label=label)
+    ax.axhline(1, color="gray", lw=1)
+    ax.set_xticks(list(xs), [r.checkpoint for r in report.table], rotation=60, fontsize=7)
+    ax.set_ylabel("excess over the envelope")
+    ax.set_title(report.headline[:120], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""What `check` is given: a candidate (a trace file, or dumps imported on the fly), the model it must belong to
+(preflight), and the model's stored noise envelope (found by model identity, never by file name)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.bisect.envelope import Envelope, load_envelope
+from parity.contract.errors import ParityError, TraceError
+from parity.gguf.config import ModelConfig
+from parity.gguf.weights import same_model
+from parity.tracing.importers import LCP_RE, import_ds4, import_llamacpp
+from parity.tracing.io import read_trace
+from parity.tracing.records import Trace
+
+
+class CheckPreflightError(ParityError):
+    """The candidate cannot be judged against this model (exit status 2)."""
+
+
+def load_candidate(source: str | os.PathLike, config: ModelConfig, identity: dict[str, Any],
+                   tokens: Sequence[int] | None) -> Trace:
+    """A trace file (text or binary) as is; a llama.cpp capture `.npz` (its `input_ids` are the tokens) or dump
+    directory, or a ds4 dump prefix (`dir/run` for `dir/run_<name>-<layer>_pos<pos>.bin`, or `dir/`), imported with
+    `tokens` (dump directories and ds4 dumps carry none)."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            return read_trace(path)
+        except TraceError:
+            if path.suffix != ".npz":
+                raise
+        return import_llamacpp(path, tokens=None if tokens is None else [int(t) for t in tokens], config=config,
+                               model=identity)
+    if path.is_dir() and any(LCP_RE.match(f.name) for f in path.iterdir()):
+        return _imported(import_llamacpp, path, config, identity, tokens, "llama.cpp dump directory")
+    return _imported(import_ds4, source, config, identity, tokens, "ds4 dump prefix")
+
+
+def _imported(importer: Any, path: str | os.PathLike, config: ModelConfig, identity: dict[str, Any],
+              tokens: Sequence[int] | None, what: str) -> Trace:
+    if tokens is None:
+        raise CheckPreflightError(f"{path}: {what}; the dumps carry no token ids: pass --tokens or --tokens-file")
+    return importer(path, tokens=[int(t) for t in tokens], config=config, model=identity)
+
+
+def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any]) -> None:
+    """Refuse a candidate of another model (size + header hash), shape, or with token ids outside the vocabulary."""
+    h = trace.header
+    problems = []
+    if not same_model(h.model, identity):
+        problems.append(f"model identity differs: candidate {h.model['size']} bytes, header {h.model['header_sha256']}"
+                        f" vs model {identity['size']} bytes, header {identity['header_sha256']}")
+    if (h.n_hc, h.dim) != (config.hc_mult, config.dim):
+        problems.append(f"carrier shape differs: candidate {h.n_hc} x {h.dim}, model {config.hc_mult} x {config.dim}")
+    if trace.n_layers > config.n_layers:
+        problems.append(f"candidate has checkpoints of {trace.n_layers} layers, the model {config.n_layers}")
+    toks = np.asarray(h.tokens)
+    bad = toks[(toks < 0) | (toks >= config.vocab_size)]
+    if len(bad):
+        problems.append(f"token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size})")
+    if problems:
+        raise CheckPreflightError("preflight: " + "; ".join(problems))
+
+
+def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike]) -> Path | None:
+    """The first `*.envelope.json` in the `search` directories measured on this model (size + header hash) with a
+    `dtype` section, or None."""
+    for d in search:
+        for p in sorted(Path(d).glob("*.envelope.json")) if Path(d).is_dir() else ():
+            try:
+                doc = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            model = doc.get("model")
+            if isinstance(model, dict) and {"size", "header_sha256"} <= set(model) and \
+                    same_model(model, identity) and dtype in doc.get("dtypes", {}):
+                return p
+    return None
+
+
+def envelope_for(identity: dict[str, Any], dtype: str, path: str | os.PathLike | None,
+                 search: Sequence[str | os.PathLike]) -> tuple[Envelope, Path] | None:
+    """The envelope at `path` (refused when measured on another model), else the one found by model identity."""
+    found = Path(path) if path is not None else find_envelope(identity, dtype, search)
+    return None if found is None else (load_envelope(found, dtype, identity), found)

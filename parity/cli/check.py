@@ -1,0 +1,73 @@
+"""`v4parity check`: MATCH, NOISE (explained) or DEFECT (where and which known bug) for any engine's trace."""
+
+from __future__ import annotations
+
+import click
+
+from parity.cli.common import echo_json, json_errors, json_option, markdown_option, model_option, write_text
+from parity.contract.errors import ParityError
+
+
+class Refused(click.ClickException):
+    """A preflight or input error: exit status 2, the message on stderr (or as JSON with --json)."""
+
+    exit_code = 2
+
+
+@click.command()
+@model_option()
+@click.option("--candidate", "-c", required=True, type=click.Path(exists=False),
+              help="Candidate: a trace (text or binary), a llama.cpp dump directory or capture .npz, or a ds4 dump "
+                   "prefix (DIR/RUN for DIR/RUN_<name>-<layer>_pos<pos>.bin).")
+@click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Envelope file (default: the stored one measured on this model, found by size + header hash in "
+                   "the model's directory and ./traces; else the reference's own, measured now).")
+@click.option("--tokens", default=None, help="Token ids of imported dumps, e.g. '0 17 42' (traces carry their own).")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File with the token ids of imported dumps.")
+@click.option("--fault-engine", "fault_engines", multiple=True, default=("torch",), show_default=True,
+              help="Engine whose fault switches form the defect library (repeatable).")
+@json_option()
+@markdown_option()
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write the free-running / local excess per checkpoint as a PNG.")
+@json_errors
+def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, as_json, markdown_path,
+          plot) -> None:
+    """Judge CANDIDATE against the reference on MODEL: the reference follows its tokens and chunks, every
+    layer is re-run on the candidate's own inputs (local error), and each difference beyond the noise
+    envelope is explained by a benign numerics variant or matched against the known porting bugs.
+
+    \b
+    Exit codes: 0 MATCH or NOISE (every excess explained as benign), 1 DEFECT,
+                2 usage or preflight error (other model, tokens, shapes, no full vectors).
+    Example: v4parity check -m tiny-f32.gguf --candidate torch.trace --markdown check.md
+    """
+    from pathlib import Path
+
+    from parity import api
+    from parity.bisect.check_report import plot as plot_report
+    from parity.bisect.check_report import to_json, to_markdown, to_text
+    from parity.cli.trace import read_token_list
+
+    if tokens is not None and tokens_file is not None:
+        raise click.UsageError("give --tokens or --tokens-file, not both")
+    ids = (read_token_list(tokens, "--tokens") if tokens is not None else
+           read_token_list(Path(tokens_file).read_text(), tokens_file) if tokens_file is not None else None)
+    try:
+        report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
+                           progress=lambda m: click.echo(m, err=True))
+    except ParityError as e:
+        raise Refused(str(e)) from None
+    if markdown_path:
+        write_text(markdown_path, to_markdown(report))
+    if plot:
+        plot_report(report, plot)
+    if as_json:
+        echo_json(to_json(report))
+    elif markdown_path != "-":
+        click.echo(to_text(report))
+    raise SystemExit(1 if report.verdict == "DEFECT" else 0)
+
+
+COMMANDS = [check]
