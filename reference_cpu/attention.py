@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_cpu.linear import linear
+from reference_cpu.linear import Weight, linear, split_rows
 from reference_cpu.norms import rms_norm, rms_norm_unweighted
 
 
-def q_path(x: np.ndarray, wq_a: np.ndarray, q_norm: np.ndarray, wq_b: np.ndarray, n_heads: int,
+def q_path(x: np.ndarray, wq_a: Weight, q_norm: np.ndarray, wq_b: Weight, n_heads: int,
            eps: float) -> tuple[np.ndarray, np.ndarray]:
     """qr = RMSNorm_{q_norm}(W_qa x); q_h = RMSNorm((W_qb qr)_h) per head, unweighted, before RoPE (§2).
 
@@ -23,7 +23,7 @@ def q_path(x: np.ndarray, wq_a: np.ndarray, q_norm: np.ndarray, wq_b: np.ndarray
     return qr, rms_norm_unweighted(q, eps)
 
 
-def kv_latent(x: np.ndarray, wkv: np.ndarray, kv_norm: np.ndarray, eps: float) -> np.ndarray:
+def kv_latent(x: np.ndarray, wkv: Weight, kv_norm: np.ndarray, eps: float) -> np.ndarray:
     """kv = RMSNorm_{kv_norm}(W_kv x), before RoPE and the FP8 round trip (§3).
 
     x [n, D], wkv [hd, D], kv_norm [hd] -> [n, hd].
@@ -74,7 +74,7 @@ def attend(q: np.ndarray, pos: np.ndarray, raw: np.ndarray, raw_start: int, wind
     return out
 
 
-def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
+def grouped_output(o: np.ndarray, wo_a: Weight, wo_b: Weight, groups: int) -> np.ndarray:
     """a = W_ob · (z_0 ⊕ … ⊕ z_{G-1}), z_g = W_oa[g-th R_o rows] · (heads of group g concatenated) (§10).
 
     o [n, n_heads, hd] (after inverse RoPE), wo_a [G·R_o, n_heads·hd/G], wo_b [D, G·R_o] -> [n, D].
@@ -82,6 +82,6 @@ def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: in
     """
     n = o.shape[0]
     u = o.reshape(n, groups, -1).transpose(1, 0, 2)                  # [G, n, gw]
-    w = wo_a.reshape(groups, -1, wo_a.shape[-1])                     # [G, R_o, gw]
+    w = split_rows(wo_a, groups)                                     # G x [R_o, gw]
     z = np.stack([linear(u[g], w[g]) for g in range(groups)], axis=1)  # [n, G, R_o]
     return linear(z.reshape(n, -1), wo_b)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_cpu.linear import linear
+from reference_cpu.linear import Weight, linear
 from reference_cpu.norms import rms_norm
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, fp8_sim_nope, hadamard
 from reference_cpu.rope import RopeTable, apply_rope
 from reference_cpu.state import CompressorState
 
 
-def compressor_project(x: np.ndarray, w_kv: np.ndarray, w_gate: np.ndarray, ape: np.ndarray,
+def compressor_project(x: np.ndarray, w_kv: Weight, w_gate: Weight, ape: np.ndarray,
                        pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """κ_t = W_kv x_t, σ_t = W_gate x_t + ape[t mod m]; ape biases the gate only (§7.1).
 

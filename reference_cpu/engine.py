@@ -9,11 +9,12 @@ Any chunk size at any start position runs through the same caches (prefill, chun
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
 
-from parity.contract.engine import LayerOutput, RunOptions
+from parity.contract.engine import LayerOutput, RunOptions, check_qat_shapes
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import Weights
@@ -22,6 +23,7 @@ from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.linear import linear
 from reference_cpu.model import Numerics, block_forward
 from reference_cpu.norms import rms_norm
+from reference_cpu.numerics import f16_round
 from reference_cpu.rope import RopeSpec, RopeTable
 from reference_cpu.state import SequenceState
 from reference_cpu.weights_cache import WeightStore
@@ -37,12 +39,7 @@ def check_options(options: RunOptions, cfg: ModelConfig) -> None:
                           "faults live in the torch engine")
     if options.dtype not in DTYPES:
         raise ParityError(f"reference dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
-    if options.fp8_kv and cfg.nope_dim % 64:
-        raise ParityError(f"--fp8-kv needs head_dim - rope_head_dim = {cfg.nope_dim} to be a multiple of 64 "
-                          "(FP8 blocks of 64); run with --no-fp8-kv")
-    if options.fp4_indexer and cfg.index_head_dim % 32:
-        raise ParityError(f"--fp4-indexer needs the indexer head dim {cfg.index_head_dim} to be a multiple of 32 "
-                          "(FP4 blocks of 32); run with --no-fp4-indexer")
+    check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "reference engine")
 
 
 def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
@@ -65,10 +62,14 @@ class ReferenceEngine:
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
-        self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb)
-        self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override)
+        self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb,
+                                 options.act_quant)
+        self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
+                                 f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
                      for l in range(self.config.n_layers)]
+        if options.approximations():
+            print(f"reference engine: APPROXIMATE {', '.join(options.approximations())}", file=sys.stderr)
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype)
@@ -104,11 +105,11 @@ class ReferenceEngine:
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """carrier [n, H, D] -> (final_norm [n, D], logits [n, V]): HC head, output_norm, output (§8.3)."""
         s, cfg = self.store, self.config
-        z = hc_head(np.asarray(carrier).astype(self.dtype, copy=False), s.dense("output_hc_fn.weight"),
+        z = hc_head(np.asarray(carrier).astype(self.dtype, copy=False), s.matrix("output_hc_fn.weight"),
                     float(s.dense("output_hc_scale.weight")[0]), s.dense("output_hc_base.weight"), cfg.norm_eps,
                     cfg.hc_eps)
         final = rms_norm(z, s.dense("output_norm.weight"), cfg.norm_eps)
-        return final, linear(final, s.dense("output.weight"))
+        return final, linear(final, s.matrix("output.weight"))
 
     def cache_stats(self) -> dict[str, int]:
         """Capability: statistics of the dequantized-weight LRU cache."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_cpu.linear import linear
+from reference_cpu.linear import Weight, linear
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
@@ -27,7 +27,7 @@ def hc_init(e: np.ndarray, hc_mult: int) -> np.ndarray:
     return np.repeat(e[:, None, :], hc_mult, axis=1)
 
 
-def hc_mixes(X: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
+def hc_mixes(X: np.ndarray, fn: Weight, norm_eps: float) -> np.ndarray:
     """m = r · (Φ x̄), r = 1/sqrt(mean(x̄²) + ε_rms) over the flattened carrier (§8.1 step 1).
 
     X [n, H, D], fn Φ [M, H*D] -> [n, M]. r is applied after the matmul, as in the official code.
@@ -52,7 +52,7 @@ def sinkhorn(Z: np.ndarray, iters: int, eps: float) -> np.ndarray:
     return C
 
 
-def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, norm_eps: float,
+def hc_pre(X: np.ndarray, fn: Weight, scale: np.ndarray, base: np.ndarray, norm_eps: float,
            hc_eps: float, iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """u = Σ_h pre_h X[h] with pre = σ(α0 m + β)+ε, post = 2σ(α1 m + β), C = Sinkhorn(α2 m + β) (§8.1).
 
@@ -77,7 +77,7 @@ def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
     return post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), X)
 
 
-def hc_head(X: np.ndarray, fn: np.ndarray, scale: float, base: np.ndarray, norm_eps: float,
+def hc_head(X: np.ndarray, fn: Weight, scale: float, base: np.ndarray, norm_eps: float,
             hc_eps: float) -> np.ndarray:
     """z = Σ_h w_h X[h], w = σ(α m_o + β) + ε, m_o = r · Φ_o x̄: single scale, no post, no Sinkhorn (§8.3).
 

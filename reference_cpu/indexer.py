@@ -10,12 +10,12 @@ import math
 
 import numpy as np
 
-from reference_cpu.linear import linear
+from reference_cpu.linear import Weight, linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
 from reference_cpu.rope import RopeTable, apply_rope
 
 
-def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, rope: RopeTable, n_heads: int,
+def indexer_queries(qr: np.ndarray, wq_b: Weight, pos: np.ndarray, rope: RopeTable, n_heads: int,
                     fp4: bool) -> np.ndarray:
     """qI_h = FP4SIM(Had(RoPE((W_Iqb qr)_h, t))), no per-head norm; Had+FP4 only with the simulation on (§8.2).
 
@@ -26,12 +26,13 @@ def indexer_queries(qr: np.ndarray, wq_b: np.ndarray, pos: np.ndarray, rope: Rop
     return fp4_e2m1_roundtrip(hadamard(q)) if fp4 else q
 
 
-def indexer_weights(x: np.ndarray, w_proj: np.ndarray, head_dim: int) -> np.ndarray:
+def indexer_weights(x: np.ndarray, w_proj: Weight, head_dim: int) -> np.ndarray:
     """ω = (W_Iw x) / √(d_I · n_heads): signed head weights, never ReLU'd (§8.2).
 
     x [n, D], w_proj [n_heads, D], head_dim d_I -> [n, n_heads].
     """
-    return linear(x, w_proj) * (1.0 / math.sqrt(head_dim * w_proj.shape[0]))
+    w = linear(x, w_proj)
+    return w * (1.0 / math.sqrt(head_dim * w.shape[-1]))
 
 
 def indexer_scores(q: np.ndarray, w: np.ndarray, rows: np.ndarray) -> np.ndarray:

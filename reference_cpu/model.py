@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.contract.engine import LayerDiag, LayerOutput
+from parity.contract.engine import LayerDiag, LayerOutput, check_expert_ids
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from reference_cpu.attention import attend, grouped_output, kv_latent, q_path
@@ -39,25 +39,71 @@ from reference_cpu.weights_cache import WeightStore
 
 @dataclass(frozen=True)
 class Numerics:
-    """Which QAT round trips run, and the routing replay hook (from `RunOptions`)."""
+    """Which QAT round trips run, the routing replay hook, and the KV store rounding (from `RunOptions`).
+
+    `kv_round` (kv_cache=f16) rounds every row as it is stored: raw KV rows and compressed rows; None = exact.
+    """
 
     fp8_kv: bool
     fp4_indexer: bool
-    expert_override: Callable[[int, int, int], np.ndarray] | None = None
+    expert_override: Callable[[int, int, int], np.ndarray] | None
+    kv_round: Callable[[np.ndarray], np.ndarray] | None
+
+
+def stored(rows: np.ndarray, num: Numerics) -> np.ndarray:
+    """Rows as the KV store holds them: unchanged, or rounded by `num.kv_round`.  [r, d] -> [r, d]."""
+    return rows if num.kv_round is None else num.kv_round(rows)
 
 
 def run_compressor(state: CompressorState, x: np.ndarray, pos: np.ndarray, store: WeightStore, prefix: str,
-                   post: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+                   post: Callable[[np.ndarray, np.ndarray], np.ndarray], num: Numerics) -> None:
     """Project the chunk, emit every completed block's row, post-process it at j·m and append it to state.rows.
 
     x [n, D], pos [n]; `prefix` is 'blk.l.attn_compressor' or 'blk.l.indexer_compressor'.
     """
-    kv, score = compressor_project(x, store.dense(prefix + "_kv.weight"), store.dense(prefix + "_gate.weight"),
+    kv, score = compressor_project(x, store.matrix(prefix + "_kv.weight"), store.matrix(prefix + "_gate.weight"),
                                    store.dense(prefix + "_ape.weight"), pos)
     rows, first = compressor_update(state, kv, score)
     if len(rows):
         j_pos = (first + np.arange(len(rows))) * state.ratio
-        state.rows = np.concatenate([state.rows, post(rows, j_pos)])
+        state.rows = np.concatenate([state.rows, stored(post(rows, j_pos), num)])
+
+
+def project_qkv(store: WeightStore, cfg: ModelConfig, p: str, x: np.ndarray, pos: np.ndarray, rope: RopeTable,
+                num: Numerics) -> tuple[np.ndarray, ...]:
+    """qr, q (before RoPE), kv latent, q after RoPE, k = the stored raw KV row (RoPE, FP8 sim, store rounding).
+
+    x [n, D], pos [n] -> qr [n, R_q], q / q_rot [n, n_heads, hd], kv / k [n, hd] (spec attention §2-§3, §6.1).
+    """
+    qr, q = q_path(x, store.matrix(p + "attn_q_a.weight"), store.dense(p + "attn_q_a_norm.weight"),
+                   store.matrix(p + "attn_q_b.weight"), cfg.n_heads, cfg.norm_eps)
+    kv = kv_latent(x, store.matrix(p + "attn_kv.weight"), store.dense(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
+    k = apply_rope(kv, pos, rope)
+    if num.fp8_kv:
+        k = fp8_sim_nope(k, cfg.nope_dim)
+    return qr, q, kv, apply_rope(q, pos, rope), stored(k, num)
+
+
+def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray,
+                        qr: np.ndarray, pos: np.ndarray, rope: RopeTable, num: Numerics) -> np.ndarray | None:
+    """Emit this chunk's compressed rows (main and indexer) and, on CSA layers, the indexer's selection (§7-§8).
+
+    x [n, D], qr [n, R_q], pos [n] -> Sel int [n, top_k] (-1 padded), or None off CSA layers.
+    """
+    p, eps = f"blk.{layer}.", cfg.norm_eps
+    if cfg.ratio(layer) > 0:
+        norm = store.dense(p + "attn_compressor_norm.weight")
+        run_compressor(st.comp, x, pos, store, p + "attn_compressor",
+                       lambda r, jp: main_row_post(r, jp, norm, eps, rope, num.fp8_kv, cfg.nope_dim), num)
+    if not cfg.has_indexer(layer):
+        return None
+    norm_i = store.dense(p + "indexer_compressor_norm.weight")
+    run_compressor(st.index, x, pos, store, p + "indexer_compressor",
+                   lambda r, jp: index_row_post(r, jp, norm_i, eps, rope, num.fp4_indexer), num)
+    q_idx = indexer_queries(qr, store.matrix(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
+                            num.fp4_indexer)
+    w_idx = indexer_weights(x, store.matrix(p + "indexer.proj.weight"), cfg.index_head_dim)
+    return select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk)
 
 
 def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray, pos: np.ndarray,
@@ -66,39 +112,16 @@ def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, 
 
     x [n, D] (attn_norm output), pos [n] -> a [n, D], n_comp_visible int [n], index_sel int [n, top_k] (-1 pad).
     """
-    p, eps, m, n = f"blk.{layer}.", cfg.norm_eps, cfg.ratio(layer), len(pos)
-    qr, q = q_path(x, store.dense(p + "attn_q_a.weight"), store.dense(p + "attn_q_a_norm.weight"),
-                   store.dense(p + "attn_q_b.weight"), cfg.n_heads, eps)
-    kv = kv_latent(x, store.dense(p + "attn_kv.weight"), store.dense(p + "attn_kv_a_norm.weight"), eps)
-    q_rot = apply_rope(q, pos, rope)
-    k = apply_rope(kv, pos, rope)
-    if num.fp8_kv:
-        k = fp8_sim_nope(k, cfg.nope_dim)
-
-    sel = None
-    if m > 0:
-        run_compressor(st.comp, x, pos, store, p + "attn_compressor",
-                       lambda r, jp: main_row_post(r, jp, store.dense(p + "attn_compressor_norm.weight"), eps,
-                                                   rope, num.fp8_kv, cfg.nope_dim))
-    if cfg.has_indexer(layer):
-        run_compressor(st.index, x, pos, store, p + "indexer_compressor",
-                       lambda r, jp: index_row_post(r, jp, store.dense(p + "indexer_compressor_norm.weight"), eps,
-                                                    rope, num.fp4_indexer))
-        q_idx = indexer_queries(qr, store.dense(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
-                                num.fp4_indexer)
-        w_idx = indexer_weights(x, store.dense(p + "indexer.proj.weight"), cfg.index_head_dim)
-        sel = select_rows(q_idx, w_idx, st.index.rows, pos, m, cfg.index_topk)
-
+    p, m, n = f"blk.{layer}.", cfg.ratio(layer), len(pos)
+    qr, q, kv, q_rot, k = project_qkv(store, cfg, p, x, pos, rope, num)
+    sel = compress_and_select(store, cfg, layer, st, x, qr, pos, rope, num)
     raw = np.concatenate([st.raw, k])
-    raw_start = int(pos[0]) - len(st.raw)
     comp = st.comp.rows if m > 0 else np.zeros((0, cfg.head_dim), x.dtype)
-    o = attend(q_rot, pos, raw, raw_start, cfg.window_size, comp, m, sel, store.dense(p + "attn_sinks.weight"),
-               1.0 / math.sqrt(cfg.head_dim))
-    a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.dense(p + "attn_output_a.weight"),
-                       store.dense(p + "attn_output_b.weight"), cfg.o_groups)
-
-    keep = cfg.window_size - 1
-    st.raw = raw[max(0, len(raw) - keep) :]
+    o = attend(q_rot, pos, raw, int(pos[0]) - len(st.raw), cfg.window_size, comp, m, sel,
+               store.dense(p + "attn_sinks.weight"), 1.0 / math.sqrt(cfg.head_dim))
+    a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.matrix(p + "attn_output_a.weight"),
+                       store.matrix(p + "attn_output_b.weight"), cfg.o_groups)
+    st.raw = raw[max(0, len(raw) - (cfg.window_size - 1)) :]
     st.next_pos += n
     n_vis = (pos + 1) // m if m > 0 else np.zeros(n, np.int64)
     index_sel = sel if sel is not None else np.full((n, cfg.index_topk), -1, np.int64)
@@ -111,18 +134,17 @@ def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, 
     return a, n_vis.astype(np.int64), index_sel
 
 
-def check_expert_ids(ids: np.ndarray, n: int, cfg: ModelConfig, layer: int, source: str) -> np.ndarray:
+def expert_id_table(ids: np.ndarray, n: int, cfg: ModelConfig, layer: int, source: str) -> np.ndarray:
     """ids must be int [n, K] in [0, E): a bad table or replay is an error, not a guess.
 
     A repeated id is legal (the official code would run that expert once per slot) and is summed per slot.
     """
     ids = np.asarray(ids)
-    K, E = cfg.n_activated_experts, cfg.n_routed_experts
+    K = cfg.n_activated_experts
     if ids.shape != (n, K) or ids.dtype.kind not in "iu":
         raise ParityError(f"layer {layer}: {source} gave expert ids of shape {ids.shape} {ids.dtype}, expected "
                           f"integers of shape ({n}, {K})")
-    if ids.size and (ids.min() < 0 or ids.max() >= E):
-        raise ParityError(f"layer {layer}: {source} gave expert ids outside [0, {E}): {ids.min()}..{ids.max()}")
+    check_expert_ids(ids, cfg.n_routed_experts, f"layer {layer}: {source}")
     return ids.astype(np.int64)
 
 
@@ -134,26 +156,26 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
     router margin [n] (nan on hash layers).
     """
     p, n, K = f"blk.{layer}.", len(x), cfg.n_activated_experts
-    scores = router_scores(x, store.dense(p + "ffn_gate_inp.weight"))
+    scores = router_scores(x, store.matrix(p + "ffn_gate_inp.weight"))
     if cfg.is_hash_layer(layer):
         table = store.table(p + "ffn_gate_tid2eid.weight")
         if tokens.min() < 0 or tokens.max() >= len(table):
             raise ParityError(f"layer {layer}: token id outside [0, {len(table)}) for hash routing")
-        ids = check_expert_ids(hash_select(table, tokens), n, cfg, layer, "ffn_gate_tid2eid")
+        ids = expert_id_table(hash_select(table, tokens), n, cfg, layer, "ffn_gate_tid2eid")
         margin = np.full(n, np.nan, x.dtype)
     else:
         ids, margin = select_topk(scores + store.dense(p + "exp_probs_b.bias"), K)
     if num.expert_override is not None:
-        ids = check_expert_ids(num.expert_override(layer, start_pos, n), n, cfg, layer, "expert_override")
+        ids = expert_id_table(num.expert_override(layer, start_pos, n), n, cfg, layer, "expert_override")
     weights = routing_weights(scores, ids, cfg.route_scale)
 
     def expert(e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (store.expert(p + "ffn_gate_exps.weight", e), store.expert(p + "ffn_up_exps.weight", e),
-                store.expert(p + "ffn_down_exps.weight", e))
+        return (store.expert_matrix(p + "ffn_gate_exps.weight", e), store.expert_matrix(p + "ffn_up_exps.weight", e),
+                store.expert_matrix(p + "ffn_down_exps.weight", e))
 
     routed = routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer])
-    shared = expert_ffn(x, store.dense(p + "ffn_gate_shexp.weight"), store.dense(p + "ffn_up_shexp.weight"),
-                        store.dense(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer])
+    shared = expert_ffn(x, store.matrix(p + "ffn_gate_shexp.weight"), store.matrix(p + "ffn_up_shexp.weight"),
+                        store.matrix(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer])
     if cap is not None:
         cap.update(expert_ids=ids, expert_weights=weights, routed_out=routed, shared_out=shared)
     return routed + shared, ids, weights, margin
@@ -173,13 +195,13 @@ def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerSta
     pos = start_pos + np.arange(len(X))
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
-    u, pre_a, post_a, comb_a = hc_pre(X, store.dense(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
+    u, pre_a, post_a, comb_a = hc_pre(X, store.matrix(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
                                       store.dense(p + "hc_attn_base.weight"), *hc_args)
     x = rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps)
     a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, cap)
     Y = hc_post(a, X, post_a, comb_a)
 
-    v, pre_f, post_f, comb_f = hc_pre(Y, store.dense(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
+    v, pre_f, post_f, comb_f = hc_pre(Y, store.matrix(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
                                       store.dense(p + "hc_ffn_base.weight"), *hc_args)
     xf = rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps)
     f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, cap)

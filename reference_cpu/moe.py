@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from reference_cpu.hc import sigmoid
-from reference_cpu.linear import linear
+from reference_cpu.linear import Matrix, Weight, linear
 
 
 def softplus(z: np.ndarray) -> np.ndarray:
@@ -24,7 +24,7 @@ def softplus(z: np.ndarray) -> np.ndarray:
     return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
 
 
-def router_scores(x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+def router_scores(x: np.ndarray, gate: Weight) -> np.ndarray:
     """s_e = sqrt(softplus(G x)_e) > 0 (§9.1).
 
     x [n, D], gate [E, D] -> [n, E].
@@ -71,7 +71,18 @@ def swiglu_clamped(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
     return g * sigmoid(g) * u
 
 
-def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, limit: float,
+def weighted_down_input(h: np.ndarray, weight: np.ndarray, w_down: Weight) -> tuple[np.ndarray, Weight]:
+    """(w · h, W_down): the routing weight multiplies before the down projection (§9.5).
+
+    An engine that rounds the down input rounds the unweighted h (llama.cpp multiplies the routing weight after
+    its down matmul), so a rounding W_down gives (w · round(h), W_down without the rounding). h [n, F], weight [n].
+    """
+    if isinstance(w_down, Matrix) and w_down.round_input is not None:
+        return w_down.round_input(h) * weight[:, None], w_down.w
+    return h * weight[:, None], w_down
+
+
+def expert_ffn(x: np.ndarray, w_gate: Weight, w_up: Weight, w_down: Weight, limit: float,
                weight: np.ndarray | None = None) -> np.ndarray:
     """y = W_down (w · swiglu_c(W_gate x, W_up x)); the routing weight multiplies before the down projection (§9.4-9.5).
 
@@ -79,7 +90,7 @@ def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
     """
     h = swiglu_clamped(linear(x, w_gate), linear(x, w_up), limit)
     if weight is not None:
-        h = h * weight[:, None]
+        h, w_down = weighted_down_input(h, weight, w_down)
     return linear(h, w_down)
 
 
@@ -87,7 +98,7 @@ def expert_ffn(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
 # still summed in ascending expert id, so the output does not depend on the thread count.
 EXPERT_THREADS = min(4, os.cpu_count() or 1)
 
-ExpertWeights = Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+ExpertWeights = Callable[[int], tuple[Weight, Weight, Weight]]
 
 
 def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertWeights,

@@ -13,10 +13,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from parity.contract.errors import TensorError
 from parity.gguf.weights import Weights
 from reference_cpu.dequant import dequantize
+from reference_cpu.linear import Matrix
+from reference_cpu.numerics import input_rounding
 
 
 class LRUCache:
@@ -56,14 +59,30 @@ class LRUCache:
 
 
 class WeightStore:
-    """Tensors of one model in the working dtype (float32, or float64 for the oracle), dequantized on demand."""
+    """Tensors of one model in the working dtype (float32, or float64 for the oracle), dequantized on demand.
 
-    def __init__(self, weights: Weights, dtype: np.dtype, cache_gb: float) -> None:
+    `act_quant` (RunOptions) decides the input rounding of the matmul weights `matrix` / `expert_matrix` return.
+    """
+
+    def __init__(self, weights: Weights, dtype: np.dtype, cache_gb: float, act_quant: str) -> None:
         if not cache_gb > 0:
             raise TensorError(f"cache_gb must be > 0, got {cache_gb}")
         self.weights = weights
         self.dtype = np.dtype(dtype)
         self.cache = LRUCache(int(cache_gb * 2**30))
+        self.act_quant = act_quant
+
+    def quantized(self, name: str) -> bool:
+        """Whether tensor `name` is stored in a block-quantized GGUF type (not F32 / F16 / BF16 / integer)."""
+        return GGML_QUANT_SIZES[GGMLQuantizationType(self.weights.info(name).ggml_type)][0] > 1
+
+    def matrix(self, name: str) -> Matrix:
+        """A 2-D matmul weight with the input rounding its type gets under `act_quant`."""
+        return Matrix(self.dense(name), input_rounding(self.act_quant, self.quantized(name)))
+
+    def expert_matrix(self, name: str, e: int) -> Matrix:
+        """Expert e's slice of a 3-D expert tensor as a matmul weight (see `matrix`)."""
+        return Matrix(self.expert(name, e), input_rounding(self.act_quant, self.quantized(name)))
 
     def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
         # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary

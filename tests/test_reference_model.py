@@ -221,7 +221,7 @@ def test_expert_override_replays_routing(tiny_f32):
     def out_of_range(layer, start_pos, n):
         return np.full((n, cfg.n_activated_experts), cfg.n_routed_experts, np.int64)
 
-    with pytest.raises(ParityError, match="outside"):
+    with pytest.raises(ParityError, match=r"layer 0: expert_override: expert id 8 out of range \[0, 8\)"):
         run_sequence(ReferenceEngine(str(tiny_f32), RunOptions(expert_override=out_of_range)), PROMPT[:3])
 
 
