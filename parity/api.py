@@ -270,3 +270,22 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration
+
+def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str | os.PathLike, *, decode: int = 0,
+                     chunk: int | None = None, options: RunOptions | None = None) -> dict[str, Any]:
+    """Run llama.cpp (engine `llamacpp`) greedily on `tokens` (+ `decode` steps, prefill in pieces of `chunk`) and
+    write its capture file (`parity.tracing.importers`). Returns {path, n_tensors, tokens, flags}."""
+    from parity.contract.errors import ParityError
+    from parity.contract.llamacpp import Capturer
+    from parity.tracing.importers import write_llamacpp_capture
+
+    options = options or RunOptions(fp8_kv=False, fp4_indexer=False)
+    eng = load_engine("llamacpp", str(model), options)
+    if not isinstance(eng, Capturer):
+        raise ParityError("the registered llamacpp engine offers no capture capability")
+    tokens = [int(t) for t in tokens]
+    arrays = eng.capture(tokens, chunk_schedule(len(tokens), chunk), decode)
+    meta = {"engine": eng.name, "engine_version": eng.version, "flags": eng.options.flags(),
+            "model": model_identity(model)}
+    path = write_llamacpp_capture(out, arrays, meta)
+    return {"path": path, "n_tensors": len(arrays) - 4, "tokens": arrays["input_ids"].tolist(), "flags": meta["flags"]}

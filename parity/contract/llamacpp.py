@@ -15,7 +15,7 @@ Full table with shapes and caveats: docs/peers.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -205,3 +205,12 @@ def embed_output(t: Mapping[str, np.ndarray], cfg: ModelConfig, n: int) -> np.nd
 def layer_input_name(layer: int) -> str:
     """The llama.cpp tensor holding the carrier that enters `layer` (what teacher forcing overwrites)."""
     return EMBED_NAME if layer == 0 else key("l_last", layer - 1)
+
+
+@runtime_checkable
+class Capturer(Protocol):
+    """Capability of an engine that runs llama.cpp: a raw capture of one free-running greedy run."""
+
+    def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:
+        """Every mapped tensor by capture key, tokens on axis 0 (cache views: the rows emitted by the end), plus
+        input_ids, output_positions, chunks and n_prompt."""

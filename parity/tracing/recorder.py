@@ -113,15 +113,19 @@ class Recorder:
             self.rows["moe"][c].extend(v)
 
     def _add_diag(self, layer: int, idx: np.ndarray, pos: np.ndarray, d: Any) -> None:
-        n = len(pos)
         for sub, (pre, post, comb) in enumerate((d.hc_attn, d.hc_ffn)):
             self.add_hc(layer, sub, pos, np.asarray(pre)[idx], np.asarray(post)[idx], np.asarray(comb)[idx])
         self.add_moe(layer, pos, np.asarray(d.expert_ids)[idx], np.asarray(d.expert_weights)[idx],
                      np.asarray(d.router_margin)[idx])
         sel = None if d.index_sel is None else np.asarray(d.index_sel)[idx]
+        self.add_attn(layer, pos, np.asarray(d.n_comp_visible)[idx], sel)
+
+    def add_attn(self, layer: int, pos: np.ndarray, n_comp: np.ndarray, sel: np.ndarray | None) -> None:
+        """Attention rows: compressed rows visible [n], the indexer's selection [n, S] (None off CSA layers)."""
+        n = len(pos)
         if sel is not None:
             self.widths["S"] = max(self.widths.get("S", 0), sel.shape[1])
-        for c, v in (("layer", [layer] * n), ("pos", pos), ("n_comp", np.asarray(d.n_comp_visible)[idx]),
+        for c, v in (("layer", [layer] * n), ("pos", pos), ("n_comp", n_comp),
                      ("has_sel", [sel is not None] * n), ("sel", list(sel) if sel is not None else [None] * n)):
             self.rows["attn"][c].extend(v)
 
