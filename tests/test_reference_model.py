@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import reference_cpu
 from parity.compare import metrics
 from parity.contract.checkpoints import SUBOPS
 from parity.contract.engine import Engine, RunOptions, load_engine
@@ -274,3 +277,13 @@ def test_options_are_refused_with_clear_errors(tiny_f32):
         eng.embed(np.array([0, cfg.vocab_size]))
     with pytest.raises(ParityError, match="non-finite"):
         eng.forward_layer(st, 0, X * np.nan, PROMPT[:4], start_pos=0)
+
+
+def test_no_reference_function_over_40_lines():
+    """Issue 11: the reference reads as named steps; every function (docstring included) fits in 40 lines."""
+    long = []
+    for path in sorted(Path(reference_cpu.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 40:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
