@@ -5,14 +5,17 @@ only one trace has; and the memory-mapped .npz read path (same report as in memo
 
 from __future__ import annotations
 
+import copy
 import math
 import zipfile
 
 import numpy as np
 import pandas as pd
 import pytest
+from trace_samples import toy_trace
 
 from parity import api
+from parity.compare.differ import PreflightError
 from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.errors import TraceError
 from parity.tracing.io import write_trace
@@ -69,10 +72,11 @@ def _selection(rng: np.random.Generator, sel: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pair(seed: int, storable: bool = False) -> tuple[Trace, Trace]:
+def _pair(seed: int, storable: bool = False, nan: bool = True) -> tuple[Trace, Trace]:
     """Two random traces over the same tokens; b's header lacks position 5, b's tables miss some rows.
 
-    `storable`: only what a trace file may hold (no repeated key, no -7 padding), as the readers enforce."""
+    `storable`: only what a trace file may hold (no repeated key, no -7 padding), as the readers enforce;
+    `nan`: sprinkle NaN into a's HC pre and expert weights and into b's HC mixes of layers 2 and 3."""
     rng = np.random.default_rng(seed)
     names = trace_checkpoints(L)
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -97,15 +101,19 @@ def _pair(seed: int, storable: bool = False) -> tuple[Trace, Trace]:
     m = L * P
     hc = {"layer": np.repeat(lp[0], 2), "sub": np.tile([0, 1], m), "pos": np.repeat(lp[1], 2),
           "pre": f32(2 * m, H), "post": f32(2 * m, H), "comb": f32(2 * m, H * H)}
-    hc_b = {**hc, **{c: _sprinkle(rng, hc[c] + (rng.random(hc[c].shape) < 0.3) * f32(*hc[c].shape), 0.05,
-                                  (np.nan,)) for c in ("pre", "post", "comb")}}
+    late_hc = (hc["layer"] >= 2)[:, None]
+    p_nan = 0.05 if nan else 0.0
+    hc_b = {**hc, **{c: np.where(late_hc, _sprinkle(rng, hc[c], p_nan, (np.nan,)), hc[c])
+                     + (rng.random(hc[c].shape) < 0.3) * f32(*hc[c].shape) for c in ("pre", "post", "comb")}}
     hc_b["post"][[2, 3, 8, 9], 1] = np.inf  # layer-0 rows (positions 1 and 4): layer 0's HC max-abs is inf
-    hc = {**hc, "pre": _sprinkle(rng, hc["pre"], 0.05, (np.nan,))}
+    hc = {**hc, "pre": np.where(late_hc, _sprinkle(rng, hc["pre"], p_nan, (np.nan,)), hc["pre"])}
     ids = np.array([rng.choice(64, E, replace=False) for _ in range(m)])
     ids_b = _expert_ids(rng, ids)
     w = f32(m, E)
-    moe = {"layer": lp[0], "pos": lp[1], "ids": ids, "w": _sprinkle(rng, w, 0.05, (np.nan,)), "margin": f32(m)}
-    moe_b = {**moe, "ids": ids_b, "w": w + (rng.random((m, E)) < 0.5) * f32(m, E)}
+    margin = np.where(lp[0] == 0, np.nan, f32(m))  # layer 0 hash-routed: no margin on either side
+    moe = {"layer": lp[0], "pos": lp[1], "ids": ids, "w": _sprinkle(rng, w, p_nan, (np.nan,)), "margin": margin}
+    moe_b = {**moe, "ids": ids_b, "w": w + (rng.random((m, E)) < 0.5) * f32(m, E),
+             "margin": np.where(rng.random(m) < 0.3, margin + f32(m), margin)}
     sel = np.array([np.concatenate([rng.choice(40, k, replace=False), np.full(S - k, -1)])
                     for k in rng.integers(0, S + 1, m)])
     n_comp = lp[1] // 2
@@ -153,40 +161,55 @@ def _plain_layers(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
                 out[tuple(int(tab[c][i]) for c in key)] = i
         return out
 
+    def diff(x, y):  # NaN never compares equal: an infinite difference
+        d = abs(x - y)
+        return math.inf if math.isnan(d) else d
+
     layers: dict[int, dict] = {}
 
     def at(layer):
         return layers.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
-                                         "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
+                                         "weight_max_abs": 0.0, "order_mismatch": 0, "margin_max_abs": 0.0,
+                                         "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0})
 
-    ia, ib = index(a.hc, ("layer", "sub", "pos")), index(b.hc, ("layer", "sub", "pos"))
-    for k in sorted(set(ia) & set(ib)):
+    def joined(tab_a, tab_b, key):
+        ia, ib = index(tab_a, key), index(tab_b, key)
+        for k in sorted(set(ia) ^ set(ib)):
+            at(k[0])["unmatched"] += 1
+        return ia, ib, sorted(set(ia) & set(ib))
+
+    ia, ib, keys = joined(a.hc, b.hc, ("layer", "sub", "pos"))
+    for k in keys:
         e = at(k[0])
         for c in ("pre", "post", "comb"):
             for x, y in zip(a.hc[c][ia[k]].tolist(), b.hc[c][ib[k]].tolist(), strict=True):
-                d = abs(x - y)
-                if d > e["hc_max_abs"]:  # False for NaN: NaN entries are skipped
-                    e["hc_max_abs"] = d
-    ia, ib = index(a.moe, ("layer", "pos")), index(b.moe, ("layer", "pos"))
-    for k in sorted(set(ia) & set(ib)):
+                e["hc_max_abs"] = max(e["hc_max_abs"], diff(x, y))
+    ia, ib, keys = joined(a.moe, b.moe, ("layer", "pos"))
+    for k in keys:
         e = at(k[0])
         xa, xb = a.moe["ids"][ia[k]].tolist(), b.moe["ids"][ib[k]].tolist()
+        wa, wb = a.moe["w"][ia[k]].tolist(), b.moe["w"][ib[k]].tolist()
         if set(xa) != set(xb):
             e["expert_flips"] += 1
             if e["first_flip_pos"] == -1:
                 e["first_flip_pos"] = k[1]
-        elif xa == xb:
-            d = [abs(x - y) for x, y in zip(a.moe["w"][ia[k]].tolist(), b.moe["w"][ib[k]].tolist(), strict=True)]
-            if not any(math.isnan(v) for v in d):
-                e["weight_max_abs"] = max([e["weight_max_abs"], *d])
-    ia, ib = index(a.attn, ("layer", "pos")), index(b.attn, ("layer", "pos"))
-    for k in sorted(set(ia) & set(ib)):
+        elif xa != xb:
+            e["order_mismatch"] += 1
+        if sorted(xa) == sorted(xb):  # the same experts: compare each expert's weight
+            oa, ob = sorted(range(len(xa)), key=xa.__getitem__), sorted(range(len(xb)), key=xb.__getitem__)
+            for i, j in zip(oa, ob, strict=True):
+                e["weight_max_abs"] = max(e["weight_max_abs"], diff(wa[i], wb[j]))
+        ma, mb = float(a.moe["margin"][ia[k]]), float(b.moe["margin"][ib[k]])
+        if not (math.isnan(ma) or math.isnan(mb)):  # NaN: no margin recorded (hash layer, import)
+            e["margin_max_abs"] = max(e["margin_max_abs"], abs(ma - mb))
+    ia, ib, keys = joined(a.attn, b.attn, ("layer", "pos"))
+    for k in keys:
         e = at(k[0])
         if int(a.attn["n_comp"][ia[k]]) != int(b.attn["n_comp"][ib[k]]):
             e["n_comp_mismatch"] += 1
         sa = {v for v in a.attn["sel"][ia[k]].tolist() if v >= 0}
         sb = {v for v in b.attn["sel"][ib[k]].tolist() if v >= 0}
-        if sa != sb:
+        if sa != sb or bool(a.attn["has_sel"][ia[k]]) != bool(b.attn["has_sel"][ib[k]]):
             e["sel_mismatch"] += 1
     return pd.DataFrame([layers[k] for k in sorted(layers)], columns=list(at(0)))
 
@@ -206,9 +229,11 @@ def _plain_row(a: Trace, b: Trace, name: str, p: int, rel_tol: float, norm_tol: 
     ratio = float(rb["rms"]) / float(ra["rms"])
     finite = all(math.isfinite(float(r[s])) for r in (ra, rb) for s in ("min", "max", "rms", "sum_l2")) and \
         all(math.isfinite(v) for v in fa + fb)
-    same = lambda x, y: x == y or (math.isnan(x) and math.isnan(y))  # noqa: E731
-    exact = all(same(float(ra[s]), float(rb[s])) for s in ("min", "max", "rms", "sum_l2")) and all(
-        same(x, y) for s in ("l2s", "fp") for x, y in zip(ra[s].tolist(), rb[s].tolist(), strict=True))
+    final = name == "final_norm"  # l2s: one number; argmax and top-k compared too
+    cells = lambda r: ([float(r[s]) for s in ("min", "max", "rms", "sum_l2")] + r["fp"].tolist()  # noqa: E731
+                       + r["l2s"].tolist()[: 1 if final else H]
+                       + ([int(r["argmax"]), *r["top_ids"].tolist(), *r["top_logits"].tolist()] if final else []))
+    exact = all(x == y for x, y in zip(cells(ra), cells(rb), strict=True))  # NaN == NaN is False
     drift = not finite or not rel <= rel_tol or not abs(ratio - 1) <= norm_tol
     return {"rel_l2": rel, "cosine": min(1.0, cos), "norm_ratio": ratio, "finite": finite, "exact": exact,
             "drift": drift}
@@ -225,19 +250,25 @@ def test_layer_diagnostics_match_a_row_by_row_implementation(seed):
     expected = _plain_layers(a, b, positions)
     pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
     # the random pair exercises every kind of difference, not only agreement
-    for c in ("expert_flips", "sel_mismatch", "n_comp_mismatch", "weight_max_abs"):
+    for c in ("expert_flips", "sel_mismatch", "n_comp_mismatch", "weight_max_abs", "order_mismatch",
+              "margin_max_abs", "unmatched"):
         assert (expected[c] > 0).any(), c
     hc = expected["hc_max_abs"]
-    assert hc[0] == np.inf and ((hc > 0) & (hc < np.inf)).any()
+    assert hc[0] == np.inf and hc[3] == np.inf and ((hc > 0) & (hc < np.inf)).any()  # 2..3: NaN, 1: finite
+    assert not r.exact
 
 
 def test_layer_diagnostics_of_identical_tables_are_zero():
-    a, _ = _pair(3)
+    a, _ = _pair(3, nan=False)
     r = api.diff(a, a)
     expected = _plain_layers(a, a, list(range(P)))
     pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
     assert (r.layers.drop(columns=["layer", "first_flip_pos"]) == 0).all().all()
     assert (r.layers["first_flip_pos"] == -1).all()
+    assert r.exact
+    a.hc["pre"][0, 0] = a.moe["w"][0, 0] = np.nan  # NaN never compares equal, not even with itself
+    r = api.diff(a, a)
+    assert not r.exact and (r.layers["hc_max_abs"] == np.inf).any() and (r.layers["weight_max_abs"] == np.inf).any()
 
 
 @pytest.mark.parametrize("seed", [0, 4])
@@ -277,3 +308,70 @@ def test_corrupt_npz_column_is_refused(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(TraceError, match="CRC"):
         api.load_trace(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# No silent matches: every recorded field that differs makes the report non-exact (or is refused)
+
+def _changed(edit) -> tuple[Trace, Trace]:
+    a = toy_trace(7, with_vectors=True)
+    b = copy.deepcopy(a)
+    edit(b)
+    return a, b
+
+
+SILENT = {
+    "hc-gate-nan": lambda t: t.hc["pre"].__setitem__((0, 0), np.nan),
+    "expert-weight-nan": lambda t: t.moe["w"].__setitem__((1, 0), np.nan),
+    "expert-weight": lambda t: t.moe["w"].__setitem__((1, 0), t.moe["w"][1, 0] + 1e-3),
+    "expert-order": lambda t: t.moe["ids"].__setitem__(2, t.moe["ids"][2][::-1].copy()),
+    "router-margin": lambda t: t.moe["margin"].__setitem__(-1, t.moe["margin"][-1] * 1.5),
+    "top-k-id": lambda t: t.ckpt["top_ids"].__setitem__((-1, 1), t.ckpt["top_ids"][-1, 1] + 7),
+    "top-k-logit": lambda t: t.ckpt["top_logits"].__setitem__((-1, 0), t.ckpt["top_logits"][-1, 0] + 1),
+    "argmax": lambda t: t.ckpt["argmax"].__setitem__(-1, t.ckpt["argmax"][-1] + 1),
+    "n-comp": lambda t: t.attn["n_comp"].__setitem__(0, t.attn["n_comp"][0] + 1),
+    "has-sel": lambda t: t.attn["has_sel"].__setitem__(0, True),
+    "fingerprint": lambda t: t.ckpt["fp"].__setitem__((0, 0), t.ckpt["fp"][0, 0] * (1 + 1e-6)),
+    "side-file-logits": lambda t: t.vectors["logits"].__setitem__((1, 2), t.vectors["logits"][1, 2] + 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SILENT))
+def test_a_changed_field_is_never_an_exact_match(case):
+    a, b = _changed(SILENT[case])
+    assert api.diff(a, a).exact
+    r = api.diff(a, b)
+    assert not r.exact, case
+
+
+def test_side_file_logits_are_compared_and_can_drift():
+    a, b = _changed(lambda t: t.vectors["logits"].__setitem__(1, t.vectors["logits"][1] * 1.5))
+    r = api.diff(a, b)
+    assert r.first_drift["checkpoint"] == "logits" and r.first_drift["first_pos"] == 1 and not r
+    rel = np.linalg.norm(0.5 * a.vectors["logits"][1]) / np.linalg.norm(a.vectors["logits"][1])  # = 0.5
+    assert r.logits["rel_l2"].tolist()[1] == pytest.approx(rel, rel=1e-6)
+    assert r.to_dict()["logits"][1]["drift"] is True
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("dim", 4, "model dimensions differ"),
+    ("top_k", 3, "top-k widths differ"),
+    ("model", {"file": "toy.gguf", "size": 1234, "header_sha256": "0123456789abcdef",
+               "data_sha256": "00000000000000ff"}, "model identity differs"),
+])
+def test_header_differences_are_refused(field, value, reason):
+    a = toy_trace(7)
+    b = copy.deepcopy(a)
+    setattr(b.header, field, value)
+    with pytest.raises(PreflightError, match=reason):
+        api.diff(a, b)
+
+
+def test_an_old_identity_is_compared_on_size_and_header_hash():
+    """Traces written before the data hash: same size + header hash compare (as before), another size refuses."""
+    a, b = toy_trace(7), toy_trace(7)
+    b.header.model = {k: v for k, v in a.header.model.items() if k != "data_sha256"}
+    assert api.diff(a, b).exact
+    b.header.model["size"] += 1
+    with pytest.raises(PreflightError, match="no data hash \\(old identity\\)"):
+        api.diff(a, b)

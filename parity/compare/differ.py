@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from parity.compare import metrics
-from parity.contract.checkpoints import checkpoint_depth, checkpoint_layer
+from parity.contract.checkpoints import FINAL_NORM, LOGITS, checkpoint_depth, checkpoint_layer
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.weights import same_model
 from parity.tracing.records import Trace
@@ -71,6 +71,10 @@ def preflight(a: Trace, b: Trace) -> list[str]:
         problems.append(f"traced positions differ: A {_short(ha.positions)} vs B {_short(hb.positions)}")
     if ha.n_hc != hb.n_hc:
         problems.append(f"stream counts differ: A {ha.n_hc} vs B {hb.n_hc}")
+    if ha.dim != hb.dim:
+        problems.append(f"model dimensions differ: A dim {ha.dim} vs B dim {hb.dim}")
+    if ha.top_k != hb.top_k:
+        problems.append(f"top-k widths differ: A {ha.top_k} vs B {hb.top_k} (top-k entries then never compare equal)")
     return problems
 
 
@@ -108,13 +112,16 @@ class DiffReport:
     layers: pd.DataFrame
     first_drift: dict[str, Any] | None
     flags_differ: dict[str, Any] = field(default_factory=dict)
+    logits: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LOGIT_COLUMNS))
 
     def __bool__(self) -> bool:
         return self.first_drift is None
 
     @property
     def exact(self) -> bool:
-        return bool(self.table["exact"].all())
+        """Bit-identical in every compared field: checkpoint rows, per-layer diagnostics and side-file logits."""
+        layers_same = all((self.layers[c] == v).all() for c, v in _NO_DIFF.items())
+        return bool(self.table["exact"].all() and layers_same and self.logits["exact"].all())
 
     @property
     def summary(self) -> pd.DataFrame:
@@ -136,7 +143,7 @@ class DiffReport:
         return {"a": self.a, "b": self.b, "thresholds": {**asdict(self.thresholds), "cos_tol": self.thresholds.cos_tol},
                 "warnings": self.warnings, "flags_differ": self.flags_differ, "agree": bool(self),
                 "exact": self.exact, "first_drift": self.first_drift, "checkpoints": records(self.summary),
-                "positions": records(self.table), "layers": records(self.layers)}
+                "positions": records(self.table), "layers": records(self.layers), "logits": records(self.logits)}
 
 
 def _json_value(v: Any) -> Any:
@@ -170,9 +177,11 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
     table = _metrics_table(a, b, names, positions, th, a.n_layers)
+    logits = _logit_metrics(a, b, positions, th)
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
-        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th),
+        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th) or _logits_drift(logits, th),
+        logits=logits,
         flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
                       if a.header.flags.get(k) != b.header.flags.get(k)},
@@ -237,7 +246,13 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra:
     stats = ("min", "max", "rms", "sum_l2")
     finite = np.all([np.isfinite(ca[s][ra]) & np.isfinite(cb[s][rb]) for s in stats], axis=0)
     finite &= np.isfinite(ca["fp"][ra]).all(axis=1) & np.isfinite(cb["fp"][rb]).all(axis=1)
-    exact = exact_vec & np.all([_same(ca[s][ra], cb[s][rb]) for s in (*stats, "l2s", "fp")], axis=0)
+    compared = [*stats, "fp"]
+    if name == FINAL_NORM:  # one l2 number (the rest is NaN padding), plus the output: argmax and top-k
+        compared += ["argmax", "top_ids", "top_logits"]
+        l2s_a, l2s_b = ca["l2s"][ra][:, :1], cb["l2s"][rb][:, :1]
+    else:
+        l2s_a, l2s_b = ca["l2s"][ra], cb["l2s"][rb]
+    exact = exact_vec & _same(l2s_a, l2s_b) & np.all([_same(ca[s][ra], cb[s][rb]) for s in compared], axis=0)
     drift = ~finite | ~(rel <= th.rel_tol) | ~(np.abs(norm_ratio - 1.0) <= th.norm_tol)
     with np.errstate(all="ignore"):
         smin, smax = np.nanmin(stream, axis=1), np.nanmax(stream, axis=1)
@@ -253,9 +268,40 @@ def _indices(t: Trace, positions: list[int]) -> np.ndarray:
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Row-wise exact equality (NaN equal to NaN)."""
-    eq = (x == y) | (np.isnan(x) & np.isnan(y))
+    """Row-wise exact equality; NaN equals nothing, not even NaN; rows of different widths differ."""
+    if x.shape != y.shape:
+        return np.zeros(len(x), bool)
+    eq = np.asarray(x == y)
     return eq.reshape(len(eq), -1).all(axis=1)
+
+
+LOGIT_COLUMNS = ["pos", "rel_l2", "cosine", "max_abs", "finite", "exact", "drift"]
+
+
+def _logit_metrics(a: Trace, b: Trace, positions: list[int], th: Thresholds) -> pd.DataFrame:
+    """Per position: the side files' full logits compared (empty when either trace lacks them)."""
+    if not (a.vectors and b.vectors and LOGITS in a.vectors and LOGITS in b.vectors):
+        return pd.DataFrame(columns=LOGIT_COLUMNS)
+    la, lb = a.vectors[LOGITS][_indices(a, positions)], b.vectors[LOGITS][_indices(b, positions)]
+    if la.shape != lb.shape:
+        raise PreflightError(f"logits vectors have different shapes: A {la.shape[1:]} vs B {lb.shape[1:]}")
+    rel = metrics.rel_l2(la, lb)
+    finite = np.isfinite(la).all(axis=1) & np.isfinite(lb).all(axis=1)
+    return pd.DataFrame({"pos": np.asarray(positions, np.int64), "rel_l2": rel, "cosine": metrics.cosine(la, lb),
+                         "max_abs": metrics.max_abs(la, lb), "finite": finite, "exact": _same(la, lb),
+                         "drift": ~finite | ~(rel <= th.rel_tol)})
+
+
+def _logits_drift(logits: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
+    """First drift at the logits, when no checkpoint drifted (the logits come after final_norm)."""
+    d = logits[logits["drift"].astype(bool)]
+    if d.empty:
+        return None
+    row = d.loc[d["rel_l2"].astype(float).fillna(np.inf).idxmax()]
+    reason = "non-finite values" if not row["finite"] else f"rel-L2 {row['rel_l2']:.3g} > {th.rel_tol:g}"
+    return {"checkpoint": LOGITS, "layer": None, "first_pos": int(d["pos"].iloc[0]), "worst_pos": int(row["pos"]),
+            "positions": d["pos"].tolist(), "method": "full", "rel_l2": _json_value(row["rel_l2"]),
+            "norm_ratio": None, "cosine": _json_value(row["cosine"]), "reason": reason}
 
 
 def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
@@ -274,100 +320,111 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
             "cosine": _json_value(row["cosine"]), "reason": reason}
 
 
-LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "n_comp_mismatch",
-                 "sel_mismatch"]
+LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "order_mismatch",
+                 "margin_max_abs", "n_comp_mismatch", "sel_mismatch", "unmatched"]
 _BLOCK = 1024  # rows per block when comparing [rows, S] indexer selections (temporaries stay in cache)
+_NO_DIFF = {"hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1, "weight_max_abs": 0.0, "order_mismatch": 0,
+            "margin_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0}
 
 
 def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
-    """Per layer: HC mix max-abs difference, expert-set flips, compressed-row and indexer mismatches.
+    """Per layer: every per-layer diagnostic the traces recorded, compared (docs/metrics.md "Layer diagnostics").
 
     Rows are joined on their keys ((layer, sub, pos) / (layer, pos), positions in `positions`; a key listed twice
-    counts its last row). hc_max_abs = max |b - a| over pre/post/comb, NaN ignored; weight_max_abs = max over rows
-    whose expert ids are identical (same order) of the row's max |b - a| (a row with a NaN counts as no row).
+    counts its last row); `unmatched` counts rows only one side holds (a table one trace did not record at all is
+    not compared: importers of engines that dump no diagnostics leave them empty). NaN never equals anything: a NaN
+    on either side is an infinite difference (hc_max_abs, weight_max_abs); a router margin of NaN means "not
+    recorded" (hash layers, imports) and margins are compared where both sides recorded one.
+    hc_max_abs = max |b - a| over pre/post/comb; expert_flips = rows whose expert-id sets differ;
+    weight_max_abs = max |b - a| of the weights of the same expert id, over rows with equal id multisets;
+    order_mismatch = rows with equal sets but another sequence of ids; sel_mismatch = rows whose indexer selection
+    sets (entries >= 0) or has-selection flags differ.
     """
     keep = np.asarray(positions)
     out: dict[int, dict[str, Any]] = {}
 
     def entries(layers: np.ndarray) -> list[dict[str, Any]]:
-        return [out.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
-                                       "weight_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0})
-                for layer in layers.tolist()]
+        return [out.setdefault(layer, {"layer": layer, **_NO_DIFF}) for layer in layers.tolist()]
 
-    ia, ib = _join(a.hc, b.hc, ("layer", "sub", "pos"), keep)
-    if len(ia):
-        layers, starts = _runs(a.hc["layer"][ia])
-        hc_max = np.zeros(len(layers))
-        for c in ("pre", "post", "comb"):
-            d = np.subtract(a.hc[c].take(ia, axis=0), b.hc[c].take(ib, axis=0), dtype=np.float64)
-            hc_max = np.fmax(hc_max, np.fmax.reduceat(np.abs(d, out=d).reshape(-1), starts * d.shape[1]))
-        for e, v in zip(entries(layers), hc_max.tolist(), strict=True):
-            e["hc_max_abs"] = v
-
-    ia, ib = _join(a.moe, b.moe, ("layer", "pos"), keep)
-    if len(ia):
-        ids_a, ids_b = a.moe["ids"][ia], b.moe["ids"][ib]
-        same = _rows_equal(ids_a, ids_b)
-        flip = _sets_differ(ids_a, ids_b, same, nonneg=False)
-        weight = np.zeros(len(ia))
-        if same.any():
-            w = np.abs(a.moe["w"][ia[same]].astype(np.float64) - b.moe["w"][ib[same]]).max(axis=1, initial=0.0)
-            weight[same] = np.where(np.isnan(w), 0.0, w)
-        pos = np.where(flip, a.moe["pos"][ia].astype(np.int64), np.iinfo(np.int64).max)
-        layers, starts = _runs(a.moe["layer"][ia])
-        n_flip = np.add.reduceat(flip.astype(np.int64), starts).tolist()
-        first = np.minimum.reduceat(pos, starts).tolist()
-        w_max = np.maximum.reduceat(weight, starts).tolist()
-        for e, n, f, wm in zip(entries(layers), n_flip, first, w_max, strict=True):
-            e.update(expert_flips=n, first_flip_pos=f if n else -1, weight_max_abs=wm)
-
-    ia, ib = _join(a.attn, b.attn, ("layer", "pos"), keep)
-    if len(ia):
-        n_comp = a.attn["n_comp"][ia] != b.attn["n_comp"][ib]
-        blocks = [(ia[i:i + _BLOCK], ib[i:i + _BLOCK]) for i in range(0, len(ia), _BLOCK)]
-        sel = np.concatenate([_sel_differ(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks])
-        layers, starts = _runs(a.attn["layer"][ia])
-        n_comp_count = np.add.reduceat(n_comp.astype(np.int64), starts).tolist()
-        sel_count = np.add.reduceat(sel.astype(np.int64), starts).tolist()
-        for e, nc, ns in zip(entries(layers), n_comp_count, sel_count, strict=True):
-            e.update(n_comp_mismatch=nc, sel_mismatch=ns)
+    for table, key in (("hc", ("layer", "sub", "pos")), ("moe", ("layer", "pos")), ("attn", ("layer", "pos"))):
+        joined = _join(getattr(a, table), getattr(b, table), key, keep)
+        lone = joined[joined["_merge"] != "both"]
+        if len(lone) and len(getattr(a, table)) and len(getattr(b, table)):  # a table one side lacks: not recorded
+            layers, counts = np.unique(lone["layer"].to_numpy(), return_counts=True)
+            for e, n in zip(entries(layers), counts.tolist(), strict=True):
+                e["unmatched"] += n
+        both = joined[joined["_merge"] == "both"]
+        ia, ib = both["row_a"].to_numpy(np.int64), both["row_b"].to_numpy(np.int64)
+        if len(ia):
+            {"hc": _hc_diags, "moe": _moe_diags, "attn": _attn_diags}[table](a, b, ia, ib, entries)
     return pd.DataFrame([out[k] for k in sorted(out)], columns=LAYER_COLUMNS)
 
 
-def _join(ta: Any, tb: Any, key: tuple[str, ...], keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row indices (ia, ib) of the keys both tables hold at positions in `keep`, in ascending key order.
+def _hc_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
+    layers, starts = _runs(a.hc["layer"][ia])
+    hc_max = np.zeros(len(layers))
+    for c in ("pre", "post", "comb"):
+        d = np.abs(np.subtract(a.hc[c].take(ia, axis=0), b.hc[c].take(ib, axis=0), dtype=np.float64))
+        d[np.isnan(d)] = np.inf
+        hc_max = np.maximum(hc_max, np.maximum.reduceat(d.reshape(-1), starts * d.shape[1]))
+    for e, v in zip(entries(layers), hc_max.tolist(), strict=True):
+        e["hc_max_abs"] = v
 
-    Each key column is coded densely (value - min, or its rank when the values are spread wider than the rows),
-    so the mixed-radix code of a key (int64; re-ranked if it would overflow) orders keys lexicographically.
+
+def _moe_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
+    ids_a, ids_b = a.moe["ids"][ia], b.moe["ids"][ib]
+    same = _rows_equal(ids_a, ids_b)
+    flip = _sets_differ(ids_a, ids_b, same, nonneg=False)
+    weight = np.zeros(len(ia))
+    multiset = np.zeros(len(ia), bool)
+    if ids_a.shape[1] == ids_b.shape[1]:
+        oa, ob = np.argsort(ids_a, axis=1, kind="stable"), np.argsort(ids_b, axis=1, kind="stable")
+        multiset = (np.take_along_axis(ids_a, oa, 1) == np.take_along_axis(ids_b, ob, 1)).all(axis=1)
+        wa = np.take_along_axis(a.moe["w"][ia], oa, 1).astype(np.float64)
+        wb = np.take_along_axis(b.moe["w"][ib], ob, 1)
+        d = np.abs(wa - wb)
+        d[np.isnan(d)] = np.inf
+        weight = np.where(multiset, d.max(axis=1, initial=0.0), 0.0)
+    order = ~same & ~flip
+    ma, mb = a.moe["margin"][ia].astype(np.float64), b.moe["margin"][ib]
+    margin = np.where(np.isnan(ma) | np.isnan(mb), 0.0, np.abs(ma - mb))  # NaN: no margin recorded
+    pos = np.where(flip, a.moe["pos"][ia].astype(np.int64), np.iinfo(np.int64).max)
+    layers, starts = _runs(a.moe["layer"][ia])
+    n_flip = np.add.reduceat(flip.astype(np.int64), starts).tolist()
+    first = np.minimum.reduceat(pos, starts).tolist()
+    w_max = np.maximum.reduceat(weight, starts).tolist()
+    n_order = np.add.reduceat(order.astype(np.int64), starts).tolist()
+    m_max = np.maximum.reduceat(margin, starts).tolist()
+    for e, n, f, wm, no, mm in zip(entries(layers), n_flip, first, w_max, n_order, m_max, strict=True):
+        e.update(expert_flips=n, first_flip_pos=f if n else -1, weight_max_abs=wm, order_mismatch=no,
+                 margin_max_abs=mm)
+
+
+def _attn_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
+    n_comp = a.attn["n_comp"][ia] != b.attn["n_comp"][ib]
+    blocks = [(ia[i:i + _BLOCK], ib[i:i + _BLOCK]) for i in range(0, len(ia), _BLOCK)]
+    sel = np.concatenate([_sel_differ(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks])
+    sel |= a.attn["has_sel"][ia] != b.attn["has_sel"][ib]
+    layers, starts = _runs(a.attn["layer"][ia])
+    n_comp_count = np.add.reduceat(n_comp.astype(np.int64), starts).tolist()
+    sel_count = np.add.reduceat(sel.astype(np.int64), starts).tolist()
+    for e, nc, ns in zip(entries(layers), n_comp_count, sel_count, strict=True):
+        e.update(n_comp_mismatch=nc, sel_mismatch=ns)
+
+
+def _join(ta: Any, tb: Any, key: tuple[str, ...], keep: np.ndarray) -> pd.DataFrame:
+    """Outer merge of two tables' rows at positions in `keep` on their key columns, in ascending key order.
+
+    Columns: the keys, `row_a` / `row_b` (row index in each table, NaN where absent) and `_merge` (both |
+    left_only | right_only). A key listed twice in one table counts its last row.
     """
-    rows = [np.flatnonzero(np.isin(t["pos"], keep)) for t in (ta, tb)]
-    n = len(rows[0]) + len(rows[1])
-    code, span = np.zeros(n, np.int64), 1
-    for c in key if n else ():
-        both = np.concatenate([ta[c][rows[0]], tb[c][rows[1]]]).astype(np.int64)
-        lo, hi = int(both.min()), int(both.max())
-        if hi - lo < n:
-            dense, radix = both - lo, hi - lo + 1
-        else:
-            values, dense = np.unique(both, return_inverse=True)
-            radix = len(values)
-        if span * radix >= 2**63:  # re-rank the partial codes (span <= n afterwards)
-            values, code = np.unique(code, return_inverse=True)
-            span = len(values)
-        code, span = code * radix + dense, span * radix
-    ua, ra = _last_of_each(code[: len(rows[0])], rows[0])
-    ub, rb = _last_of_each(code[len(rows[0]):], rows[1])
-    _, ja, jb = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
-    return ra[ja], rb[jb]
+    def side(t: Any, col: str) -> pd.DataFrame:
+        rows = np.flatnonzero(np.isin(t["pos"], keep))
+        df = pd.DataFrame({k: t[k][rows].astype(np.int64) for k in key} | {col: rows})
+        return df.drop_duplicates(list(key), keep="last")
 
-
-def _last_of_each(code: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct codes ascending and, for each, the last of `rows` carrying it (as a dict built in row order)."""
-    order = np.argsort(code, kind="stable")
-    c = code[order]
-    last = np.ones(len(c), bool)
-    last[:-1] = c[1:] != c[:-1]
-    return c[last], rows[order[last]]
+    merged = side(ta, "row_a").merge(side(tb, "row_b"), on=list(key), how="outer", indicator=True, sort=True)
+    return merged.reset_index(drop=True)
 
 
 def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ INT32_MAX = 2**31 - 1
 MAX_HC = 64                # ModelConfig's hyper_connection.count bound
 MAX_DIM = 1 << 20          # ModelConfig's embedding_length bound
 MAX_TOP_K = 1 << 20        # a top-k list longer than any vocabulary
-MAX_LAYER = 4095           # ModelConfig's block_count bound is 4096
+MAX_LAYER = 9999           # blk.N with at most 4 digits (ModelConfig's block_count bound is 4096)
 MODEL_KEYS = ("file", "size", "header_sha256")          # identity written before data hashing (still read)
 MODEL_KEYS_DATA = (*MODEL_KEYS, "data_sha256")          # identity covering the tensor data
 HEX_RE = re.compile(r"[0-9a-f]{8,64}")
@@ -93,8 +93,8 @@ def check_model(m: Any, fail: Fail) -> None:
     if not isinstance(m, dict) or tuple(sorted(m)) not in (tuple(sorted(MODEL_KEYS)), tuple(sorted(MODEL_KEYS_DATA))):
         keys = sorted(m) if isinstance(m, dict) else type(m).__name__
         raise fail("model", f"must hold exactly file, size and header_sha256 (and data_sha256), got {_short(keys)}")
-    if not isinstance(m["file"], str):
-        raise fail("model", "file must be a string")
+    if not isinstance(m["file"], str) or not m["file"] or m["file"] != m["file"].strip() or "\n" in m["file"]:
+        raise fail("model", f"file must be a non-empty one-line name, got {_short(m['file'])}")
     if not (_is_int(m["size"]) and 0 <= m["size"] < 2**63):
         raise fail("model", f"size must be a non-negative integer, got {_short(m['size'])}")
     for key in ("header_sha256", "data_sha256"):
@@ -104,6 +104,10 @@ def check_model(m: Any, fail: Fail) -> None:
 
 def check_header(h: TraceHeader, fail: Fail) -> None:
     """Cross-field consistency of a header (same rules for both forms)."""
+    if not re.fullmatch(r"\S+", h.engine) or not h.engine_version.strip() or "\n" in h.engine_version:
+        raise fail("engine", "engine name must be one word and the version a non-empty line")
+    if not re.fullmatch(r"\S+", h.dtype):
+        raise fail("dtype", f"must be one word, got {_short(h.dtype)}")
     check_model(h.model, fail)
     if h.n_prompt + h.decode != len(h.tokens):
         raise fail("tokens", f"{len(h.tokens)} token ids, but n_prompt {h.n_prompt} + decode {h.decode} "
