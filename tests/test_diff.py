@@ -260,3 +260,37 @@ def test_compact_table_fits_100_columns_without_cutting():
     wide = text_table(r, wide=True).splitlines()
     assert "SQNR dB" in wide[0] and "stream ratios" in wide[0] and "1.0000..1.0000" in wide[-3]
     assert max(len(x) for x in wide) > 100  # wide adds columns; it is not held to 100
+
+
+def test_heatmap_scale_is_fixed_and_tied_to_the_threshold(runs):
+    from parity.compare.plot import LOG_MAX, LOG_MIN, drift_figure, threshold_colormap
+
+    agree, fail = api.diff(runs(), runs(perturb={2: 1e-6})), api.diff(runs(), runs(perturb={2: 0.05}))
+    images = [drift_figure(r).axes[2].images[0] for r in (agree, fail)]
+    assert [im.get_clim() for im in images] == [(LOG_MIN, LOG_MAX)] * 2  # never rescaled per plot
+    cmap, th = threshold_colormap(1e-3), np.log10(1e-3)
+    below = cmap((th - 0.1 - LOG_MIN) / (LOG_MAX - LOG_MIN))
+    above = cmap((th + 0.1 - LOG_MIN) / (LOG_MAX - LOG_MIN))
+    assert below[0] == pytest.approx(below[1]) and above[0] > above[2] + 0.3  # grey below, red above
+    cbar_label = drift_figure(fail).axes[3].get_ylabel()
+    assert "fixed log scale" in cbar_label and "threshold 0.001" in cbar_label
+
+
+def test_heatmap_marks_the_decode_boundary_and_labels_half_layers(runs):
+    from parity.compare.plot import drift_figure
+
+    r = api.diff(runs(), runs(perturb={2: 0.05}))
+    ax = drift_figure(r).axes[2]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[:4] == ["embed", "0a", "0", "1a"] and labels[-1] == "final" and "2a" in labels
+    # 8 prompt tokens + 2 decode: positions 0..9, the line between row 7 (prompt's last) and row 8
+    horizontal = [ln.get_ydata()[0] for ln in ax.get_lines() if ln.get_ydata()[0] == ln.get_ydata()[1]]
+    assert 7.5 in horizontal and any("decode" in t.get_text() for t in ax.texts)
+
+
+def test_long_titles_wrap_instead_of_being_cut():
+    from parity.compare.plot import wrapped_title
+
+    text = "first drift: " + " ".join(f"blk.{i}.attn" for i in range(30))
+    wrapped = wrapped_title(text, 40)
+    assert wrapped.replace("\n", " ") == text and max(len(x) for x in wrapped.splitlines()) <= 40

@@ -109,16 +109,14 @@ def drift_figure(report: DiffReport):
     if decode_rows and decode_rows[0] > 0:
         y = decode_rows[0] - 0.5
         ax_h.axhline(y, color="tab:blue", lw=1.5)
-        ax_h.annotate("decode ↑  prompt ↓", (len(depth) - 0.5, y), xytext=(4, 0), textcoords="offset points",
-                      va="center", fontsize=7, color="tab:blue", annotation_clip=False)
+        ax_h.text(-0.45, y, "decode ↑ / prompt ↓", va="center", ha="left", fontsize=7, color="tab:blue",
+                  bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     ax_h.set(title="relative L2 error by position and checkpoint (fixed scale; red = above the rel-L2 threshold)",
              xlabel="checkpoint (Na = half-layer blk.N.attn, N = blk.N)", ylabel="position")
-    cb = fig.colorbar(im, ax=ax_h, label="rel-L2 (log scale, fixed)", pad=0.04)
+    cb = fig.colorbar(im, ax=ax_h, label=f"rel-L2, fixed log scale (black line: threshold {th.rel_tol:g})")
     ticks = list(range(int(LOG_MIN), int(LOG_MAX) + 1, 3))
     cb.set_ticks(ticks, labels=[f"1e{k}" for k in ticks])
     cb.ax.axhline(np.log10(th.rel_tol), color="black", lw=2)
-    cb.ax.annotate(f"threshold {th.rel_tol:g}", (1.0, np.log10(th.rel_tol)), xytext=(26, 0),
-                   textcoords="offset points", va="center", fontsize=7, annotation_clip=False)
     if first is not None:
         ax_h.axvline(list(depth).index(first_depth) - 0.5, color="tab:blue", ls="--", lw=1.5)
     verdict = "all checkpoints agree" if first is None else f"first drift: {first['checkpoint']} ({first['reason']})"
