@@ -167,6 +167,31 @@ def plot(report: Any, out: str | os.PathLike) -> Path:
     return plot_drift(report, out)
 
 
+def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, exact: str = "torch",
+             approx: str | None = None, n: int = 200, decode: int = 64, seed: int = 0,
+             prompts: str | os.PathLike | None = None, boundary: bool = False, top_k: int = 20,
+             tie_margin: float | None = None, drift_tol: float | None = None, pins: int = 4,
+             budget: str | os.PathLike | None = None, workers: int = 1, ray: str | None = None,
+             resume: bool = False, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Validate the approximate path `approx` (ENGINE[:key=value,...]) against `exact` over n prompts into `out`
+    (results.jsonl as they arrive, report.json / report.md / validate.png at the end); `resume=True` continues the
+    run stored in `out` (the other run settings come from there). `ray`: None, 'local' or a cluster address.
+    Returns the report (`report['passed']`, `report['findings']`)."""
+    from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
+    from parity.validate.driver import Executor, new_config, run_validation
+
+    if resume:
+        config = None
+    else:
+        if model is None or approx is None:
+            raise TraceError("validate needs model and approx (or resume=True)")
+        config = new_config(str(model), exact, approx, n, decode, seed, None if prompts is None else str(prompts),
+                            boundary, top_k, TIE_MARGIN if tie_margin is None else tie_margin,
+                            DRIFT_TOL if drift_tol is None else drift_tol, pins,
+                            None if budget is None else str(budget))
+    return run_validation(out, config, Executor(workers, ray), on_progress=on_progress)
+
+
 # ---------------------------------------------------------------- envelope, bisect, check
 
 def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOptions | None = None,

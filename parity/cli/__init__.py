@@ -9,7 +9,7 @@ import click
 
 from parity.contract.errors import ParityError
 
-COMMAND_MODULES = ("model", "trace", "compare", "demo", "bisect", "logprobs", "bench", "check", "capture")
+COMMAND_MODULES = ("model", "trace", "compare", "demo", "bisect", "logprobs", "bench", "validate", "check", "capture")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

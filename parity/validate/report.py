@@ -1,0 +1,98 @@
+"""Printers of a validation report: Markdown (`report.md`) and the figure (`validate.png`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from parity.validate.summary import LAYER_STATS, MEAN_METRICS, POOLED
+
+DESCRIPTIONS = {
+    "divergence_rate": "prompts whose greedy top-1 differs at some step",
+    "wrong_rate": "prompts with a WRONG step (not a tie)",
+    "step_divergence_rate": "steps whose top-1 differs (TIE-FLIP or WRONG)",
+    "step_wrong_rate": "WRONG steps",
+    "step_drift_rate": "DRIFT steps (same top-1, top-1 logprob moved)",
+    "top1_agreement": "steps with the same top-1",
+    "kl_mean": "KL(exact || approx) per step, top-k lower bound",
+    "kl_p50": "KL per step, median",
+    "kl_p99": "KL per step, 99th percentile",
+    "kl_max": "KL per step, max",
+}
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def render_markdown(report: dict) -> str:
+    agg = report["aggregates"]
+    budget = {b["metric"]: b for b in report["budget"] or []}
+    pins = report["pins"]
+    lines = [f"# v4parity validate: `{report['approx']}` vs `{report['exact']}`", "",
+             f"Model `{report['model']['file']}`, n = {report['n']} prompts ({report['prompt_sources']}), "
+             f"{report['decode']} decode steps ({report['steps']} greedy steps per prompt), seed {report['seed']}, "
+             f"top-k {report['top_k']}. CIs: percentile bootstrap over prompts, {report['bootstrap']} resamples; "
+             f"MDE at alpha = {report['alpha']}, beta = {report['beta']}.", "",
+             f"**{'PASS' if report['passed'] else 'FAIL'}**", ""]
+    lines += [f"- {f}" for f in report["findings"]] + ([""] if report["findings"] else [])
+    lines += ["| metric | value | 95% CI | MDE | budget | |", "|---|---:|---|---:|---|---|"]
+    for name in (*MEAN_METRICS, *POOLED):
+        a = agg[name]
+        b = budget.get(name)
+        verdict = "" if b is None else f"{b['op']} {b['value']:g}: {'pass' if b['passed'] else 'FAIL'}"
+        lines.append(f"| {name} | {_g(a['value'])} | [{_g(a['ci'][0])}, {_g(a['ci'][1])}] | {_g(a['mde'])} | "
+                     f"{verdict} | {DESCRIPTIONS[name]} |")
+    n_layers = sum(k.endswith(".mean") for k in agg)
+    lines += ["", "Carrier rel-L2 at the last prompt position, per layer:", "",
+              "| layer | " + " | ".join(LAYER_STATS) + " | 95% CI of the mean |", "|---|" + "---:|" * 5]
+    for l in range(n_layers):
+        row = [agg[f"rel_l2.blk.{l}.{s}"] for s in LAYER_STATS]
+        ci = row[0]["ci"]
+        lines.append(f"| blk.{l} | " + " | ".join(_g(r["value"]) for r in row) + f" | [{_g(ci[0])}, {_g(ci[1])}] |")
+    div = report["divergence"]
+    ex, an = pins["exactness"], pins["announce"]
+    lines += ["", f"First divergent step classes: {div['classes'] or 'none'}.", "",
+              f"Exactness pin ({len(ex['prompts'])} prompts: exact twice"
+              + (f", and `{ex['explicit_spec']}`" if ex["explicit_spec"] else "") + f"): "
+              f"{'pass' if ex['passed'] else 'FAIL'}.",
+              f"Announce pin (declared {an['declared'] or 'nothing'}; numerics differ on "
+              f"{an['numerics_differ_on']}/{report['n']} prompts; named on stderr: {an['stderr_announced']}): "
+              f"{'pass' if an['passed'] else 'FAIL'}."]
+    lines += [f"Note: {n}" for n in an["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    div, agg = report["divergence"], report["aggregates"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = range(len(div["per_step_divergence_rate"]))
+    ax = axes[0]
+    ax.plot(steps, div["per_step_divergence_rate"], label="top-1 differs")
+    ax.set_xlabel("greedy step")
+    ax.set_ylabel("fraction of prompts")
+    ax2 = ax.twinx()
+    ax2.plot(steps, div["per_step_kl_mean"], color="tab:red", label="mean KL (lower bound)")
+    ax2.set_ylabel("KL (nats)")
+    ax.set_title("per-step divergence and KL")
+    axes[1].bar(steps, div["first_step_histogram"])
+    axes[1].set_xlabel("first divergent step")
+    axes[1].set_ylabel("prompts")
+    axes[1].set_title(f"first divergence ({div['classes'] or 'none'})")
+    n_layers = sum(k.endswith(".mean") for k in agg)
+    for s in ("mean", "p99", "max"):
+        axes[2].plot(range(n_layers), [agg[f"rel_l2.blk.{l}.{s}"]["value"] for l in range(n_layers)], marker="o",
+                     label=s)
+    axes[2].set_yscale("symlog", linthresh=1e-9)
+    axes[2].set_xlabel("layer")
+    axes[2].set_ylabel("carrier rel-L2, last prompt position")
+    axes[2].legend()
+    fig.suptitle(f"{report['approx']} vs {report['exact']} (n = {report['n']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
