@@ -10,6 +10,7 @@ import numpy as np
 
 from reference_cpu.linear import Weight, linear, split_rows
 from reference_cpu.norms import rms_norm, rms_norm_unweighted
+from reference_cpu.threads import Workers
 
 
 def q_path(x: np.ndarray, wq_a: Weight, q_norm: np.ndarray, wq_b: Weight, n_heads: int,
@@ -60,28 +61,28 @@ def key_set(t: int, raw: np.ndarray, raw_start: int, window: int, comp: np.ndarr
 
 
 def attend(q: np.ndarray, pos: np.ndarray, raw: np.ndarray, raw_start: int, window: int, comp: np.ndarray,
-           ratio: int, sel: np.ndarray | None, sink: np.ndarray, scale: float) -> np.ndarray:
+           ratio: int, sel: np.ndarray | None, sink: np.ndarray, scale: float, workers: Workers) -> np.ndarray:
     """Sink attention of every query over its own key set S_t; one query at a time, vectorized over heads (§5, §9).
 
     q [n, n_heads, hd] (after RoPE), pos [n], raw [nr, hd] from raw_start, comp [N, hd], sel [n, top_k] or None
     -> [n, n_heads, hd] (before inverse RoPE). Each query's arithmetic depends only on its own keys, so a chunk
-    and single-token calls with the same rows give identical outputs.
+    and single-token calls with the same rows give identical outputs, and so does any split over `workers`.
     """
-    out = np.empty_like(q)
-    for i, t in enumerate(pos):
-        keys = key_set(int(t), raw, raw_start, window, comp, ratio, None if sel is None else sel[i])
-        out[i] = sink_attention(q[i], keys, sink, scale)
-    return out
+    def queries(idx: range) -> np.ndarray:
+        return np.stack([sink_attention(q[i], key_set(int(pos[i]), raw, raw_start, window, comp, ratio,
+                                                      None if sel is None else sel[i]), sink, scale) for i in idx])
+
+    return np.concatenate(workers.map(queries, workers.split(len(pos))))
 
 
-def grouped_output(o: np.ndarray, wo_a: Weight, wo_b: Weight, groups: int) -> np.ndarray:
+def grouped_output(o: np.ndarray, wo_a: Weight, wo_b: Weight, groups: int, workers: Workers) -> np.ndarray:
     """a = W_ob · (z_0 ⊕ … ⊕ z_{G-1}), z_g = W_oa[g-th R_o rows] · (heads of group g concatenated) (§10).
 
     o [n, n_heads, hd] (after inverse RoPE), wo_a [G·R_o, n_heads·hd/G], wo_b [D, G·R_o] -> [n, D].
-    Block-diagonal: group g uses only its own R_o rows of W_oa.
+    Block-diagonal: group g uses only its own R_o rows of W_oa; the groups run over `workers`.
     """
     n = o.shape[0]
     u = o.reshape(n, groups, -1).transpose(1, 0, 2)                  # [G, n, gw]
     w = split_rows(wo_a, groups)                                     # G x [R_o, gw]
-    z = np.stack([linear(u[g], w[g]) for g in range(groups)], axis=1)  # [n, G, R_o]
+    z = np.stack(workers.map(lambda g: linear(u[g], w[g]), range(groups)), axis=1)  # [n, G, R_o]
     return linear(z.reshape(n, -1), wo_b)

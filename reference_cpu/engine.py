@@ -26,6 +26,7 @@ from reference_cpu.norms import rms_norm
 from reference_cpu.numerics import f16_round
 from reference_cpu.rope import RopeSpec, RopeTable
 from reference_cpu.state import SequenceState
+from reference_cpu.threads import Workers, usable_cpus
 from reference_cpu.weights_cache import WeightStore
 
 VERSION = "0.1.0"
@@ -51,17 +52,23 @@ def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
 
 
 class ReferenceEngine:
-    """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `cache_gb`."""
+    """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `cache_gb`.
+
+    `threads`: worker threads for independent experts, queries and output groups (None: the CPUs this process may
+    use, `threads.usable_cpus`); results are bit-identical for any count.
+    """
 
     name = "reference"
 
-    def __init__(self, model_path: str, options: RunOptions, cache_gb: float | None = None) -> None:
+    def __init__(self, model_path: str, options: RunOptions, cache_gb: float | None = None,
+                 threads: int | None = None) -> None:
         self.weights = Weights(model_path)
         self.config: ModelConfig = self.weights.config
         check_options(options, self.config)
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
+        self.workers = Workers(usable_cpus() if threads is None else threads)
         self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb,
                                  options.act_quant)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
@@ -100,7 +107,7 @@ class ReferenceEngine:
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
         return block_forward(self.store, cfg, layer, state.layers[layer], carrier.astype(self.dtype, copy=False),
-                             tokens, int(start_pos), self.rope[layer], self.numerics, capture)
+                             tokens, int(start_pos), self.rope[layer], self.numerics, capture, self.workers)
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """carrier [n, H, D] -> (final_norm [n, D], logits [n, V]): HC head, output_norm, output (§8.3)."""

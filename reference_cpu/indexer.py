@@ -13,6 +13,7 @@ import numpy as np
 from reference_cpu.linear import Weight, linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
 from reference_cpu.rope import RopeTable, apply_rope
+from reference_cpu.threads import Workers
 
 
 def indexer_queries(qr: np.ndarray, wq_b: Weight, pos: np.ndarray, rope: RopeTable, n_heads: int,
@@ -52,17 +53,27 @@ def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def select_rows(q: np.ndarray, w: np.ndarray, rows: np.ndarray, pos: np.ndarray, ratio: int,
-                topk: int) -> np.ndarray:
+def select_one(q: np.ndarray, w: np.ndarray, rows: np.ndarray, t: int, ratio: int, topk: int) -> np.ndarray:
     """Sel_t = all j < n_t if n_t ≤ k else top-k of score_t over j < n_t, n_t = ⌊(t+1)/m⌋ (§8.3, §9).
+
+    q [n_heads, d_I], w [n_heads] scaled, rows [N, d_I] -> int [topk] ascending, -1 padded.
+    """
+    sel = np.full(topk, -1, dtype=np.int64)
+    n_t = (t + 1) // ratio
+    if n_t <= topk:
+        sel[:n_t] = np.arange(n_t)
+    else:
+        sel[:] = topk_lowest_index(indexer_scores(q, w, rows[:n_t]), topk)
+    return sel
+
+
+def select_rows(q: np.ndarray, w: np.ndarray, rows: np.ndarray, pos: np.ndarray, ratio: int,
+                topk: int, workers: Workers) -> np.ndarray:
+    """`select_one` for every query (independent queries, split over `workers`).
 
     q [n, n_heads, d_I], w [n, n_heads] scaled, rows [N, d_I], pos [n] -> int [n, topk] ascending, -1 padded.
     """
-    sel = np.full((len(pos), topk), -1, dtype=np.int64)
-    for i, t in enumerate(pos):
-        n_t = (int(t) + 1) // ratio
-        if n_t <= topk:
-            sel[i, :n_t] = np.arange(n_t)
-        else:
-            sel[i] = topk_lowest_index(indexer_scores(q[i], w[i], rows[:n_t]), topk)
-    return sel
+    def queries(idx: range) -> np.ndarray:
+        return np.stack([select_one(q[i], w[i], rows, int(pos[i]), ratio, topk) for i in idx])
+
+    return np.concatenate(workers.map(queries, workers.split(len(pos))))

@@ -34,6 +34,7 @@ from reference_cpu.norms import rms_norm
 from reference_cpu.quant_sim import fp8_sim_nope
 from reference_cpu.rope import RopeTable, apply_rope
 from reference_cpu.state import CompressorState, LayerState
+from reference_cpu.threads import Workers
 from reference_cpu.weights_cache import WeightStore
 
 
@@ -85,7 +86,8 @@ def project_qkv(store: WeightStore, cfg: ModelConfig, p: str, x: np.ndarray, pos
 
 
 def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray,
-                        qr: np.ndarray, pos: np.ndarray, rope: RopeTable, num: Numerics) -> np.ndarray | None:
+                        qr: np.ndarray, pos: np.ndarray, rope: RopeTable, num: Numerics,
+                        workers: Workers) -> np.ndarray | None:
     """Emit this chunk's compressed rows (main and indexer) and, on CSA layers, the indexer's selection (§7-§8).
 
     x [n, D], qr [n, R_q], pos [n] -> Sel int [n, top_k] (-1 padded), or None off CSA layers.
@@ -103,24 +105,25 @@ def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: La
     q_idx = indexer_queries(qr, store.matrix(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
                             num.fp4_indexer)
     w_idx = indexer_weights(x, store.matrix(p + "indexer.proj.weight"), cfg.index_head_dim)
-    return select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk)
+    return select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk, workers)
 
 
 def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray, pos: np.ndarray,
-              rope: RopeTable, num: Numerics, cap: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              rope: RopeTable, num: Numerics, cap: dict | None,
+              workers: Workers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """a = Attention(x) for n new positions through the layer's caches (spec attention §11-§12, §16).
 
     x [n, D] (attn_norm output), pos [n] -> a [n, D], n_comp_visible int [n], index_sel int [n, top_k] (-1 pad).
     """
     p, m, n = f"blk.{layer}.", cfg.ratio(layer), len(pos)
     qr, q, kv, q_rot, k = project_qkv(store, cfg, p, x, pos, rope, num)
-    sel = compress_and_select(store, cfg, layer, st, x, qr, pos, rope, num)
+    sel = compress_and_select(store, cfg, layer, st, x, qr, pos, rope, num, workers)
     raw = np.concatenate([st.raw, k])
     comp = st.comp.rows if m > 0 else np.zeros((0, cfg.head_dim), x.dtype)
     o = attend(q_rot, pos, raw, int(pos[0]) - len(st.raw), cfg.window_size, comp, m, sel,
-               store.dense(p + "attn_sinks.weight"), 1.0 / math.sqrt(cfg.head_dim))
+               store.dense(p + "attn_sinks.weight"), 1.0 / math.sqrt(cfg.head_dim), workers)
     a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.matrix(p + "attn_output_a.weight"),
-                       store.matrix(p + "attn_output_b.weight"), cfg.o_groups)
+                       store.matrix(p + "attn_output_b.weight"), cfg.o_groups, workers)
     st.raw = raw[max(0, len(raw) - (cfg.window_size - 1)) :]
     st.next_pos += n
     n_vis = (pos + 1) // m if m > 0 else np.zeros(n, np.int64)
@@ -149,7 +152,7 @@ def expert_id_table(ids: np.ndarray, n: int, cfg: ModelConfig, layer: int, sourc
 
 
 def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens: np.ndarray, start_pos: int,
-        num: Numerics, cap: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        num: Numerics, cap: dict | None, workers: Workers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """f = Σ_k w_k Expert_{id_k}(x) + Shared(x) (spec residual-ffn §9).
 
     x [n, D] (ffn_norm output), tokens [n] -> f [n, D], ids int [n, K] (selection order), weights [n, K],
@@ -173,7 +176,7 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
         return (store.expert_matrix(p + "ffn_gate_exps.weight", e), store.expert_matrix(p + "ffn_up_exps.weight", e),
                 store.expert_matrix(p + "ffn_down_exps.weight", e))
 
-    routed = routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer])
+    routed = routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer], workers)
     shared = expert_ffn(x, store.matrix(p + "ffn_gate_shexp.weight"), store.matrix(p + "ffn_up_shexp.weight"),
                         store.matrix(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer])
     if cap is not None:
@@ -182,8 +185,8 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
 
 
 def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, X: np.ndarray,
-                  tokens: np.ndarray, start_pos: int, rope: RopeTable, num: Numerics,
-                  capture: bool) -> LayerOutput:
+                  tokens: np.ndarray, start_pos: int, rope: RopeTable, num: Numerics, capture: bool,
+                  workers: Workers) -> LayerOutput:
     """X' = layer(X) for n positions start_pos.. (spec residual-ffn §5).
 
     X [n, H, D], tokens [n] -> LayerOutput (attention half-carrier, carrier, diagnostics, captures).
@@ -198,13 +201,13 @@ def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerSta
     u, pre_a, post_a, comb_a = hc_pre(X, store.matrix(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
                                       store.dense(p + "hc_attn_base.weight"), *hc_args)
     x = rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps)
-    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, cap)
+    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, cap, workers)
     Y = hc_post(a, X, post_a, comb_a)
 
     v, pre_f, post_f, comb_f = hc_pre(Y, store.matrix(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
                                       store.dense(p + "hc_ffn_base.weight"), *hc_args)
     xf = rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps)
-    f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, cap)
+    f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, cap, workers)
     X_out = hc_post(f, Y, post_f, comb_f)
 
     for name, arr in ((f"blk.{layer}.attn", Y), (f"blk.{layer}", X_out)):

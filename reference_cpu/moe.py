@@ -6,14 +6,13 @@ renormalised and multiplied by route_scale.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from reference_cpu.hc import sigmoid
 from reference_cpu.linear import Matrix, Weight, linear
+from reference_cpu.threads import Workers
 
 
 def softplus(z: np.ndarray) -> np.ndarray:
@@ -94,19 +93,16 @@ def expert_ffn(x: np.ndarray, w_gate: Weight, w_up: Weight, w_down: Weight, limi
     return linear(h, w_down)
 
 
-# Independent experts run concurrently: NumPy releases the GIL in dequantization and BLAS. Results are
-# still summed in ascending expert id, so the output does not depend on the thread count.
-EXPERT_THREADS = min(4, os.cpu_count() or 1)
-
 ExpertWeights = Callable[[int], tuple[Weight, Weight, Weight]]
 
 
 def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: ExpertWeights,
-                   limit: float) -> np.ndarray:
+                   limit: float, workers: Workers) -> np.ndarray:
     """R = Σ_k y_{id_k}: tokens grouped by expert, each selected expert's weights fetched once (§9.4).
 
     x [n, D], ids [n, k], weights [n, k], expert(e) -> (w_gate [F, D], w_up [F, D], w_down [D, F]) -> [n, D].
-    Contributions are added in ascending expert id, for a chunk and for single tokens alike.
+    Experts run concurrently over `workers` (dequantization and BLAS release the GIL); contributions are added
+    in ascending expert id, for a chunk and for single tokens alike, whatever the thread count.
     """
     def one(e: int) -> tuple[np.ndarray, np.ndarray]:
         rows, slot = np.nonzero(ids == e)
@@ -114,7 +110,6 @@ def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, expert: 
         return rows, expert_ffn(x[rows], w_gate, w_up, w_down, limit, weights[rows, slot])
 
     out = np.zeros_like(x)
-    with ThreadPoolExecutor(EXPERT_THREADS) as pool:
-        for rows, y in pool.map(one, np.unique(ids)):  # map yields in ascending expert id
-            np.add.at(out, rows, y)
+    for rows, y in workers.map(one, np.unique(ids)):  # results in ascending expert id
+        np.add.at(out, rows, y)
     return out

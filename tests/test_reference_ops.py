@@ -26,8 +26,10 @@ from reference_cpu.quant_sim import (
 )
 from reference_cpu.rope import RopeSpec, RopeTable, apply_rope, rope_frequencies, rotate_pairs, yarn_ramp_bounds
 from reference_cpu.state import CompressorState
+from reference_cpu.threads import Workers
 
 RNG = np.random.default_rng(1234)
+SERIAL = Workers(1)
 
 
 # ---------------------------------------------------------------------------------------- hyper-connections
@@ -290,9 +292,9 @@ def test_attend_chunk_equals_single_queries_exactly():
     comp = RNG.normal(size=(4, hd)).astype(np.float32)
     sink = RNG.normal(size=nh).astype(np.float32)
     pos = 4 + np.arange(n)
-    full = attend(q, pos, raw, 0, W, comp, 4, None, sink, 0.25)
+    full = attend(q, pos, raw, 0, W, comp, 4, None, sink, 0.25, SERIAL)
     for i in range(n):
-        one = attend(q[i : i + 1], pos[i : i + 1], raw[: pos[i] + 1], 0, W, comp, 4, None, sink, 0.25)
+        one = attend(q[i : i + 1], pos[i : i + 1], raw[: pos[i] + 1], 0, W, comp, 4, None, sink, 0.25, SERIAL)
         np.testing.assert_array_equal(one[0], full[i])
 
 
@@ -304,7 +306,8 @@ def test_grouped_output_is_block_diagonal_projection():
     gw = nh * hd // G
     for g in range(G):
         dense[g * R : (g + 1) * R, g * gw : (g + 1) * gw] = wo_a[g * R : (g + 1) * R]
-    np.testing.assert_allclose(grouped_output(o, wo_a, wo_b, G), (o.reshape(n, -1) @ dense.T) @ wo_b.T, rtol=1e-12)
+    np.testing.assert_allclose(grouped_output(o, wo_a, wo_b, G, SERIAL), (o.reshape(n, -1) @ dense.T) @ wo_b.T,
+                               rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- compressor
@@ -375,7 +378,7 @@ def test_indexer_relu_per_head_before_weighted_sum():
 def test_indexer_selects_all_visible_rows_when_fewer_than_topk():
     rows = RNG.normal(size=(10, 8))
     q = np.full((3, 2, 8), np.nan)   # scores must not even be needed
-    sel = select_rows(q, np.full((3, 2), np.nan), rows, np.array([3, 9, 15]), 4, 4)
+    sel = select_rows(q, np.full((3, 2), np.nan), rows, np.array([3, 9, 15]), 4, 4, SERIAL)
     np.testing.assert_array_equal(sel, [[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, 3]])
 
 
@@ -385,7 +388,7 @@ def test_indexer_topk_lowest_index_wins_ties_and_respects_causality():
     q = np.zeros((1, 1, 8))
     q[0, 0, 5] = 10.0       # row 5 would score highest but is not visible yet at t = 19 (n_t = 5)
     q[0, 0, 1] = 1.0
-    sel = select_rows(q, np.ones((1, 1)), rows, np.array([19]), 4, 2)
+    sel = select_rows(q, np.ones((1, 1)), rows, np.array([19]), 4, 2, SERIAL)
     np.testing.assert_array_equal(sel, [[0, 1]])  # row 1 scores 1, rows 0,2,3,4 tie at 0 -> lowest index 0
 
 
