@@ -224,3 +224,40 @@ def test_one_cli_options_are_spelled_and_chosen_the_same_everywhere():
         if name not in seen["as_json"]:
             problems.append(f"{name}: no --json")
     assert problems == []
+
+
+def test_progress_bar_on_a_terminal_and_periodic_lines_otherwise():
+    import io
+
+    from parity.cli.progress import Progress
+
+    now = [0.0]
+    log = io.StringIO()
+    p = Progress(stream=log, interval=10.0, terminal=False, clock=lambda: now[0])
+    for done in range(0, 101):
+        now[0] = done * 0.5            # 0.5 s per unit: 50 s in all
+        p("bisect: splice", done, 100)
+    # the first line, one per 10 s, and the last one
+    assert log.getvalue().splitlines() == ["bisect: splice 0/100 0:00", "bisect: splice 20/100 0:10",
+                                           "bisect: splice 40/100 0:20", "bisect: splice 60/100 0:30",
+                                           "bisect: splice 80/100 0:40", "bisect: splice 100/100 0:50"]
+    tty = io.StringIO()
+    bar = Progress(stream=tty, terminal=True, clock=lambda: now[0], width=10)
+    now[0] = 0.0
+    bar("trace", 0, 4)
+    now[0] = 30.0
+    bar("trace", 1, 4)                # 30 s for 1 of 4 -> 90 s to go
+    assert tty.getvalue().endswith("\rtrace [##........] 1/4 0:30 ETA 1:30")  # 2.5 cells -> 2
+    now[0] = 120.0
+    bar("trace", 4, 4)
+    assert tty.getvalue().endswith("\rtrace [##########] 4/4 2:00 ETA 0:00\n")
+
+
+def test_json_errors_from_the_entry_point_include_parse_errors(tmp_path):
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("v4parity")
+    r = subprocess.run([str(exe), "diff", "--json", str(tmp_path / "missing.trace")], capture_output=True, text=True)
+    err = json.loads(r.stdout)
+    assert r.returncode == 2 and err["exit_code"] == 2 and "missing.trace" in err["error"] and r.stderr == ""

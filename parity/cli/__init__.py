@@ -4,9 +4,11 @@ calls one API function and prints; heavy imports (torch, engines) happen inside 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
+from parity.cli.common import echo_json
 from parity.contract.errors import ParityError
 
 COMMAND_MODULES = ("model", "trace", "compare", "demo", "bisect", "logprobs", "bench", "validate", "check", "capture")
@@ -17,8 +19,15 @@ COMMAND_MODULES = ("model", "trace", "compare", "demo", "bisect", "logprobs", "b
 def cli() -> None:
     """v4parity: find where a DeepSeek-V4 (deepseek4 GGUF) engine stops agreeing with the model.
 
-    Typical session: `v4parity synth -o m.gguf`, `v4parity trace --engine reference ...`,
-    `v4parity trace --engine torch ...`, `v4parity diff A B`, `v4parity bisect --model m.gguf`.
+    \b
+    Typical session:
+      v4parity synth -o m.gguf
+      v4parity trace --engine reference -m m.gguf --prompt "Hello" --decode 4 -o ref.trace
+      v4parity trace --engine torch -m m.gguf --follow ref.trace -o cand.trace
+      v4parity diff ref.trace cand.trace          (exit 1 on drift)
+      v4parity report ref.trace cand.trace -o report.html
+      v4parity bisect -m m.gguf
+    Exit codes everywhere: 0 ok, 1 a finding, 2 usage or preflight error; --json prints errors as JSON too.
     """
 
 
@@ -28,15 +37,22 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    as_json = "--json" in sys.argv[1:]  # errors raised before a command runs (parsing) are JSON too
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
         raise SystemExit(130) from None
     except click.ClickException as e:
-        e.show()
+        if as_json:
+            echo_json({"error": e.format_message(), "kind": type(e).__name__, "exit_code": e.exit_code})
+        else:
+            e.show()
         raise SystemExit(e.exit_code) from None
     except ParityError as e:
-        click.secho(f"error: {e}", fg="red", err=True)
+        if as_json:
+            echo_json({"error": str(e), "kind": type(e).__name__, "exit_code": 2})
+        else:
+            click.secho(f"error: {e}", fg="red", err=True)
         raise SystemExit(2) from None
     except click.exceptions.Exit as e:
         raise SystemExit(e.exit_code) from None

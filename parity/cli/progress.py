@@ -57,7 +57,7 @@ class Progress:
         if not total:
             return f"{stage} {done} {_clock(elapsed)}"
         frac = min(done / total, 1.0)
-        fill = round(frac * self.width)
+        fill = int(frac * self.width)  # whole cells only
         eta = _clock(elapsed / done * (total - done)) if done else "?"
         return f"{stage} [{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} {_clock(elapsed)} ETA {eta}"
 
