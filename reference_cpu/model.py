@@ -22,6 +22,7 @@ from reference_cpu.attention import attend, grouped_output, kv_latent, q_path
 from reference_cpu.compressor import compressor_project, compressor_update, index_row_post, main_row_post
 from reference_cpu.hc import hc_post, hc_pre
 from reference_cpu.indexer import indexer_queries, indexer_weights, select_rows
+from reference_cpu.linear import Matrix
 from reference_cpu.moe import (
     expert_ffn,
     hash_select,
@@ -172,7 +173,7 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
         ids = expert_id_table(num.expert_override(layer, start_pos, n), n, cfg, layer, "expert_override")
     weights = routing_weights(scores, ids, cfg.route_scale)
 
-    def expert(e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def expert(e: int) -> tuple[Matrix, Matrix, Matrix]:
         return (store.expert_matrix(p + "ffn_gate_exps.weight", e), store.expert_matrix(p + "ffn_up_exps.weight", e),
                 store.expert_matrix(p + "ffn_down_exps.weight", e))
 
