@@ -85,3 +85,21 @@ def test_generic_page_escapes_and_keeps_sections_in_order(tmp_path):
     text = path.read_text()
     assert "&lt;x&gt;" in text and "culprit: blk.3 &amp; its MoE" in text and "<x>" not in text
     assert text.index("<h2>first</h2>") < text.index("<h2>second</h2>")
+
+
+def test_report_and_diff_html_from_the_cli(tiny_f32, tmp_path):
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    def run(perturb=None):
+        return api.trace(FakeEngine(str(tiny_f32), perturb=perturb), tiny_f32, PROMPT, positions="all", decode=2)
+
+    a, b = api.save_trace(run(), tmp_path / "a.trace"), api.save_trace(run({2: 0.05}), tmp_path / "b.trace")
+    r = CliRunner().invoke(cli, ["report", str(a), str(b), "-o", str(tmp_path / "r.html")])
+    assert r.exit_code == 1 and "first drifting checkpoint: blk.2.attn" in r.output  # drift: exit 1, as diff
+    assert 'class="verdict fail"' in (tmp_path / "r.html").read_text()
+    r = CliRunner().invoke(cli, ["report", str(a), str(a), "-o", str(tmp_path / "ok.html")])
+    assert r.exit_code == 0 and 'class="verdict pass"' in (tmp_path / "ok.html").read_text()
+    r = CliRunner().invoke(cli, ["diff", str(a), str(b), "--html", str(tmp_path / "d.html"), "--no-fail"])
+    assert r.exit_code == 0 and "blk.2.attn" in (tmp_path / "d.html").read_text()
