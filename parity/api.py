@@ -314,3 +314,38 @@ def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str |
             "model": model_identity(model)}
     path = write_llamacpp_capture(out, arrays, meta)
     return {"path": path, "n_tensors": len(arrays) - 4, "tokens": arrays["input_ids"].tolist(), "flags": meta["flags"]}
+
+
+def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence[str], *, decode: int = 0,
+              chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
+              envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """Run every engine in `engines` on `tokens` (+ `decode` steps: the first engine's greedy tokens, fed to the
+    others) with the same chunks and QAT simulations, and cluster them per checkpoint -> Arbitration.
+    Two engines agree where their largest per-position rel-L2 is <= `rel_tol`, or, with an `envelope` file,
+    <= k * floor + eps of that checkpoint (logits: k * logit_rel + eps)."""
+    from parity.compare.arbitration import arbitrate_runs
+    from parity.contract.errors import ParityError
+
+    engines = list(dict.fromkeys(engines))
+    if len(engines) < 2:
+        raise ParityError(f"arbitration needs at least two distinct engines, got {engines}")
+    say = progress or (lambda _m: None)
+    if envelope is not None:
+        from parity.bisect.envelope import load_envelope
+
+        env = load_envelope(envelope, "float32", model_identity(model))
+        def tolerance(name: str) -> float:
+            return env.k * (env.logit_rel if name == "logits" else env.floor(name)) + env.eps
+    else:
+        def tolerance(name: str) -> float:
+            return rel_tol
+    options = RunOptions(fp8_kv=qat_sims, fp4_indexer=qat_sims)
+    tokens = [int(t) for t in tokens]
+    runs: dict[str, list[ChunkResult]] = {}
+    forced = None
+    for name in engines:
+        say(f"arbitrate: {name} on {len(tokens)} tokens + {decode} decode")
+        runs[name] = run_sequence(load_engine(name, str(model), options), tokens, decode, chunk=chunk, forced=forced)
+        if forced is None:
+            forced = [int(t) for t in np.concatenate([r.tokens for r in runs[name]])[len(tokens):]]
+    return arbitrate_runs(runs, len(tokens), tolerance)

@@ -1,0 +1,52 @@
+"""`v4parity arbitrate`: several engines on the same tokens; per checkpoint, which agree with which."""
+
+from __future__ import annotations
+
+import click
+
+from parity.cli.common import echo_json, json_errors, json_option, model_option
+
+
+@click.command()
+@model_option()
+@click.option("--engines", required=True, help="Comma list of registered engines, e.g. reference,torch,llamacpp,hf.")
+@click.option("--tokens", help="Prompt token ids, e.g. 0,17,42.")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), help="File of token ids.")
+@click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
+              help="Decode steps: the first engine's greedy tokens, fed to every engine.")
+@click.option("--chunk", default=None, type=click.IntRange(1), help="Prefill chunk size (default: one chunk).")
+@click.option("--qat-sims", is_flag=True,
+              help="Run the FP8 KV / FP4 indexer QAT round trips (off by default: llama.cpp and transformers omit "
+                   "them; only engines that implement them can then take part).")
+@click.option("--rel-tol", default=1e-4, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Two engines agree at a checkpoint when their largest per-position rel-L2 is <= this.")
+@click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Use the stored noise envelope (float32 section) instead: agree within k * floor + eps.")
+@json_option()
+@json_errors
+def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_tol, envelope_path, as_json) -> None:
+    """Run each engine on the same tokens and print, per checkpoint, the clusters of engines that agree, so
+    "reference and llama.cpp agree, the port under test is the odd one out" is one command.
+
+    \b
+    Exit codes: 0 all engines agree everywhere, 1 they split somewhere, 2 usage error or an engine refused.
+    Example: v4parity arbitrate -m tiny-f32.gguf --tokens 0,5,7,9 --decode 4 --engines reference,torch,llamacpp,hf
+    """
+    from parity import api
+    from parity.cli.trace import resolve_tokens
+    from parity.compare.arbitration import summary_lines
+
+    ids = resolve_tokens(model, tokens, tokens_file, None, None)
+    names = list(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
+    if len(names) < 2:
+        raise click.UsageError(f"--engines: arbitration needs at least two distinct engines, got {names}")
+    report = api.arbitrate(model, ids, names, decode=decode, chunk=chunk, qat_sims=qat_sims, rel_tol=rel_tol,
+                           envelope=envelope_path, progress=lambda m: click.echo(m, err=True))
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        click.echo("\n".join(summary_lines(report)))
+    raise SystemExit(0 if report.unanimous else 1)
+
+
+COMMANDS = [arbitrate]

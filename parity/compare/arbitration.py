@@ -1,0 +1,113 @@
+"""Arbitration: several engines on the same tokens; per checkpoint, which engines agree with which.
+
+Two engines agree at a checkpoint when the largest per-position rel-L2 between their vectors is within the
+checkpoint's tolerance; the clusters are the connected groups of agreeing engines (largest first, ties by the
+order the engines were given). The odd ones out are the engines outside the largest cluster at the first
+checkpoint (in depth order) where the engines split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from parity.compare.metrics import rel_l2
+from parity.contract.checkpoints import LOGITS, trace_checkpoints
+from parity.tracing.runner import ChunkResult, all_tokens, stack
+
+
+@dataclass(frozen=True)
+class CheckpointClusters:
+    name: str
+    tolerance: float
+    clusters: tuple[tuple[str, ...], ...]     # largest first
+    pairs: dict[str, float]                   # "a~b" -> max over positions of rel-L2
+
+
+@dataclass(frozen=True)
+class Arbitration:
+    engines: tuple[str, ...]
+    tokens: tuple[int, ...]                   # every engine ran these (decode tokens: the first engine's greedy ones)
+    n_prompt: int
+    checkpoints: tuple[CheckpointClusters, ...]
+    first_split: str | None                   # first checkpoint where the engines do not all agree
+    odd_ones_out: tuple[str, ...]             # outside the largest cluster at first_split
+    greedy_disagreements: dict[str, int]      # decode steps whose argmax differs from the first engine's token
+
+    @property
+    def unanimous(self) -> bool:
+        return self.first_split is None
+
+    def to_json(self) -> dict:
+        return {"engines": list(self.engines), "tokens": list(self.tokens), "n_prompt": self.n_prompt,
+                "first_split": self.first_split, "odd_ones_out": list(self.odd_ones_out),
+                "greedy_disagreements": self.greedy_disagreements,
+                "checkpoints": [{"name": c.name, "tolerance": c.tolerance, "clusters": [list(g) for g in c.clusters],
+                                 "pairs": c.pairs} for c in self.checkpoints]}
+
+
+def clusters(engines: Sequence[str], agree: Callable[[str, str], bool]) -> tuple[tuple[str, ...], ...]:
+    """Connected components of the agreement graph, largest first (ties: order of `engines`)."""
+    parent = {e: e for e in engines}
+
+    def root(e: str) -> str:
+        while parent[e] != e:
+            e = parent[e]
+        return e
+
+    for i, a in enumerate(engines):
+        for b in engines[i + 1:]:
+            if agree(a, b):
+                parent[root(b)] = root(a)
+    groups: dict[str, list[str]] = {}
+    for e in engines:
+        groups.setdefault(root(e), []).append(e)
+    return tuple(sorted((tuple(g) for g in groups.values()), key=lambda g: (-len(g), engines.index(g[0]))))
+
+
+def arbitrate_runs(runs: Mapping[str, Sequence[ChunkResult]], n_prompt: int,
+                   tolerance: Callable[[str], float]) -> Arbitration:
+    """Cluster the engines' runs (same tokens, same chunk schedule) at every checkpoint and the logits."""
+    engines = tuple(runs)
+    first = runs[engines[0]]
+    n_layers = len(first[0].diags)
+    out = []
+    for name in [*trace_checkpoints(n_layers), LOGITS]:
+        vec = {e: stack(runs[e], name) for e in engines}
+        pairs = {f"{a}~{b}": float(rel_l2(vec[a], vec[b]).max())
+                 for i, a in enumerate(engines) for b in engines[i + 1:]}
+        tol = tolerance(name)
+        out.append(CheckpointClusters(name, tol, clusters(engines, lambda a, b, p=pairs, t=tol: p[f"{a}~{b}"] <= t),
+                                      pairs))
+    split = next((c for c in out if len(c.clusters) > 1), None)
+    tokens = all_tokens(first)
+    greedy = {}
+    for e in engines[1:]:
+        own = [int(np.argmax(c.logits[-1])) for c in runs[e]][:-1]
+        ref = [int(t) for t in tokens[n_prompt:]]
+        steps = own[len(own) - len(ref):] if ref else []
+        greedy[e] = sum(a != b for a, b in zip(steps, ref, strict=True))
+    return Arbitration(engines, tuple(int(t) for t in tokens), n_prompt, tuple(out),
+                       split.name if split else None,
+                       tuple(e for g in split.clusters[1:] for e in g) if split else (), greedy)
+
+
+def summary_lines(a: Arbitration) -> list[str]:
+    """The report a person reads: the verdict line, then one line per checkpoint with its clusters."""
+    if a.unanimous:
+        head = f"all {len(a.engines)} engines agree at every checkpoint ({', '.join(a.engines)})"
+    else:
+        head = (f"engines split first at {a.first_split}: odd one(s) out {', '.join(a.odd_ones_out)} "
+                f"(the others agree with each other)")
+    lines = [head]
+    if a.greedy_disagreements:
+        lines.append("greedy decode vs " + a.engines[0] + ": " + ", ".join(
+            f"{e} {n} step(s) differ" for e, n in a.greedy_disagreements.items()))
+    width = max(len(c.name) for c in a.checkpoints)
+    for c in a.checkpoints:
+        groups = " | ".join("{" + ", ".join(g) + "}" for g in c.clusters)
+        worst = max(c.pairs.values()) if c.pairs else 0.0
+        lines.append(f"{c.name:<{width}}  {groups}  (tol {c.tolerance:.2g}, worst pair {worst:.3g})")
+    return lines

@@ -1,0 +1,59 @@
+"""`v4parity arbitrate`: per checkpoint, which engines agree with which; the odd one out is named."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+from fake_engine import FakeEngine
+
+from parity.cli import cli
+from parity.compare.arbitration import arbitrate_runs, clusters
+from parity.tracing.runner import all_tokens, run_sequence
+
+PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
+
+
+def test_clusters_are_connected_groups_largest_first():
+    agree = {("a", "b"), ("c", "d"), ("d", "e")}
+    got = clusters(["a", "b", "c", "d", "e", "f"], lambda x, y: (x, y) in agree)
+    assert got == (("c", "d", "e"), ("a", "b"), ("f",))
+
+
+def test_the_perturbed_engine_is_the_odd_one_out(tiny_f32):
+    """Three fake engines, one with a fault acting at layer 3's attention output: the split is first seen at
+    blk.3.attn, the faulty engine alone outside the majority; the clean ones agree everywhere (bit-identical)."""
+    a, b = FakeEngine(str(tiny_f32)), FakeEngine(str(tiny_f32))
+    bad = FakeEngine(str(tiny_f32), perturb={3: 0.05})
+    first = run_sequence(a, PROMPT, 3, chunk=4)
+    forced = all_tokens(first)[len(PROMPT):]
+    runs = {"ref": first, "faulty": run_sequence(bad, PROMPT, 3, chunk=4, forced=forced),
+            "other": run_sequence(b, PROMPT, 3, chunk=4, forced=forced)}
+    r = arbitrate_runs(runs, len(PROMPT), lambda _name: 1e-4)
+    assert r.first_split == "blk.3.attn" and r.odd_ones_out == ("faulty",)
+    by_name = {c.name: c for c in r.checkpoints}
+    assert by_name["blk.2"].clusters == (("ref", "faulty", "other"),)
+    assert by_name["blk.3.attn"].clusters == (("ref", "other"), ("faulty",))
+    assert by_name["logits"].pairs["ref~other"] == 0.0 and by_name["blk.3.attn"].pairs["ref~faulty"] > 1e-4
+
+
+def test_arbitrate_cli_peers_agree(tiny_f32):
+    """reference, llama.cpp and transformers on the tiny F32 model: one cluster everywhere (measured worst pair
+    1.2e-6 against the 1e-4 tolerance), exit 0, JSON report."""
+    for mod in ("llama_cpp", "transformers"):   # in CI a missing peer is a failure, not a skip
+        importlib.import_module(mod) if os.environ.get("CI") else pytest.importorskip(mod)
+    r = CliRunner().invoke(cli, ["arbitrate", "-m", str(tiny_f32), "--tokens", ",".join(map(str, PROMPT)),
+                                 "--decode", "2", "--engines", "reference,llamacpp,hf", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["first_split"] is None and doc["greedy_disagreements"] == {"llamacpp": 0, "hf": 0}
+    assert all(c["clusters"] == [["reference", "llamacpp", "hf"]] for c in doc["checkpoints"])
+    assert max(v for c in doc["checkpoints"] for v in c["pairs"].values()) < 1e-5
+
+
+def test_arbitrate_needs_two_engines(tiny_f32):
+    r = CliRunner().invoke(cli, ["arbitrate", "-m", str(tiny_f32), "--tokens", "0,5", "--engines", "reference"])
+    assert r.exit_code == 2 and "at least two distinct engines" in r.output
