@@ -9,6 +9,7 @@ entries, tensor infos (name, n_dims, ne[ne0 first], ggml type, offset), padding 
 
 from __future__ import annotations
 
+import array
 import io
 import itertools
 import os
@@ -133,10 +134,10 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.scalar(VT.U64, f"{what} length")
         self.need(n, what)
-        raw = bytes(self.buf[self.pos : self.pos + n])
+        raw = self.buf[self.pos : self.pos + n]  # decoded from the mapping, no intermediate copy
         self.pos += n
         try:
-            return raw.decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: {what} is not valid UTF-8 at offset {self.pos - n}") from e
 
@@ -168,34 +169,37 @@ class _Cursor:
         return Value(vt, self.scalar(vt, what))
 
     def strings(self, count: int, what: str) -> StringArray:
-        """`count` strings as a `StringArray`: offsets only (8 bytes per entry, each entry >= 8 file bytes)."""
+        """`count` strings as a `StringArray`: one int64 offset per entry (each entry has >= 8 file bytes)."""
         self.need(count * 8, f"{what} ({count} strings)")  # each string has at least its u64 length
-        starts, ends = np.empty(count, np.int64), np.empty(count, np.int64)
-        buf, pos, size = self.buf, self.pos, len(self.buf)
+        starts = array.array("q")  # 8 bytes per entry, no Python object per string
+        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), struct.Struct("<Q").unpack_from
         for i in range(count):
             if pos + 8 > size:
                 self.pos = pos
                 self.need(8, f"{what}[{i}] length")
-            (n,) = struct.unpack_from("<Q", buf, pos)
+            (n,) = unpack(buf, pos)
             pos += 8
-            if pos + n > size:
+            if n > size - pos:
                 self.pos = pos
                 self.need(n, f"{what}[{i}]")
-            try:
-                str(buf[pos: pos + n], "utf-8")  # validated now, decoded again when read
-            except UnicodeDecodeError:
-                raise GGUFError(f"{self.path}: {what}[{i}] is not valid UTF-8 at offset {pos}") from None
-            starts[i], ends[i] = pos, pos + n
+            if n:
+                try:
+                    str(buf[pos: pos + n], "utf-8")  # validated now, decoded again when read
+                except UnicodeDecodeError:
+                    raise GGUFError(f"{self.path}: {what}[{i}] is not valid UTF-8 at offset {pos}") from None
+            starts.append(pos)
             pos += n
         self.pos = pos
-        return StringArray(buf, starts, ends)
+        return StringArray(buf, np.frombuffer(starts, np.int64) if count else np.zeros(0, np.int64))
 
 
 class StringArray(Sequence):
-    """A GGUF string array kept as offsets into the mapped file; items decode on access (a list-like)."""
+    """A GGUF string array kept as offsets into the mapped file; items decode on access (a list-like).
 
-    def __init__(self, buf: memoryview, starts: np.ndarray, ends: np.ndarray) -> None:
-        self._buf, self._starts, self._ends = buf, starts, ends
+    `starts[i]` is where string i's bytes begin; its u64 length sits in the 8 bytes before."""
+
+    def __init__(self, buf: memoryview, starts: np.ndarray) -> None:
+        self._buf, self._starts = buf, starts
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -203,7 +207,9 @@ class StringArray(Sequence):
     def __getitem__(self, i: int | slice) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return str(self._buf[self._starts[i]: self._ends[i]], "utf-8")
+        start = int(self._starts[i])
+        (n,) = struct.unpack_from("<Q", self._buf, start - 8)
+        return str(self._buf[start: start + n], "utf-8")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
