@@ -6,13 +6,14 @@ All are `FakeEngine` with an approximate mode bolted on: activations after every
 * vfake:        act_quant=q8_0 is honoured and announced on stderr;
 * vfake-mute:   act_quant=q8_0 is honoured (declared in the header flags) but never printed;
 * vfake-silent: always approximate, with exact options and nothing printed (a silent approximation);
-* vfake-drift:  the exact path, except that a repeated run of the same prompt in one process moves one logit
-                by one float32 ulp (a run-to-run drift the exactness pin must catch).
+* vfake-drift:  vfake, except that a repeated run of the same prompt with the same options in one process moves
+                one logit by one float32 ulp (a run-to-run drift the exactness pin must catch).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import numpy as np
 from fake_engine import FakeEngine
@@ -59,9 +60,9 @@ class SilentFake(ApproxFake):
     always = True
 
 
-class DriftFake(FakeEngine):
+class DriftFake(ApproxFake):
     name = "vfake-drift"
-    seen: set = set()
+    seen: ClassVar[set] = set()
 
     def forward_layer(self, state, layer, carrier, tokens, start_pos, capture=False) -> LayerOutput:
         if layer == 0 and start_pos == 0:

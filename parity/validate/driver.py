@@ -24,6 +24,7 @@ from parity.validate.worker import MAIN, PIN, Job, Task
 
 FORMAT, VERSION = "v4parity-validate", 1
 REPORT, MARKDOWN, FIGURE, TIMING = "report.json", "report.md", "validate.png", "timing.json"
+TIMES = ("seconds", "cpu_seconds")  # per-record timings: timing.json only, never report.json
 
 
 @dataclass(frozen=True)
@@ -136,14 +137,15 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
               "decode": cfg["decode"], "steps": cfg["decode"] + 1, "seed": cfg["seed"], "top_k": cfg["top_k"],
               "tie_margin": cfg["tie_margin"], "drift_tol": cfg["drift_tol"], "bootstrap": stats.BOOTSTRAP,
               "alpha": stats.ALPHA, "beta": stats.BETA, **summary,
-              "records": [{k: v for k, v in r.items() if k != "seconds"}
+              "records": [{k: v for k, v in r.items() if k not in TIMES}
                           for r in sorted(main, key=lambda r: r["index"])]}
     write_atomic(out / REPORT, (json.dumps(json.loads(dumps(report)), indent=1, sort_keys=True) + "\n").encode())
     write_atomic(out / MARKDOWN, render_markdown(report).encode())
     plot_report(report, out / FIGURE)
-    engine_s = sum(r["seconds"] for r in records)
     timing = {"executor": executor.describe(), "wall_s_this_session": wall, "tasks_this_session": len(todo),
-              "tasks": len(tasks), "engine_s_all_tasks": engine_s,
-              "engine_s_per_prompt": sum(r["seconds"] for r in main) / len(main)}
+              "tasks": len(tasks), "engine_wall_s_all_tasks": sum(r["seconds"] for r in records),
+              "engine_cpu_s_all_tasks": sum(r["cpu_seconds"] for r in records),
+              "engine_wall_s_per_prompt": sum(r["seconds"] for r in main) / len(main),
+              "engine_cpu_s_per_prompt": sum(r["cpu_seconds"] for r in main) / len(main)}
     write_atomic(out / TIMING, (json.dumps(timing, indent=2) + "\n").encode())
     return report

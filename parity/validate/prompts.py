@@ -47,7 +47,7 @@ class Shape:
 
 
 def boundary_shapes(cfg: ModelConfig, decode: int) -> list[Shape]:
-    """Prompt lengths (and chunks) at the model's boundaries, in a fixed order, duplicates dropped:
+    """Prompt lengths (and chunks) at the model's boundaries, in a fixed order, each (length, chunk) once:
     * window-1/0/+1: around the raw sliding window W (the first position that drops a key);
     * ratio R: R-1 (incomplete group), R (first complete), R+1, 2R-1, 2R, 2R+1, for every compress ratio;
     * indexer: around R_csa*(top_k+1), the first length at which a CSA layer's indexer has more compressed
@@ -69,13 +69,12 @@ def boundary_shapes(cfg: ModelConfig, decode: int) -> list[Shape]:
             shapes.append(Shape(f"chunk{c}", 2 * c + 1, c))
     if decode:
         shapes.append(Shape("decode-past-window", max(2, W - decode // 2)))
-    seen, out = set(), []
-    for s in shapes:
+    merged: dict[tuple[int, int | None], Shape] = {}
+    for s in shapes:  # one prompt shape per (length, chunk), named after every boundary it sits on
         key = (s.length, s.chunk)
-        if s.length >= 2 and key not in seen:
-            seen.add(key)
-            out.append(s)
-    return out
+        if s.length >= 2:
+            merged[key] = Shape(f"{merged[key].name}|{s.name}", *key) if key in merged else s
+    return list(merged.values())
 
 
 def boundary_prompts(cfg: ModelConfig, n: int, decode: int, seed: int, start: int = 0) -> list[Prompt]:

@@ -3,7 +3,7 @@
 Engines are loaded once per process (`engine`, keyed by the spec string) whatever executor runs the task, and
 everything they print on stderr while loading and running is captured (file descriptor 2 and `sys.stderr`),
 so the announce pin can check what the engine said. A task returns a JSON-ready record; nothing in it
-depends on which process ran it, except `seconds`.
+depends on which process ran it, except `seconds` and `cpu_seconds` (wall and CPU time of its engine runs).
 """
 
 from __future__ import annotations
@@ -143,11 +143,11 @@ def run_main(job: Job, prompt: Prompt) -> dict:
     """Both paths on one prompt: the exact path greedy, the approximate path fed the exact path's tokens
     (teacher forcing), so every step is judged on the same prefix and the first divergent step is the one a
     free-running greedy decode of the approximate path would diverge at."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ex, ex_eng, _ = _run(job.exact, job, prompt)
     generated = [int(t) for t in all_tokens(ex)[len(prompt.tokens):]]
     ap, ap_eng, ap_text = _run(job.approx, job, prompt, forced=generated)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     P = len(prompt.tokens)
     steps = step_metrics(stack(ex, "logits")[P - 1:], stack(ap, "logits")[P - 1:], job.top_k, job.tie_margin,
                          job.drift_tol)
@@ -162,16 +162,17 @@ def run_main(job: Job, prompt: Prompt) -> dict:
             **steps, "layer_rel_l2": layers,
             "digest_exact": digest(ex), "digest_approx": digest(ap),
             "flags_exact": ex_eng.options.flags(), "flags_approx": ap_eng.options.flags(),
-            "announced": announced(ap_text, modes), "seconds": seconds}
+            "announced": announced(ap_text, modes), "seconds": seconds, "cpu_seconds": cpu}
 
 
 def run_pin(job: Job, prompt: Prompt) -> dict:
     """The exact path again (same process-cached engine) and the explicit-exact spec, as digests."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     again, _, _ = _run(job.exact, job, prompt)
     explicit = digest(_run(job.explicit, job, prompt)[0]) if job.explicit is not None else None
     return {"kind": PIN, "index": prompt.index, "prompt_sha": prompt.sha, "digest_exact_again": digest(again),
-            "digest_explicit": explicit, "seconds": time.perf_counter() - t0}
+            "digest_explicit": explicit, "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0}
 
 
 def run_task(job: Job, task: Task) -> dict:

@@ -1,0 +1,144 @@
+"""`v4parity validate` end to end with test engine plugins (tests/validate_engines.py, real entry points) and
+the torch engine: the announce pin, the exactness pin, exit codes, kill + --resume, Ray vs worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from validate_plugin import install
+
+from parity import api
+from parity.validate.driver import REPORT
+from parity.validate.store import RESULTS
+
+CLI = [sys.executable, "-c", "from parity.cli import main; main()", "validate"]
+
+
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    install(tmp_path_factory.mktemp("site"), mp)
+    yield
+    mp.undo()
+
+
+def run(tmp_path, model, approx, exact="vfake", n=6, decode=4, **kw):
+    return api.validate(tmp_path / "out", model=model, exact=exact, approx=approx, n=n, decode=decode,
+                        boundary=True, pins=2, **kw)
+
+
+def test_announced_approximation_passes_both_pins(plugins, tmp_path, tiny_f32):
+    r = run(tmp_path, tiny_f32, "vfake:act_quant=q8_0")
+    assert r["passed"], r["findings"]
+    an, ex = r["pins"]["announce"], r["pins"]["exactness"]
+    assert an["declared"] == {"act_quant": "q8_0"} and an["numerics_differ_on"] == 6 and an["stderr_announced"]
+    assert ex["explicit_spec"] == "vfake:act_quant=none" and ex["prompts"] == [0, 1]
+    # every field the report promises
+    agg = r["aggregates"]
+    for k in ("divergence_rate", "step_divergence_rate", "top1_agreement", "kl_mean", "kl_p50", "kl_p99", "kl_max",
+              "rel_l2.blk.0.mean", "rel_l2.blk.5.p99"):
+        assert set(agg[k]) == {"value", "ci", "mde", "n"}
+    rec = r["records"][0]
+    assert len(rec["verdict"]) == len(rec["kl"]) == 5 and len(rec["layer_rel_l2"]) == 6
+    assert all(x > 0 for x in rec["layer_rel_l2"])      # Q8_0 rounding moves every layer's carrier
+    assert {"seconds", "cpu_seconds"}.isdisjoint(rec)
+    for f in ("report.md", "validate.png", "timing.json", RESULTS):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+
+
+def test_silent_approximate_plugin_fails_the_announce_pin(plugins, tmp_path, tiny_f32):
+    r = run(tmp_path, tiny_f32, "vfake-silent")
+    an = r["pins"]["announce"]
+    assert not r["passed"] and not an["passed"]
+    assert an["declared"] == {} and an["numerics_differ_on"] == 6
+    assert an["failures"][0].startswith("silent approximation: the approximate path's numerics differ")
+    assert r["pins"]["exactness"]["passed"]            # its exact path is the same as vfake's
+
+
+def test_declared_but_unprinted_mode_fails_the_announce_pin(plugins, tmp_path, tiny_f32):
+    r = run(tmp_path, tiny_f32, "vfake-mute:act_quant=q8_0", exact="vfake-mute")
+    assert r["findings"] == ["announce pin: the engine did not name act_quant=q8_0 on stderr (declared in the "
+                             "header flags)"]
+
+
+def test_one_ulp_drift_of_the_exact_path_fails_the_exactness_pin(plugins, tmp_path, tiny_f32):
+    # in-process executor: the drift plugin moves one logit by one ulp on a repeated run in the same process
+    r = run(tmp_path, tiny_f32, "vfake-drift:act_quant=q8_0", exact="vfake-drift")
+    ex = r["pins"]["exactness"]
+    assert not r["passed"] and not ex["passed"]
+    assert ex["failures"] == [
+        "prompt 0: a second run of the exact path differs in bits from the first",
+        "prompt 0: vfake-drift:act_quant=none (approximate option at its exact value) differs in bits from the "
+        "exact path",
+        "prompt 1: a second run of the exact path differs in bits from the first",
+        "prompt 1: vfake-drift:act_quant=none (approximate option at its exact value) differs in bits from the "
+        "exact path"]
+    assert r["pins"]["announce"]["passed"]
+
+
+def test_exit_codes_and_budget(plugins, tmp_path, tiny_f32):
+    budget = tmp_path / "budget.txt"
+    budget.write_text("kl_max <= 1e-30\n")
+    base = ["--model", str(tiny_f32), "--exact", "vfake", "--boundary", "--n", "3", "--decode", "2", "--pins", "1"]
+    ok = subprocess.run([*CLI, *base, "--approx", "vfake:act_quant=q8_0", "-o", str(tmp_path / "a")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "validate: 4/4 tasks (100%)" in ok.stderr     # plain progress lines off a terminal
+    bad = subprocess.run([*CLI, *base, "--approx", "vfake:act_quant=q8_0", "--budget", str(budget), "-o",
+                          str(tmp_path / "b")], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert json.loads((tmp_path / "b" / REPORT).read_text())["budget"][0]["passed"] is False
+    usage = subprocess.run([*CLI, *base, "--approx", "vfake:act_quant=q4", "-o", str(tmp_path / "c")],
+                           capture_output=True, text=True)
+    assert usage.returncode == 2 and "act_quant='q4'" in usage.stderr
+    again = subprocess.run([*CLI, "--resume", str(tmp_path / "a"), "--n", "5"], capture_output=True, text=True)
+    assert again.returncode == 2 and "drop n" in again.stderr
+
+
+def test_kill_and_resume_gives_the_uninterrupted_report(plugins, tmp_path, tiny_f32):
+    args = ["--model", str(tiny_f32), "--exact", "vfake", "--approx", "vfake:act_quant=q8_0", "--boundary",
+            "--n", "30", "--decode", "6", "--pins", "2"]
+    whole = subprocess.run([*CLI, *args, "-o", str(tmp_path / "whole")], capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([*CLI, *args, "-o", str(cut)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((cut / RESULTS).exists() and (cut / RESULTS).read_bytes().count(b"\n") >= 5):
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lines = (cut / RESULTS).read_bytes().count(b"\n")
+    assert 5 <= lines < 32 and not (cut / REPORT).exists()   # killed mid-run
+    with open(cut / RESULTS, "ab") as f:
+        f.write(b'{"kind": "main", "ind')                       # and a record cut half-way
+    resumed = subprocess.run([*CLI, "--resume", str(cut)], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (cut / REPORT).read_bytes() == (tmp_path / "whole" / REPORT).read_bytes()
+    assert (cut / RESULTS).read_bytes().count(b"\n") == 32
+
+
+def test_ray_equals_worker_processes_byte_for_byte(plugins, tmp_path, tiny_f32):
+    if not os.environ.get("CI"):
+        pytest.importorskip("ray")
+    a = api.validate(tmp_path / "w", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,
+                     decode=4, boundary=True, pins=2, workers=2)
+    b = api.validate(tmp_path / "r", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,
+                     decode=4, boundary=True, pins=2, workers=2, ray="local")
+    assert a == b
+    assert (tmp_path / "w" / REPORT).read_bytes() == (tmp_path / "r" / REPORT).read_bytes()
+    assert json.loads((tmp_path / "r" / "timing.json").read_text())["executor"] == "Ray (local, 2 CPUs)"
+
+
+def test_torch_act_quant_q8_0_is_announced_and_the_exact_path_pinned(tmp_path, tiny_realmix):
+    r = api.validate(tmp_path / "t", model=tiny_realmix, exact="torch", approx="torch:act_quant=q8_0", n=3,
+                     decode=2, boundary=True, pins=1)
+    assert r["passed"], r["findings"]
+    assert r["pins"]["announce"]["declared"] == {"act_quant": "q8_0"}
+    assert r["pins"]["announce"]["numerics_differ_on"] == 3
+    assert r["pins"]["exactness"]["explicit_spec"] == "torch:act_quant=none"
