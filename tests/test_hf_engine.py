@@ -104,3 +104,16 @@ def test_hf_refuses_what_transformers_does_not_implement(tiny_f32):
         check_model(replace(cfg, swiglu_limit_shexp=(2.0,) * 6))
     with pytest.raises(ParityError, match=r"compress ratios \[16\]"):
         check_model(replace(cfg, compress_ratios=(0, 0, 4, 16, 4, 128)))
+
+
+def test_bisect_hf_clean_is_no_defect(engines, tiny_f32):
+    """On a prompt without exactly tied indexer scores. (The built-in bisect prompt repeats a motif so that scores
+    tie exactly; there torch.topk in transformers' indexer picks other tied rows than the reference's lowest-index
+    rule, and bisect reports that selection difference at layer 4: docs/peers.md.)"""
+    from parity import api
+    from parity.bisect.search import bisect
+
+    ref, hf = engines
+    env = api.measure_envelope(tiny_f32, "hf", OFF)
+    r = bisect(ref, hf, PROMPT[:28], 4, env)
+    assert r.verdict == "no defect", r.summary

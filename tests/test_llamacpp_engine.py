@@ -141,3 +141,26 @@ def test_positions_must_follow_in_order(engines):
     lcp.forward_layer(state, 0, lcp.embed(toks), toks, 0)
     with pytest.raises(ParityError, match="chunk starts at position 9 but the state expects 4"):
         lcp.forward_layer(state, 0, lcp.embed(toks), toks, 9)
+
+
+def test_bisect_llamacpp_clean_is_no_defect(engines, tiny_f32):
+    """Envelope measured for llama.cpp (sims off), then the whole bisection on the built-in prompt."""
+    from parity import api
+    from parity.bisect.search import bisect, builtin_prompt
+
+    ref, lcp = engines
+    env = api.measure_envelope(tiny_f32, "llamacpp", LCP)
+    r = bisect(ref, lcp, builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id), 4, env)
+    assert r.verdict == "no defect", r.summary
+
+
+def test_mxfp4_experts_llamacpp_rounds_activations_to_q8_0(tiny_mxfp4):
+    """With MXFP4 experts llama.cpp's CPU backend rounds the activations to Q8_0 before the expert matmuls: the
+    reference with act_quant=q8_0 reproduces layer 0's routed-expert output (measured 4.3e-7), without it they
+    differ (measured 1.3e-2)."""
+    lcp = load_engine("llamacpp", str(tiny_mxfp4), LCP)
+    got = run_sequence(lcp, PROMPT, capture=True)[0].captures[0]["routed_out"]
+    plain, q8 = (run_sequence(load_engine("reference", str(tiny_mxfp4), replace(OFF, act_quant=aq)), PROMPT,
+                              capture=True)[0].captures[0]["routed_out"] for aq in ("none", "q8_0"))
+    assert rel_l2(q8, got).max() < TOL
+    assert rel_l2(plain, got).max() > 1e-3
