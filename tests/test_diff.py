@@ -244,6 +244,11 @@ def test_table_shows_each_failing_metrics_own_worst_position():
     r = _hand_report([("blk.4", 2, 5e-3, 1.0), ("blk.4", 13, 1e-5, 1.01)])
     (row,) = checkpoint_rows(r)
     assert (row.pos, row.failing, row.norm_ratio) == (2, "rel-L2", 1.01)
+    from parity.compare.printers import worst_rows
+
+    (d,) = worst_rows(r)
+    got = (d["pos"], d["failing"], d["norm_ratio"], d["max_abs"], d["status"])
+    assert got == (2, "rel-L2", 1.01, None, "DRIFT 2/2")  # max_abs is NaN on fingerprints -> null
 
 
 def test_compact_table_fits_100_columns_without_cutting():

@@ -59,7 +59,7 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
                 2 preflight refusal (token ids, model, checkpoint sets or positions differ) or bad input.
     Example: v4parity diff ref.trace torch.trace --markdown diff.md
     """
-    from parity.compare.printers import print_report, to_markdown
+    from parity.compare.printers import print_report, to_markdown, worst_rows
 
     report = _diff(a, b, force, rel_tol, norm_tol, as_json)
     if markdown_path:
@@ -69,7 +69,7 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
 
         write_report(html_path, report)
     if as_json:
-        echo_json(report.to_dict())
+        echo_json({**report.to_dict(), "worst": worst_rows(report)})
     elif markdown_path != "-":
         print_report(report, wide=wide)
     if not report and not no_fail:

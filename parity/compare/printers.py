@@ -10,8 +10,9 @@ is plain fixed-width text: the compact form (default) fits 100 columns for V4-Fl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import click
 import numpy as np
@@ -80,6 +81,19 @@ def checkpoint_rows(r: DiffReport) -> list[CheckpointRow]:
     t = r.table.sort_values(["depth", "pos"], kind="stable")
     return [_row(str(name), g, r.thresholds.rel_tol, r.thresholds.norm_tol)
             for name, g in t.groupby("checkpoint", sort=False)]
+
+
+def _json_number(v: object) -> object:
+    """NaN -> None, +-inf -> "inf" / "-inf" (strict JSON), anything else unchanged."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else str(v)
+    return v
+
+
+def worst_rows(r: DiffReport) -> list[dict]:
+    """`checkpoint_rows` as JSON-ready dicts, with each row's status."""
+    return [{**{k: _json_number(v) for k, v in asdict(row).items()}, "status": row.status}
+            for row in checkpoint_rows(r)]
 
 
 def verdict_line(r: DiffReport) -> str:
