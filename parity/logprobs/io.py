@@ -128,8 +128,8 @@ class _Where:
               "str": isinstance(v, str), "list": isinstance(v, list), "obj": isinstance(v, dict)}[kind]
         if not ok:
             raise self.fail(step, fld, f"expected {kind}, got {json.dumps(v)[:40]}")
-        if kind == "num" and not math.isfinite(v):
-            raise self.fail(step, fld, f"not finite: {v}")
+        if kind == "num" and not (abs(v) < 1e308 if isinstance(v, int) else math.isfinite(v)):
+            raise self.fail(step, fld, f"not finite or out of range: {str(v)[:40]}")
         return v
 
 
@@ -141,6 +141,8 @@ def _load_json(path: str) -> Any:
         raise LogprobFileError(f"{path}: not UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise LogprobFileError(f"{path}: not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
+        raise LogprobFileError(f"{path}: not readable JSON: {str(e)[:80]}") from None
     except OSError as e:
         raise LogprobFileError(f"{path}: cannot read: {e.strerror}") from None
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from parity.contract.checkpoints import FINAL_NORM, LOGITS, trace_checkpoints
-from parity.contract.errors import TraceError
+from parity.contract.errors import TensorError, TraceError
 from parity.tracing.records import TABLES, Table, make_table
 from parity.tracing.runner import ChunkResult
 from parity.tracing.stats import FP_DIM, carrier_stats, top_k
@@ -61,14 +61,24 @@ class Recorder:
         self.widths: dict[str, int] = {"F": FP_DIM, "K": top_k, "H": n_hc}
 
     def add(self, r: ChunkResult) -> None:
+        """Record one chunk; a non-finite logit (any position) or recorded value is a TensorError, not a trace."""
         n = len(r.tokens)
+        _check_finite("logits", np.asarray(r.logits), r.start_pos)
         local = [p - r.start_pos for p in self.positions if r.start_pos <= p < r.start_pos + n]
         if not local:
             return
         idx = np.array(local)
         toks = r.tokens[idx]
+        for layer, d in enumerate(r.diags):
+            for what, arr in (("hc_attn", d.hc_attn), ("hc_ffn", d.hc_ffn)):
+                for part, a in zip(("pre", "post", "comb"), arr, strict=True):
+                    _check_finite(f"blk.{layer} {what} {part}", np.asarray(a)[idx], r.start_pos + idx)
+            _check_finite(f"blk.{layer} expert weights", np.asarray(d.expert_weights)[idx], r.start_pos + idx)
+            margin = np.asarray(d.router_margin)[idx]  # NaN marks "no margin" (hash layers); inf is an error
+            _check_finite(f"blk.{layer} router margin", np.where(np.isnan(margin), 0.0, margin), r.start_pos + idx)
         for ck, name in enumerate(self.names):
             x = np.asarray(r.checkpoints[name])[idx]
+            _check_finite(f"checkpoint {name}", x, r.start_pos + idx)
             self.add_checkpoint(ck, idx + r.start_pos, toks, x, r.logits[idx] if name == FINAL_NORM else None)
             if name in self.vec:
                 self.vec[name].append(x.astype(np.float32))
@@ -140,6 +150,19 @@ class Recorder:
 
     def vectors(self) -> dict[str, np.ndarray] | None:
         return {n: np.concatenate(v) for n, v in self.vec.items()} if self.full else None
+
+
+def _check_finite(what: str, x: np.ndarray, pos: np.ndarray | int) -> None:
+    """Refuse to record NaN/inf: x [n, ...] holds rows for positions `pos` (or from start position `pos`)."""
+    if x.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1) if x.ndim else np.zeros(0, bool)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        p = int(pos[i]) if isinstance(pos, np.ndarray) else pos + i
+        v = x.reshape(len(x), -1)[i]
+        raise TensorError(f"{what} at position {p}: non-finite value {v[~np.isfinite(v)][0]} (the engine produced "
+                          "NaN/inf; no trace is written)")
 
 
 def _pad(a: np.ndarray, width: int, fill: float, dtype: Any) -> np.ndarray:

@@ -100,7 +100,8 @@ def make_table(kind: str, rows: dict[str, Sequence | np.ndarray], widths: dict[s
     cols = {}
     for name, (dtype, shape) in TABLES[kind].items():
         trailing = _trailing(shape, widths)
-        arr = np.asarray(rows[name], dtype=dtype)
+        with np.errstate(over="ignore"):  # text numbers beyond float32 range are stored as +-inf (trace-format.md)
+            arr = np.asarray(rows[name], dtype=dtype)
         cols[name] = arr.reshape((len(arr), *trailing))
     order = np.lexsort([cols[k] for k in reversed(SORT_KEYS[kind])])
     return Table({k: np.ascontiguousarray(v[order]) for k, v in cols.items()})

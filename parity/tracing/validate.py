@@ -104,8 +104,9 @@ def check_model(m: Any, fail: Fail) -> None:
 
 def check_header(h: TraceHeader, fail: Fail) -> None:
     """Cross-field consistency of a header (same rules for both forms)."""
-    if not re.fullmatch(r"\S+", h.engine) or not h.engine_version.strip() or "\n" in h.engine_version:
-        raise fail("engine", "engine name must be one word and the version a non-empty line")
+    v = h.engine_version
+    if not re.fullmatch(r"\S+", h.engine) or not v or v != v.strip() or "\n" in v or "\r" in v:
+        raise fail("engine", "engine name must be one word and the version a non-empty, trimmed line")
     if not re.fullmatch(r"\S+", h.dtype):
         raise fail("dtype", f"must be one word, got {_short(h.dtype)}")
     check_model(h.model, fail)
