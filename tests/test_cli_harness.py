@@ -261,3 +261,9 @@ def test_json_errors_from_the_entry_point_include_parse_errors(tmp_path):
     r = subprocess.run([str(exe), "diff", "--json", str(tmp_path / "missing.trace")], capture_output=True, text=True)
     err = json.loads(r.stdout)
     assert r.returncode == 2 and err["exit_code"] == 2 and "missing.trace" in err["error"] and r.stderr == ""
+
+
+def test_every_command_help_has_an_example():
+    missing = [name for name, cmd in _commands(cli) if "Example" not in (cmd.help or "")]
+    assert [m for m in missing if m in ("trace", "import", "convert", "diff", "plot", "report", "gate", "export",
+                                        "golden", "demo", "synth", "inspect", "logprobs", "tokenize", "bench")] == []

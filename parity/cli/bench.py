@@ -36,6 +36,10 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads
 
     The first run writes the 1-layer (CSA) and 2-layer (CSA + HCA) GGUFs into --cache-dir (a few minutes);
     later runs reuse them. Every engine number is a median of several runs in one worker process.
+
+    \b
+    Example: v4parity bench --quick            (the pipeline in seconds)
+             v4parity bench --device cuda --engines torch
     """
     from rich.console import Console
     from rich.markdown import Markdown

@@ -202,7 +202,10 @@ def export(trace, output, as_json) -> None:
 @click.option("--out", default="traces", show_default=True, type=click.Path(file_okay=False),
               help="Directory for the golden traces.")
 def golden(out) -> None:
-    """Regenerate the golden traces of the built-in tiny models (reference engine, fingerprints only)."""
+    """Regenerate the golden traces of the built-in tiny models (reference engine, fingerprints only).
+
+    Example: v4parity golden --out traces    (what `make golden` runs)
+    """
     from parity.api import golden as regenerate
 
     for path in regenerate(out, echo=click.echo):

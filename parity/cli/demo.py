@@ -51,7 +51,11 @@ def run_demo(out: Path, echo=click.echo) -> bool:
               help="Directory for the model, traces and plot.")
 def demo(out) -> None:
     """End-to-end demo on the tiny synthetic model: reference vs torch (agree), then torch with the
-    compress-ratios-u32 porting bug (first drift at the first compressed layer), plus the drift plot."""
+    compress-ratios-u32 porting bug (first drift at the first compressed layer), plus the drift plot.
+
+    Exits 0 when both verdicts are the expected ones, 1 otherwise.
+    Example: v4parity demo --out out/demo    (what `make demo` runs)
+    """
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raise SystemExit(0 if run_demo(out_dir) else 1)
