@@ -265,3 +265,16 @@ def test_json_errors_from_the_entry_point_include_parse_errors(tmp_path):
 
 def test_every_command_help_has_an_example():
     assert [name for name, cmd in _commands(cli) if "Example" not in (cmd.help or "")] == []
+
+
+def test_progress_note_times_message_stages():
+    import io
+
+    from parity.cli.progress import Progress
+
+    now, log = [5.0], io.StringIO()
+    p = Progress(stream=log, terminal=False, clock=lambda: now[0])
+    p.note("reference: 8 prompt tokens")
+    now[0] = 80.0
+    p.note("drill-down: layer 2")
+    assert log.getvalue() == "reference: 8 prompt tokens [0:00]\ndrill-down: layer 2 [1:15]\n"

@@ -34,6 +34,7 @@ class Progress:
         self.started = self.last_line = 0.0
         self.drawn = False
         self.shown = 0  # length of the terminal line on screen
+        self.first: float | None = None  # clock of the first message (`note`)
 
     def __call__(self, stage: str, done: int, total: int | None) -> None:
         now = self.clock()
@@ -52,6 +53,15 @@ class Progress:
             self.stream.write(f"{stage} {count} {_clock(elapsed)}\n")
             self.stream.flush()
             self.last_line = now
+
+    def note(self, message: str) -> None:
+        """A stage that has no count (a callback taking one message, as the bisect API's `progress`): the
+        message with the time since the first report, on its own line."""
+        now = self.clock()
+        self._end_line()
+        self.first = now if self.first is None else self.first
+        self.stream.write(f"{message} [{_clock(now - self.first)}]\n")
+        self.stream.flush()
 
     def _bar(self, stage: str, done: int, total: int | None, elapsed: float) -> str:
         if not total:
