@@ -4,7 +4,8 @@
 command passes one instance down and the API never prints. On a terminal (stderr is a TTY) it redraws one
 line: `stage [#####.....] done/total elapsed ETA`; otherwise it writes `stage done/total elapsed` lines,
 at most one per `interval` seconds per stage, plus the first and the last of each stage, so a CI log shows
-progress without flooding.
+progress without flooding. `note(message)` serves callbacks that report stages by message only: each
+message on its own line with the time since the first.
 """
 
 from __future__ import annotations
