@@ -202,3 +202,76 @@ def test_check_function_needs_full_vectors(tiny_f32, setup):
 
     with pytest.raises(TraceError, match="no full vectors"):
         check(t, lambda o: load_engine("reference", str(tiny_f32), o), load_envelope(ENV_F32, "float32"))
+
+
+# ---------------------------------------------------------------- real llama.cpp and benign numerics
+
+OFF = RunOptions(fp8_kv=False, fp4_indexer=False)   # llama.cpp runs no QAT simulation
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    # In CI a missing llama-cpp-python is a failure, not a skip (as tests/test_llamacpp_engine.py).
+    import importlib
+    import os
+
+    return importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+
+
+def _llamacpp(model):
+    from dataclasses import replace
+
+    return load_engine("llamacpp", str(model), replace(OFF, engine_args=("lcp_threads=1", "lcp_ctx=512")))
+
+
+@pytest.fixture(scope="module")
+def envelopes_qat_off(tiny_f32, tiny_mxfp4, tmp_path_factory):
+    """Reference envelopes with the QAT simulations off (a llama.cpp trace declares them off)."""
+    out = tmp_path_factory.mktemp("env")
+    return {m: api.envelope(m, engine="reference", options=OFF, output=out / f"{m.stem}.envelope.json")[1]
+            for m in (tiny_f32, tiny_mxfp4)}
+
+
+def test_llamacpp_mxfp4_is_noise_from_q8_0_activations(llama_cpp, tiny_mxfp4, setup, envelopes_qat_off):
+    # issue 12's case: llama.cpp's CPU backend rounds activations to Q8_0 before the MXFP4 expert matmuls; the
+    # reference's act-quant-q8_0 variant reproduces its layers to rel-L2 <= 3.7e-7 (measured), the exact path
+    # misses by 2.3e-3 .. 4.5e-3 per layer
+    t = api.trace(_llamacpp(tiny_mxfp4), tiny_mxfp4, setup[0], positions="all", full="all", decode=DECODE)
+    r = api.check(t, tiny_mxfp4, envelope=envelopes_qat_off[tiny_mxfp4])
+    assert r.verdict == "NOISE", r.headline
+    assert {c.name for c in r.causes} == {"act-quant-q8_0"}
+    first = r.causes[0]
+    assert (first.kind, first.layer, first.subop) == ("benign", 0, "routed_experts"), first
+
+
+def test_llamacpp_f32_experts_is_a_match(llama_cpp, tiny_f32, setup, envelopes_qat_off):
+    t = api.trace(_llamacpp(tiny_f32), tiny_f32, setup[0], positions="all", full="all", decode=DECODE)
+    r = api.check(t, tiny_f32, envelope=envelopes_qat_off[tiny_f32])
+    assert r.verdict == "MATCH" and not r.causes, r.headline
+
+
+def test_llamacpp_dump_directory_without_flags_stacks_qat_off_and_q8_0(llama_cpp, tiny_mxfp4, setup, tmp_path):
+    # a dump directory declares nothing: the reference runs the model's QAT simulations, and the departure needs
+    # two benign variants at once (no FP8/FP4 round trips, Q8_0 activations)
+    _write_llamacpp_dir(tmp_path / "lcp", _llamacpp(tiny_mxfp4), setup[0])
+    r = api.check(tmp_path / "lcp", tiny_mxfp4, envelope=TRACES / "tiny-mxfp4.envelope.json", tokens=setup[0])
+    assert r.verdict == "NOISE", r.headline
+    assert {c.name for c in r.causes if c.layer == 0} == {"qat-sims-off", "act-quant-q8_0"}, r.causes
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_f32):
+    # positions up to 599: the ggml angle recurrence drifts linearly with position; below ~300 positions its
+    # error stays inside the tiny model's envelope (measured: NOISE only by an FP8 flip at 200 positions)
+    return [0, *np.random.default_rng(3).integers(2, 290, 599).tolist()]
+
+
+def test_rope_angle_recurrence_is_noise(tiny_f32, long_prompt):
+    # the candidate builds its RoPE angles by repeated float32 multiplication (the reference's rope_angles
+    # option, written from ggml's rope_yarn loop); check must call it benign, by name
+    t = api.trace("reference", tiny_f32, long_prompt, positions="all", full="all",
+                  options=RunOptions(rope_angles="recurrence"))
+    r = api.check(t, tiny_f32, envelope=ENV_F32)
+    assert r.verdict == "NOISE", r.headline
+    assert any(c.name == "rope-angle-recurrence" for c in r.causes), r.causes
+    assert all(c.kind == "benign" for c in r.causes)

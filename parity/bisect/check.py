@@ -27,7 +27,7 @@ from parity.bisect.attribution import teacher_forced
 from parity.bisect.envelope import Envelope, gate
 from parity.bisect.hypotheses import (
     Fit,
-    benign_variants,
+    VariantTester,
     defect_library,
     fit,
     name_subop,
@@ -38,7 +38,7 @@ from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
 from parity.contract.engine import Engine, LayerOutput, RunOptions
-from parity.contract.errors import ParityError, TraceError
+from parity.contract.errors import TraceError
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
 
@@ -284,39 +284,27 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
              say: Progress) -> None:
     """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
     nothing benign explains is the culprit, matched against the defect library."""
-    accepted: list[str] = []
     st.runs.update(hypotheses=0, defect_library=0, drill_down=0)
-    variants = benign_variants(trace, ref_engine.options)
+    tester = VariantTester(trace, ref_engine, make_reference, cand, env, st.notes, st.runs)
     for d in departing:
         say(f"layer {d.layer}: local excess {d.excess:.3g}" + (f", {d.structural}" if d.structural else ""))
-        order = [v for v in variants if v.name in accepted] + [v for v in variants if v.name not in accepted]
-        hit = None
-        flips = routing_flips(trace, tf[d.layer], d.layer)
-        if len(flips) and d.structural is None:
+        if len(routing_flips(trace, tf[d.layer], d.layer)) and d.structural is None:
             st.runs["hypotheses"] += 1
-            hit = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, env)
-        for v in order if hit is None else ():
-            try:
-                engine = make_reference(v.options)
-            except ParityError as e:
-                st.notes.append(f"hypothesis {v.name} not testable: {e}")
-                variants = [w for w in variants if w.name != v.name]
+            flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, env)
+            if flip is not None:
+                st.causes.append(Cause("benign", "routing-flip", d.layer, "router", _evidence(d, flip[2])
+                                       + "; the candidate's expert picks differ only at router margins within noise"))
                 continue
-            st.runs["hypotheses"] += 1
-            outs = teacher_forced(engine, cand, [d.layer])[d.layer]
-            f = fit(trace, outs, d.layer, env)
-            if f.explains:
-                hit = (v.name, engine, f)
-                break
-        if hit is not None:
-            name, engine, f = hit
-            accepted.append(name)
-            sub = name_subop(ref_engine, engine, cand, d.layer, env) if engine is not None else "router"
-            st.runs["drill_down"] += 2 if engine is not None else 0
-            st.causes.append(Cause("benign", name, d.layer, sub, _evidence(d, f)))
-            continue
-        _defect(trace, ref_engine, cand, d, env, fault_engines, st, say)
-        return
+        hit = tester.explain(d.layer)
+        if hit is None:
+            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say)
+            return
+        v, f = hit
+        for part in v.parts or (v.name,):
+            sub = name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
+            st.runs["drill_down"] += 2
+            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f)
+                                   + (f" (together with {v.name})" if v.parts else "")))
 
 
 def _evidence(d: LayerLocal, f: Fit) -> str:

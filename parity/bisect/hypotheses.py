@@ -22,6 +22,7 @@ from parity.bisect.search import compare_subops
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RunOptions
+from parity.contract.errors import ParityError
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
 
@@ -39,8 +40,18 @@ NUMERICS: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class Variant:
+    """A reference variant: the RunOptions fields it changes; `parts` names the hypotheses it stacks."""
+
     name: str
-    options: RunOptions
+    changes: dict
+    parts: tuple[str, ...] = ()
+
+    def options(self, base: RunOptions) -> RunOptions:
+        return replace(base, **self.changes)
+
+    def plus(self, other: Variant) -> Variant:
+        parts = (*(self.parts or (self.name,)), *(other.parts or (other.name,)))
+        return Variant(" + ".join(parts), {**self.changes, **other.changes}, parts)
 
 
 @dataclass(frozen=True)
@@ -118,12 +129,71 @@ def benign_variants(trace: Trace, base: RunOptions) -> list[Variant]:
     flags = trace.header.flags
     declared = [n for n, ch in NUMERICS.items() if all(flags.get(k) == v for k, v in ch.items())]
     names = [*declared, *(n for n in NUMERICS if n not in declared)]
-    out = [Variant(n, replace(base, **NUMERICS[n])) for n in names]
+    out = [Variant(n, dict(NUMERICS[n])) for n in names]
     if "fp8_kv" not in flags and "fp4_indexer" not in flags:
         on = base.fp8_kv and base.fp4_indexer
-        out.append(Variant("qat-sims-off" if on else "qat-sims-on",
-                           replace(base, fp8_kv=not on, fp4_indexer=not on)))
+        out.append(Variant("qat-sims-off" if on else "qat-sims-on", {"fp8_kv": not on, "fp4_indexer": not on}))
     return out
+
+
+class VariantTester:
+    """Runs benign variants of the culprit layer on the candidate's inputs, one engine per variant, reused across
+    layers: single variants first (those already accepted first), then pairs built on the closest ones."""
+
+    def __init__(self, trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: Sequence[ChunkResult],
+                 env: Envelope, notes: list[str], runs: dict[str, int]) -> None:
+        self.trace, self.ref, self.make, self.cand, self.env = trace, ref_engine, make_reference, cand, env
+        self.notes, self.runs = notes, runs
+        self.variants = benign_variants(trace, ref_engine.options)
+        self.changes = {v.name: v.changes for v in self.variants}
+        self.engines: dict[str, Engine | None] = {}
+        self.accepted: list[Variant] = []
+
+    def engine_of(self, name: str) -> Engine | None:
+        return self.engine(Variant(name, self.changes[name]))
+
+    def engine(self, v: Variant) -> Engine | None:
+        if v.name not in self.engines:
+            try:
+                self.engines[v.name] = self.make(v.options(self.ref.options))
+            except ParityError as e:
+                self.notes.append(f"hypothesis {v.name} not testable: {e}")
+                self.engines[v.name] = None
+        return self.engines[v.name]
+
+    def _fit(self, v: Variant, layer: int) -> Fit | None:
+        engine = self.engine(v)
+        if engine is None:
+            return None
+        self.runs["hypotheses"] = self.runs.get("hypotheses", 0) + 1
+        return fit(self.trace, teacher_forced(engine, self.cand, [layer])[layer], layer, self.env)
+
+    def explain(self, layer: int) -> tuple[Variant, Fit] | None:
+        done = {v.name for v in self.accepted}
+        order = [*self.accepted, *(v for v in self.variants if v.name not in done)]
+        tried: list[tuple[float, Variant]] = []
+        for v in order:
+            f = self._fit(v, layer)
+            if f is None:
+                continue
+            if f.explains:
+                return self._accept(v, f)
+            tried.append((f.excess, v))
+        tried.sort(key=lambda t: t[0])
+        for _, best in tried[:2]:
+            for _, other in tried:
+                if other.name == best.name or set(other.parts or (other.name,)) & set(best.parts or (best.name,)):
+                    continue
+                pair = best.plus(other)
+                f = self._fit(pair, layer)
+                if f is not None and f.explains:
+                    return self._accept(pair, f)
+        return None
+
+    def _accept(self, v: Variant, f: Fit) -> tuple[Variant, Fit]:
+        if v.name not in {a.name for a in self.accepted}:
+            self.accepted.insert(0, v)
+        return v, f
 
 
 def routing_replay(trace: Trace, make_reference: EngineFactory, base: RunOptions, cand: Sequence[ChunkResult],
