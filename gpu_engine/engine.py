@@ -8,9 +8,13 @@ approximate bfloat16 path also returns float32).
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +46,31 @@ ACT_QUANT = {"none": None, "q8_0": q8_0_roundtrip}  # act_quant values this engi
 APPROXIMATIONS = {"dtype=bfloat16": "bf16 matmul operands, fp32 state",
                   "act_quant=q8_0": "activations rounded to Q8_0 blocks of 32 before every matmul with a quantized "
                                     "weight, as llama.cpp's CPU backend"}
+
+
+MAX_EXPERT_THREADS = 8  # more threads than a decode step's 6 experts gain nothing
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, bounded by a cgroup v2 CPU quota when one is set."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):  # no cgroup v2 CPU controller here: the affinity mask is the limit
+        return n
+    return n if quota == "max" else max(1, min(n, int(quota) // int(period)))
+
+
+def thread_map(pool: ThreadPoolExecutor) -> Callable[..., Iterator]:
+    """map(fn, items) on `pool`, results in item order; each call runs in inference mode (thread-local in torch)."""
+    def run(fn: Callable, items: Iterable) -> Iterator:
+        def call(item):
+            with torch.inference_mode():
+                return fn(item)
+
+        return pool.map(call, items)
+
+    return run
 
 
 def check_options(options: RunOptions, cache_mb: int) -> None:
@@ -81,8 +110,11 @@ class TorchEngine:
     name = "torch"
     faults = FAULTS  # capability: the porting bugs RunOptions.inject can switch on
 
-    def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB) -> None:
+    def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB,
+                 expert_threads: int | None = None) -> None:
         check_options(options, cache_mb)
+        if expert_threads is not None and expert_threads < 1:
+            raise ParityError(f"torch engine: expert_threads must be >= 1, got {expert_threads}")
         self.options = options
         self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
@@ -97,7 +129,11 @@ class TorchEngine:
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
-        self.ops = compose(self.switches, self._qat_ops())
+        self.expert_threads = expert_threads or (min(usable_cpus(), MAX_EXPERT_THREADS)
+                                                 if self.device.type == "cpu" else 1)
+        self._pool = ThreadPoolExecutor(self.expert_threads) if self.expert_threads > 1 else None
+        self.ops = replace(compose(self.switches, self._qat_ops()),
+                           expert_map=thread_map(self._pool) if self._pool else map)
         self._announce()
 
     def _check_hash_tables(self) -> None:

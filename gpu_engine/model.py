@@ -21,6 +21,7 @@ from gpu_engine.compressor import CompressorCache, SlotsOp, completed_blocks, co
 from gpu_engine.hc import hc_post, hc_pre
 from gpu_engine.indexer import SelectOp, indexer_weights, select_chunked, select_rows
 from gpu_engine.moe import (
+    MapOp,
     hash_select,
     replayed_ids,
     routed_experts,
@@ -53,6 +54,7 @@ class Ops:
     hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = hc_post
     swiglu: Callable[[Tensor, Tensor, float], Tensor] = swiglu_clamped
     weight_scores: Callable[[Tensor, Tensor], Tensor] = unbiased_scores
+    expert_map: MapOp = map  # how the independent routed experts are run (serially, or a thread pool's map)
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ def moe(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: 
 
     h = ops.swiglu(w.linear(x, p + "ffn_gate_shexp.weight"), w.linear(x, p + "ffn_up_shexp.weight"),
                    cfg.swiglu_limit_shexp[layer])
-    return routed_experts(x, r.ids, r.weights, expert), w.linear(h, p + "ffn_down_shexp.weight")
+    return routed_experts(x, r.ids, r.weights, expert, ops.expert_map), w.linear(h, p + "ffn_down_shexp.weight")
 
 
 # -- the block ---------------------------------------------------------------------------------------------------

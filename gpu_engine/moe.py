@@ -78,13 +78,18 @@ def tokens_by_expert(ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tor
 
 
 ExpertOp = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+MapOp = Callable[..., Iterator]  # map(fn, items) -> results in item order (builtin map, or a thread pool's map)
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: ExpertOp) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: ExpertOp,
+                   run: MapOp = map) -> torch.Tensor:
     """R = Σ_k y_{id_k}, computed per selected expert over its tokens, added in ascending expert id.
-    x [n, D], ids [n, k], weights [n, k], expert(e, x_e [c, D], w_e [c]) -> y [c, D]  ->  [n, D]."""
+    x [n, D], ids [n, k], weights [n, k], expert(e, x_e [c, D], w_e [c]) -> y [c, D]  ->  [n, D].
+    The experts are independent: `run` may compute them concurrently; the sum order is fixed, so the result
+    does not depend on it."""
     out = torch.zeros_like(x)
     flat_w = weights.reshape(-1)
-    for e, tok, slot in tokens_by_expert(ids):
-        out.index_add_(0, tok, expert(e, x[tok], flat_w[slot]))
+    groups = list(tokens_by_expert(ids))
+    for (_, tok, _), y in zip(groups, run(lambda g: expert(g[0], x[g[1]], flat_w[g[2]]), groups), strict=True):
+        out.index_add_(0, tok, y)
     return out

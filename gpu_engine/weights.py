@@ -17,6 +17,7 @@ values: speed only.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -186,7 +187,8 @@ class DeviceWeights:
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """y = x W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one reused buffer.
         x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
-        y = self._qtensor(name).expert_linear(e, self._operand(x, name), lambda n: self._scratch("experts", n))
+        scratch = f"experts@{threading.get_ident()}"  # one buffer per thread: experts may run concurrently
+        y = self._qtensor(name).expert_linear(e, self._operand(x, name), lambda n: self._scratch(scratch, n))
         return y.to(self.act)
 
     def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:

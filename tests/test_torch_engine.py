@@ -386,3 +386,18 @@ def test_unimplemented_numerics_options_are_refused(tiny_f32):
                        (RunOptions(rope_angles="recurrence"), "rope_angles=recurrence")):
         with pytest.raises(ParityError, match=f"torch engine: {what} is not implemented"):
             TorchEngine(str(tiny_f32), opts)
+
+
+def test_expert_threads_change_speed_only(tiny_realmix):
+    """Routed experts run concurrently on a thread pool; the contributions are still added in ascending expert id,
+    so any thread count gives the same bits (1 intra-op thread, as the suite runs)."""
+    prompt = np.random.default_rng(14).integers(2, 290, 30)
+    runs = [run_sequence(TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=t), prompt, decode_steps=3,
+                         capture=True) for t in (1, 3)]
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a.logits, b.logits)
+        for ca, cb in zip(a.captures, b.captures, strict=True):
+            np.testing.assert_array_equal(ca["routed_out"], cb["routed_out"])
+    assert TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=1).expert_threads == 1
+    with pytest.raises(ParityError, match="expert_threads must be >= 1"):
+        TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=0)
