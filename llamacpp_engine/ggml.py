@@ -10,8 +10,8 @@ import numpy as np
 from parity.contract.errors import ParityError
 
 GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MAX_OP_PARAMS = 4, 64, 10, 64
-GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
-DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_I32: np.int32}
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
+DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_I32: np.int32}   # F16: an f16 KV cache
 
 
 class GgmlTensor(ctypes.Structure):
@@ -44,7 +44,7 @@ def name_of(t: GgmlTensor) -> str:
 def _view(t: GgmlTensor) -> np.ndarray:
     """A numpy view of the tensor's data: shape = reversed ne, strides = reversed nb (no copy)."""
     if t.type not in DTYPES:
-        raise ParityError(f"llama.cpp tensor {name_of(t)!r} has ggml type {t.type}; only F32 and I32 are read")
+        raise ParityError(f"llama.cpp tensor {name_of(t)!r} has ggml type {t.type}; only F32, F16 and I32 are read")
     if not t.data:
         raise ParityError(f"llama.cpp tensor {name_of(t)!r} has no host data (not a CPU backend buffer)")
     ne, nb = list(t.ne), list(t.nb)

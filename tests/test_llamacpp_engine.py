@@ -164,3 +164,11 @@ def test_mxfp4_experts_llamacpp_rounds_activations_to_q8_0(tiny_mxfp4):
                               capture=True)[0].captures[0]["routed_out"] for aq in ("none", "q8_0"))
     assert rel_l2(q8, got).max() < TOL
     assert rel_l2(plain, got).max() > 1e-3
+
+
+def test_f16_kv_cache_is_recorded_and_changes_results(engines, tiny_f32):
+    _, lcp = engines
+    f16 = load_engine("llamacpp", str(tiny_f32), replace(LCP, kv_cache="f16"))
+    assert f16.options.flags()["kv_cache"] == "f16" and "lcp_kv=f16" in f16.options.engine_args
+    a, b = (stack(run_sequence(e, PROMPT[:28], 4, capture=True), "logits") for e in (lcp, f16))
+    assert 1e-4 < np.abs(a - b).max() < 1e-2   # measured 1.6e-3

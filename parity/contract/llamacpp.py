@@ -131,7 +131,7 @@ def cache_rows(t: Mapping[str, np.ndarray], k: str, width: int, end: int, ratio:
     n = end // ratio
     if len(r) < n:
         raise TraceError(f"{k}: the cache view holds {len(r)} rows, {n} are emitted by position {end - 1}")
-    return r[:n]
+    return r[:n].astype(np.float32, copy=False)   # an f16 KV cache stores them as F16
 
 
 def layer_output(t: Mapping[str, np.ndarray], cfg: ModelConfig, layer: int, positions: np.ndarray,
