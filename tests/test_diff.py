@@ -299,3 +299,14 @@ def test_long_titles_wrap_instead_of_being_cut():
     text = "first drift: " + " ".join(f"blk.{i}.attn" for i in range(30))
     wrapped = wrapped_title(text, 40)
     assert wrapped.replace("\n", " ") == text and max(len(x) for x in wrapped.splitlines()) <= 40
+
+
+def test_bisect_plot_title_is_wrapped_not_cut(tmp_path):
+    from types import SimpleNamespace
+
+    from parity.bisect.search import plot_report
+
+    line = "DEFECT at layer 2, sub-op compressor_rows: decode step 3 (position 31); " * 3
+    report = SimpleNamespace(summary=line.strip() + "\nmore", trajectory=None, attribution=[], culprit=None)
+    fig = plot_report(report, str(tmp_path / "b.png"))
+    assert fig._suptitle.get_text().replace("\n", " ") == line.strip() and (tmp_path / "b.png").exists()

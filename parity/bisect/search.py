@@ -654,7 +654,9 @@ def plot_report(report: BisectReport, path: str) -> object:
     else:
         ax2.text(0.5, 0.5, "no attribution needed:\nevery checkpoint inside the envelope", ha="center", va="center")
         ax2.set_axis_off()
-    fig.suptitle(report.summary.splitlines()[0][:110], fontsize=9)
+    from parity.compare.plot import wrapped_title
+
+    fig.suptitle(wrapped_title(report.summary.splitlines()[0]), fontsize=9)  # wrapped, never cut
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
