@@ -10,7 +10,7 @@ llama.cpp runs a whole graph per ubatch, so the protocol's per-layer calls are s
   written inputs (llama.cpp's compressor state is not restored exactly by its state save/load, so the
   context is rebuilt by replay: a re-run of chunk c costs c + 1 graph runs);
 * `embed` and a `head` on a carrier no run produced use a scratch context (the embedding lookup and the head
-  are position-independent).
+  are position-independent); `embed` ends the graph as soon as `hc_init` is computed.
 Writing a layer's input also fixes the caches that layer builds (KV, compressed rows): they come from the
 given carriers, as teacher forcing requires.
 """
@@ -28,6 +28,7 @@ from parity.contract.engine import LayerOutput, RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.llamacpp import (
     CACHE_ROWS,
+    EMBED_NAME,
     LOGITS_NAME,
     all_names,
     base_name,
@@ -135,7 +136,7 @@ class LlamaCppEngine:
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         tokens = self._tokens(tokens, "embed")
-        t = self._scratch_run(tokens, {})
+        t = self._scratch_run(tokens, {}, stop_after=EMBED_NAME)   # the graph ends once hc_init is computed
         return embed_output(t, self.config, len(tokens))
 
     def forward_layer(self, state: LlamaState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
@@ -233,9 +234,10 @@ class LlamaCppEngine:
         for c in state.done:
             state.ctx.decode(c.tokens, c.start, c.overrides, capture=False)
 
-    def _scratch_run(self, tokens: np.ndarray, overrides: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _scratch_run(self, tokens: np.ndarray, overrides: dict[str, np.ndarray],
+                     stop_after: str | None = None) -> dict[str, np.ndarray]:
         if self._scratch is None:
             self._scratch = Context(self.model)
         self._scratch.clear()
-        return self._scratch.decode(tokens, 0, overrides)
+        return self._scratch.decode(tokens, 0, overrides, stop_after=stop_after)
 

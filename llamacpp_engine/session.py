@@ -87,6 +87,7 @@ class Context:
         self._collect: dict[str, np.ndarray] = {}
         self._overrides: Mapping[str, np.ndarray] = {}
         self._capture = True
+        self._stop: str | None = None
         self._count: dict[str, int] = {}
         self._error: Exception | None = None
         self._cb = lib.ggml_backend_sched_eval_callback(self._on_tensor)
@@ -124,14 +125,17 @@ class Context:
                 ggml.write(t, self._overrides[k])
             if self._capture and k in self.model.shapes:
                 self._collect[k] = ggml.read(t)
+            return k != self._stop   # False ends the graph computation here
         except Exception as e:  # an exception must not cross the C callback: re-raised after llama_decode
             self._error = e
         return True
 
     def decode(self, tokens: np.ndarray, start_pos: int, overrides: Mapping[str, np.ndarray] | None = None,
-               capture: bool = True) -> dict[str, np.ndarray]:
+               capture: bool = True, stop_after: str | None = None) -> dict[str, np.ndarray]:
         """Feed tokens at start_pos.. (positions must continue this context's sequence). Returns the mapped
-        tensors by capture key, [rows, *shape]: per-token ones for every fed row, cache views as of the end."""
+        tensors by capture key, [rows, *shape]: per-token ones for every fed row, cache views as of the end.
+        `stop_after`: end each graph once that tensor is computed (the context's caches are then unusable:
+        only for a scratch context that is cleared before its next use)."""
         tokens = np.asarray(tokens, np.int64)
         n, s = len(tokens), self.model.settings
         if start_pos != self.next_pos:
@@ -144,14 +148,14 @@ class Context:
         for i0 in range(0, n, s.n_ubatch):
             i1 = min(n, i0 + s.n_ubatch)
             got = self._ubatch(tokens[i0:i1], start_pos + i0,
-                               {k: v[i0:i1] for k, v in overrides.items()}, capture)
+                               {k: v[i0:i1] for k, v in overrides.items()}, capture, stop_after)
             for k, v in got.items():
                 parts.setdefault(k, []).append(v)
         self.next_pos = start_pos + n
         return {k: v[-1] if base_name(k) in CACHE_ROWS else np.concatenate(v) for k, v in parts.items()}
 
     def _ubatch(self, tokens: np.ndarray, pos0: int, overrides: Mapping[str, np.ndarray],
-                capture: bool) -> dict[str, np.ndarray]:
+                capture: bool, stop_after: str | None) -> dict[str, np.ndarray]:
         lib, n = self.lib, len(tokens)
         batch = lib.llama_batch_init(n, 0, 1)
         try:
@@ -160,10 +164,11 @@ class Context:
                 batch.seq_id[i][0], batch.logits[i] = 0, 1
             batch.n_tokens = n
             self._collect, self._overrides, self._capture, self._count, self._error = {}, overrides, capture, {}, None
+            self._stop = stop_after
             rc = lib.llama_decode(self.ptr, batch)
         finally:
             lib.llama_batch_free(batch)
-            self._overrides = {}
+            self._overrides, self._stop = {}, None
         if self._error is not None:
             raise ParityError(f"llamacpp eval callback failed: {self._error}") from self._error
         if rc != 0:
