@@ -256,6 +256,15 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router)
 
 
+def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
+    """NOISE vs DRIFT for a DiffReport (or a GateResult's report) by a stored envelope: the file must have been
+    measured on trace A's model (size + header hash) and hold a section for trace B's dtype."""
+    from parity.bisect.envelope import judge_diff, load_envelope
+
+    env = load_envelope(envelope, report.b["dtype"], report.a["model"])
+    return judge_diff(report.table, env)
+
+
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
           fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None) -> Any:

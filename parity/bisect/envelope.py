@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -272,3 +273,53 @@ def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | No
         raise ParityError(f"{path}: {dtype} section has missing fields {sorted(want - set(section))} / unknown fields "
                           f"{sorted(set(section) - want)}; regenerate it with `v4parity envelope`")
     return Envelope(**section)
+
+
+# ---------------------------------------------------------------- judging a diff (`diff` / `gate --envelope`)
+
+@dataclass(frozen=True)
+class EnvelopeCheck:
+    """One checkpoint of a diff judged by the envelope, at its worst position."""
+
+    checkpoint: str
+    position: int
+    rel_l2: float
+    floor: float
+    excess: float
+    verdict: str       # DRIFT (outside the envelope) | NOISE (inside it, beyond the diff's thresholds) | OK
+
+
+@dataclass(frozen=True)
+class EnvelopeJudgement:
+    rows: tuple[EnvelopeCheck, ...]
+    dtype: str
+
+    @property
+    def passed(self) -> bool:
+        return not any(r.verdict == "DRIFT" for r in self.rows)
+
+    def lines(self) -> list[str]:
+        """One line per checkpoint that is not OK, then the verdict."""
+        out = [f"{r.verdict} {r.checkpoint} (position {r.position}): rel-L2 {r.rel_l2:.3g}, envelope floor "
+               f"{r.floor:.3g}, excess {r.excess:.3g}" for r in self.rows if r.verdict != "OK"]
+        drift = [r.checkpoint for r in self.rows if r.verdict == "DRIFT"]
+        noise = [r.checkpoint for r in self.rows if r.verdict == "NOISE"]
+        out.append(f"envelope ({self.dtype}): " + (f"DRIFT beyond the noise envelope from {drift[0]}" if drift else
+                   f"NOISE only ({len(noise)} checkpoint(s) beyond the thresholds, inside the envelope)" if noise
+                   else "every checkpoint within the thresholds"))
+        return out
+
+
+def judge_diff(table: Any, env: Envelope) -> EnvelopeJudgement:
+    """Judge a diff's per-(checkpoint, position) table (columns checkpoint, pos, rel_l2, drift) by the envelope:
+    DRIFT where rel_l2 > k * floor + eps anywhere (non-finite included), else NOISE where a row is beyond the diff's
+    fixed thresholds, else OK. Logits are judged by the diff alone."""
+    rows = []
+    for name, t in table.groupby("checkpoint", sort=False):
+        rel = t["rel_l2"].to_numpy(np.float64)
+        floor = env.floor(name)
+        excess = np.where(np.isfinite(rel), gate(np.nan_to_num(rel), floor, env.k, env.eps), np.inf)
+        i = int(np.argmax(excess))
+        verdict = "DRIFT" if excess[i] > 1 else "NOISE" if t["drift"].any() else "OK"
+        rows.append(EnvelopeCheck(str(name), int(t["pos"].iloc[i]), float(rel[i]), floor, float(excess[i]), verdict))
+    return EnvelopeJudgement(tuple(rows), env.dtype)

@@ -8,6 +8,16 @@ from pathlib import Path
 
 import click
 
+from parity.cli.common import (
+    device_option,
+    dtype_option,
+    echo_json,
+    inject_option,
+    json_errors,
+    json_option,
+    model_option,
+)
+
 
 def _tokens(tokens: str | None, tokens_file: str | None, vocab: int, bos: int) -> list[int]:
     """--tokens / --tokens-file (parsed by `trace`'s reader), else the built-in prompt; ids checked against vocab."""
@@ -38,13 +48,11 @@ def _options(dtype: str, device: str, no_fp8_kv: bool, no_fp4_indexer: bool, inj
                       inject=tuple(inject))
 
 
-model_opt = click.option("--model", "-m", required=True, type=click.Path(exists=True, dir_okay=False),
-                         help="deepseek4 GGUF file.")
+model_opt = model_option()
 engine_opt = click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
-dtype_opt = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-                         help="Candidate precision (the reference always runs float32; bf16 has its own envelope).")
-device_opt = click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="cpu", show_default=True,
-                          help="Candidate device (torch engine; auto = CUDA when present).")
+dtype_opt = dtype_option(help="Candidate precision (the reference always runs float32); each dtype is judged by "
+                              "its own envelope section.")
+device_opt = device_option(help="Candidate device (torch engine; auto = CUDA when present).")
 fp8_opt = click.option("--no-fp8-kv", is_flag=True, help="Both engines: skip the FP8 KV simulation.")
 fp4_opt = click.option("--no-fp4-indexer", is_flag=True, help="Both engines: skip the FP4 indexer simulation.")
 
@@ -58,7 +66,9 @@ fp4_opt = click.option("--no-fp4-indexer", is_flag=True, help="Both engines: ski
 @fp4_opt
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Envelope file (default traces/<model stem>.envelope.json); a section per dtype is added.")
-def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
+@json_option()
+@json_errors
+def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as_json):
     """Measure the noise envelope of ENGINE on MODEL: reference f32 vs f64, the engine with two prefill
     chunkings (and, for bf16, bf16 vs its own f32) on a seeded calibration prompt.
 
@@ -69,6 +79,10 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
     env, path = api.envelope(model, engine=engine, options=_options(dtype, device, no_fp8_kv, no_fp4_indexer),
                              output=output, progress=_stderr)
     worst = max(env.checkpoints, key=env.checkpoints.get)
+    if as_json:
+        echo_json({"wrote": str(path), "dtype": dtype, "k": env.k, "eps": env.eps, "largest_floor":
+                   {"checkpoint": worst, "floor": env.checkpoints[worst]}, "logit_rel": env.logit_rel})
+        return
     click.echo(f"wrote {dtype} envelope to {path} (k={env.k:g}, eps={env.eps:g}; largest floor "
                f"{env.checkpoints[worst]:.3g} at {worst}; logit_rel {env.logit_rel:.3g})")
 
@@ -82,7 +96,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
 @click.option("--decode", type=click.IntRange(0), default=4, show_default=True,
               help="Greedy decode steps after the prompt (decode-only defects show up here).")
 @click.option("--chunk", type=click.IntRange(1), default=None, help="Prefill chunk size (default: one chunk).")
-@click.option("--inject", multiple=True, help="Fault to inject into the candidate (repeatable; torch engine).")
+@inject_option()
 @dtype_opt
 @device_opt
 @fp8_opt
@@ -92,8 +106,9 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output):
 @click.option("--routing-replay", is_flag=True,
               help="Force the candidate to use the reference's expert choices (separates routing flips from "
                    "arithmetic error).")
-@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+@json_option(help="Print the full report as JSON (errors too).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
+@json_errors
 def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, device, no_fp8_kv, no_fp4_indexer,
            envelope_path, routing_replay, as_json, plot):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.

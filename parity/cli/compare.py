@@ -14,6 +14,9 @@ force_opt = click.option("--force", is_flag=True,
                          help="Compare even when tokens / model / checkpoints / positions differ (overlap only).")
 rel_opt = click.option("--rel-tol", type=float, default=None, help="rel-L2 drift threshold [default: 1e-3].")
 norm_opt = click.option("--norm-tol", type=float, default=None, help="|RMS ratio - 1| threshold [default: 1e-3].")
+envelope_opt = click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
+                             help="Judge by this noise envelope (measured on A's model): NOISE inside it, DRIFT "
+                                  "outside; the exit status follows the envelope.")
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -49,8 +52,9 @@ def _plot_path(output: str) -> str:
 @markdown_option()
 @html_option()
 @click.option("--no-fail", is_flag=True, help="Exit 0 even when a checkpoint drifts (the default exit is 1).")
+@envelope_opt
 @json_errors
-def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path, no_fail) -> None:
+def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path, no_fail, envelope_path) -> None:
     """Compare exactly two traces, A (reference) and B (candidate): per checkpoint each metric's worst
     value and the first drifting checkpoint.
 
@@ -68,11 +72,15 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
         from parity.compare.html import write_report
 
         write_report(html_path, report)
+    judged = _judge(report, envelope_path)
     if as_json:
-        echo_json({**report.to_dict(), "worst": worst_rows(report)})
+        echo_json({**report.to_dict(), "worst": worst_rows(report)}
+                  | ({"envelope": _judged_dict(judged)} if judged else {}))
     elif markdown_path != "-":
         print_report(report, wide=wide)
-    if not report and not no_fail:
+        for line in judged.lines() if judged else ():
+            click.echo(line)
+    if (not judged.passed if judged else not report) and not no_fail:
         raise SystemExit(1)
 
 
@@ -142,8 +150,9 @@ def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
 @markdown_option()
 @json_option(help="Print the result as JSON instead of Markdown (errors too).")
 @force_opt
+@envelope_opt
 @json_errors
-def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force) -> None:
+def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, envelope_path) -> None:
     """CI gate: exit 0 when the candidate matches the golden trace within tolerances, 1 otherwise, 2 if incomparable.
 
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --junit gate.xml
@@ -166,11 +175,27 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force) ->
         Path(junit).write_text(g.junit_xml(result))
     if markdown_path:
         write_text(markdown_path, md)
+    judged = _judge(result.report, envelope_path)
     if as_json:
-        echo_json(result.to_dict())
+        echo_json(result.to_dict() | ({"envelope": _judged_dict(judged)} if judged else {}))
     elif markdown_path != "-":
         click.echo(md)
-    raise SystemExit(0 if result else 1)
+        for line in judged.lines() if judged else ():
+            click.echo(line)
+    raise SystemExit(0 if (judged.passed if judged else result) else 1)
+
+
+def _judge(report, envelope_path):
+    """The envelope's NOISE / DRIFT judgement of a diff, or None without --envelope."""
+    from parity.api import judge_envelope
+
+    return judge_envelope(report, envelope_path) if envelope_path else None
+
+
+def _judged_dict(judged) -> dict:
+    from dataclasses import asdict
+
+    return {"passed": judged.passed, "dtype": judged.dtype, "checkpoints": [asdict(r) for r in judged.rows]}
 
 
 @click.command()
