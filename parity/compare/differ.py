@@ -1,8 +1,10 @@
 """Compare two traces: preflight, per-(checkpoint, position) metrics, the first drifting checkpoint.
 
 `a` is the reference, `b` the candidate. Preflight refuses (PreflightError) when token ids, model
-identity, checkpoint sets or traced positions differ, unless `force=True` (then the intersection
-is compared and the refusals are kept as warnings). Metrics use the full vectors when both traces
+identity, checkpoint sets, traced positions, stream count, dim or top-k differ, unless `force=True` (then
+the intersection is compared and the refusals are kept as warnings). Every other recorded field is
+compared (a difference makes the report non-exact; NaN never compares equal) or is informational, as
+docs/metrics.md lists. Metrics use the full vectors when both traces
 recorded them for a checkpoint ("full"), else the 64-number fingerprints ("fp": cosine and rel-L2
 are then Johnson-Lindenstrauss estimates, max-abs is unknown). A position drifts when its rel-L2
 exceeds `rel_tol` or its RMS ratio leaves 1 +- `norm_tol` or any statistic is non-finite; the first
@@ -83,12 +85,6 @@ def _first_token_difference(ta: list[int], tb: list[int]) -> int | None:
     if ta == tb:
         return None
     return next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
-
-
-def _model_key(m: dict) -> tuple:
-    """The part of a model identity both forms carry: size + header hash (the file name is informational).
-    Two identities are the same model by `parity.gguf.weights.same_model` (adds the data hash when both have it)."""
-    return m["size"], m["header_sha256"]
 
 
 def _model_str(m: dict) -> str:
