@@ -172,3 +172,18 @@ def test_f16_kv_cache_is_recorded_and_changes_results(engines, tiny_f32):
     assert f16.options.flags()["kv_cache"] == "f16" and "lcp_kv=f16" in f16.options.engine_args
     a, b = (stack(run_sequence(e, PROMPT[:28], 4, capture=True), "logits") for e in (lcp, f16))
     assert 1e-4 < np.abs(a - b).max() < 1e-2   # measured 1.6e-3
+
+
+def test_bisect_localises_llamacpp_q8_0_rounding_with_mxfp4_experts(tiny_mxfp4):
+    """The whole bisection with llama.cpp as the candidate (teacher-forced pass, splices, drill-down with
+    captures, all through written layer inputs): the Q8_0 activation rounding acts first in layer 0's routed
+    experts, from position 0. (bisect has no benign-numerics hypotheses; `check` explains it.)"""
+    from parity import api
+    from parity.bisect.search import bisect, builtin_prompt
+
+    ref = load_engine("reference", str(tiny_mxfp4), OFF)
+    lcp = load_engine("llamacpp", str(tiny_mxfp4), LCP)
+    env = api.measure_envelope(tiny_mxfp4, "llamacpp", LCP)
+    r = bisect(ref, lcp, builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id), 4, env)
+    assert r.verdict == "defect" and (r.culprit.layer, r.culprit.subop, r.culprit.position) == (0, "routed_experts", 0)
+    assert r.runs["teacher_forced"] == 1 and r.runs["splice"] >= 2 and r.runs["drill_down_layers"] == 1
