@@ -1,9 +1,10 @@
 """One validation task in a worker process: a prompt through the exact and the approximate path, or a pin run.
 
 Engines are loaded once per process (`engine`, keyed by the spec string) whatever executor runs the task, and
-everything they print on stderr while loading and running is captured (file descriptor 2 and `sys.stderr`),
-so the announce pin can check what the engine said. A task returns a JSON-ready record; nothing in it
-depends on which process ran it, except `seconds` and `cpu_seconds` (wall and CPU time of its engine runs).
+everything they print on stderr while loading and running is captured (file descriptor 2 and `sys.stderr`,
+then passed on to stderr), so the announce pin can check what the engine said. A task returns a JSON-ready
+record; nothing in it depends on which process ran it, except `seconds` and `cpu_seconds` (wall and CPU time of
+its engine runs).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ _ENGINES: dict[str, tuple[Engine, str]] = {}
 
 @contextlib.contextmanager
 def captured_stderr() -> Iterator[list[str]]:
-    """Everything written to fd 2 or sys.stderr inside the block; the text is appended to the yielded list."""
+    """Everything written to fd 2 or sys.stderr inside the block: appended to the yielded list, then written on
+    to the real stderr."""
     sys.stderr.flush()
     saved = os.dup(2)
     text = io.StringIO()
@@ -76,6 +78,8 @@ def captured_stderr() -> Iterator[list[str]]:
             os.close(saved)
             tmp.seek(0)
             out.append(tmp.read().decode("utf-8", "replace") + text.getvalue())
+            sys.stderr.write(out[0])  # passed on: the user sees what the engine said
+            sys.stderr.flush()
 
 
 def engine(spec: EngineSpec, model: str) -> tuple[Engine, str]:
