@@ -104,7 +104,8 @@ def import_llamacpp(directory: str | os.PathLike, *, tokens: list[int] | None, c
                     model: dict[str, Any], start_pos: int = 0, top_k: int = 20, engine_version: str = "unknown",
                     positions: str | Sequence[int] = "all", full: str | Sequence[str] | None = "all") -> Trace:
     """Build a trace from a llama.cpp capture file (`.npz`, see `import_llamacpp_capture`; `tokens` optional, it
-    carries `input_ids`) or from per-tensor eval-callback dumps in `directory` (rows = start_pos, ...)."""
+    carries `input_ids`; `positions` / `full` select what is traced) or from per-tensor eval-callback dumps in
+    `directory` (rows = start_pos, ...; every covered position, full vectors kept)."""
     if Path(directory).is_file():
         return import_llamacpp_capture(directory, config=config, model=model, tokens=tokens, top_k=top_k,
                                        engine_version=engine_version, positions=positions, full=full)
