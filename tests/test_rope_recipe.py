@@ -73,7 +73,7 @@ def test_both_engines_form_the_float32_recipe_frequencies_bit_for_bit(r, base, y
     assert ref.dtype == F32 and ref.tobytes() == want.tobytes()
     assert tch.astype(F32).astype(np.float64).tobytes() == tch.tobytes()  # float64 holding float32 values
     assert tch.astype(F32).tobytes() == want.tobytes()
-    # the test has teeth: the fp64 formula rounded once differs from the recipe in some pairs (by one ulp)
+    # the test has teeth: the fp64 formula rounded once differs from the recipe in some pairs (by 1-2 ulps)
     assert (ideal_frequencies(r, base, yarn).astype(F32) != want).any()
 
 
