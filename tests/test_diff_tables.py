@@ -375,3 +375,21 @@ def test_an_old_identity_is_compared_on_size_and_header_hash():
     b.header.model["size"] += 1
     with pytest.raises(PreflightError, match="no data hash \\(old identity\\)"):
         api.diff(a, b)
+
+
+def test_diff_refuses_traces_of_two_synth_models_of_different_seeds(tmp_path):
+    """Same preset, other seed: same size and header hash (the old identity could not tell them apart). The fake
+    engine ignores the weights, so without the data hash these traces would even compare as exact."""
+    from fake_engine import FakeEngine
+
+    from parity.gguf.synth import synthesize
+
+    a_model = synthesize(tmp_path / "a.gguf", "tiny", "real-mix", seed=1)
+    b_model = synthesize(tmp_path / "b.gguf", "tiny", "real-mix", seed=2)
+    a = api.trace(FakeEngine(str(a_model)), a_model, [0, 5, 7])
+    b = api.trace(FakeEngine(str(b_model)), b_model, [0, 5, 7])
+    assert (a.header.model["size"], a.header.model["header_sha256"]) == \
+        (b.header.model["size"], b.header.model["header_sha256"])
+    with pytest.raises(PreflightError, match="model identity differs"):
+        api.diff(a, b)
+    assert api.diff(a, b, force=True).exact  # what the old identity would have reported
