@@ -8,6 +8,7 @@ approximate bfloat16 path also returns float32).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -263,12 +264,15 @@ class TorchEngine:
 
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:
-        """Capability for benchmarks: the bytes staged on `device` once; the callable dequantizes them."""
+        """Capability for benchmarks: the bytes staged on `device` and the float32 output allocated once (the engine
+        dequantizes into reused scratch buffers too); the callable dequantizes into it (the returned array on the CPU
+        is a view of that buffer, rewritten by the next call)."""
         dev = torch.device(device)
         raw_t = torch.from_numpy(raw).to(dev)
+        out = torch.empty(math.prod(shape), dtype=torch.float32, device=dev)
 
         def run() -> np.ndarray:
-            y = dequantize(raw_t, ggml_type).reshape(shape)
+            y = dequantize(raw_t, ggml_type, out).reshape(shape)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             return y.cpu().numpy()
