@@ -113,7 +113,11 @@ def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
         trace_id = z.sha256
     else:
         raw = path.read_bytes()
-        trace = parse_text(raw.decode("utf-8", errors="replace"), str(path))
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{path}: field 'file': not UTF-8 text (byte {e.start})") from None
+        trace = parse_text(text, str(path))
         trace_id = lambda: content_id(raw)  # noqa: E731
     if load_vectors and trace.header.full:
         trace.vectors = _read_vectors(vectors_path(path), trace.header, trace_id)
@@ -502,6 +506,10 @@ def _binary_columns(trace: Trace) -> dict[str, np.ndarray]:
 def _read_binary(path: Path) -> tuple[Trace, StoredZip]:
     """Columns are read-only views of the memory-mapped file, CRC-checked; the same rules as the text form."""
     z = StoredZip(path)
+    expected = {"header.json"} | {f"{kind}.{c}.npy" for kind, spec in TABLES.items() for c in spec}
+    unknown = sorted(set(z.members) - expected)
+    if unknown:
+        raise z.fail(unknown[0][:40], f"{len(unknown)} member(s) that are not part of a binary trace")
     header = _header_from_json(z.text("header.json", "header.json"), z.fail)
     tables = {kind: Table({c: z.array(f"{kind}.{c}", f"{kind}.{c}") for c in spec}) for kind, spec in TABLES.items()}
     check_tables(header, tables, z.fail)
@@ -541,6 +549,9 @@ def _read_vectors(path: Path, h: TraceHeader, trace_id: Callable[[], str]) -> di
     missing = [n for n in h.full if n not in vec]
     if missing:
         raise z.fail("vectors", f"no arrays for {missing}")
+    extra = sorted(set(z.members) - {f"{n}.npy" for n in [*h.full, "positions", TRACE_ID]})
+    if extra:
+        raise z.fail(extra[0][:40], "member not listed in the trace header's 'full'")
     for name, arr in vec.items():
         want = (None,) if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
         if arr.dtype != np.float32:
