@@ -290,3 +290,15 @@ def test_follow_replays_the_chunking_or_refuses(fake_trace):
     odd = dataclasses.replace(fake_trace, header=dataclasses.replace(fake_trace.header, chunks=[2, 5, 1, 1, 1]))
     with pytest.raises(TraceError, match=r"cannot replay the prefill chunks \[2, 5\]"):
         api.follow(odd)
+
+
+def test_traces_with_the_old_model_identity_still_read_and_write_back(tmp_path):
+    """c_engine.trace predates the data hash: its `model` line has size, header hash and file, no `model_data`."""
+    old = read_trace(FIXTURES / "c_engine.trace")
+    assert sorted(old.header.model) == ["file", "header_sha256", "size"]
+    again = read_trace(write_trace(old, tmp_path / "old.trace"))
+    assert again == old and "model_data" not in (tmp_path / "old.trace").read_text()
+    new = dataclasses.replace(old.header, model={**old.header.model, "data_sha256": "ab" * 16})
+    assert read_trace(write_trace(dataclasses.replace(old, header=new), tmp_path / "new.trace")).header == new
+    assert f"model_data {'ab' * 16}\n" in (tmp_path / "new.trace").read_text()
+    assert api.diff(old, dataclasses.replace(old, header=new)).exact  # compared on size + header hash
