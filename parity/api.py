@@ -274,7 +274,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from the reference alone. `fault_engines`: engines whose fault switches form the defect library.
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     from parity.bisect.check import check as run_check
-    from parity.bisect.inputs import CheckPreflightError, envelope_for, load_candidate, preflight
+    from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
     from parity.contract.engine import engine_faults
     from parity.gguf.weights import Weights
 
@@ -282,6 +282,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     w = Weights(model)
     identity, config = w.identity(), w.config
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
+    subops, notes = candidate_subops(candidate, trace_, config, tokens)
     preflight(trace_, config, identity)
     search = envelope_search if envelope_search is not None else [Path(model).parent, Path("traces")]
     found = envelope_for(identity, trace_.header.dtype, envelope, search)
@@ -300,7 +301,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
     return run_check(trace_, lambda o: load_engine("reference", str(model), o), env, fault_engines=library,
-                     progress=say)
+                     subops=subops, notes=notes, progress=say)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

@@ -275,3 +275,28 @@ def test_rope_angle_recurrence_is_noise(tiny_f32, long_prompt):
     assert r.verdict == "NOISE", r.headline
     assert any(c.name == "rope-angle-recurrence" for c in r.causes), r.causes
     assert all(c.kind == "benign" for c in r.causes)
+
+
+def test_llamacpp_capture_file_end_to_end(llama_cpp, tiny_mxfp4, setup, envelopes_qat_off, tmp_path):
+    # `v4parity capture llamacpp` writes the .npz with its meta (QAT off declared); check imports it on the fly
+    api.capture_llamacpp(tiny_mxfp4, setup[0], tmp_path / "cap.npz", decode=DECODE)
+    res = CliRunner().invoke(cli, ["check", "-m", str(tiny_mxfp4), "--candidate", str(tmp_path / "cap.npz"),
+                                   "--envelope", str(envelopes_qat_off[tiny_mxfp4]), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["verdict"] == "NOISE" and {c["name"] for c in doc["causes"]} == {"act-quant-q8_0"}
+
+
+def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path):
+    # a capture whose layer-2 attention output projection is off by 5% (and the carriers after it): the drill-down
+    # reads the candidate's own dumped sub-ops and names the first one that departs, before any later one
+    api.capture_llamacpp(tiny_f32, setup[0], tmp_path / "cap.npz")
+    with np.load(tmp_path / "cap.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    for k in ("attn_out-2", "hc_attn_post-2", "l_last-2"):
+        arrays[k] = arrays[k] * np.float32(1.05)
+    np.savez(tmp_path / "bad.npz", **arrays)
+    r = api.check(tmp_path / "bad.npz", tiny_f32, envelope=envelopes_qat_off[tiny_f32])
+    assert r.verdict == "DEFECT", r.headline
+    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "output_proj", 0), r.headline
+    assert r.causes[-1].name == "unexplained" and "candidate's own" in r.causes[-1].evidence

@@ -34,7 +34,7 @@ from parity.bisect.hypotheses import (
     routing_replay,
     table_rows,
 )
-from parity.bisect.search import inherited_flips
+from parity.bisect.search import compare_subops, inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
 from parity.contract.engine import Engine, LayerOutput, RunOptions
@@ -211,13 +211,16 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
+          subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
           progress: Progress | None = None) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
-    fault_engines: (engine name, factory(options), fault names) for the defect library."""
+    fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
+    own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down."""
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     h = trace.header
-    opts, notes = reference_options(trace)
+    opts, qat_notes = reference_options(trace)
+    notes = [*notes, *qat_notes]
     env.check_options(opts)
     ref_engine = make_reference(opts)
     L = ref_engine.config.n_layers
@@ -238,7 +241,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     local = local_errors(trace, tf, env)
     departing = [r for r in local if r.excess > 1 or r.structural is not None]
     if departing:
-        _explain(trace, ref_engine, make_reference, cand, tf, departing, env, fault_engines, st, say)
+        _explain(trace, ref_engine, make_reference, cand, tf, departing, env, fault_engines, st, say, subops)
     else:
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
     names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
@@ -281,7 +284,7 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
              tf: dict[int, list[LayerOutput]], departing: list[LayerLocal], env: Envelope,
              fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-             say: Progress) -> None:
+             say: Progress, subops: Sequence[ChunkResult] | None = None) -> None:
     """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
     nothing benign explains is the culprit, matched against the defect library."""
     st.runs.update(hypotheses=0, defect_library=0, drill_down=0)
@@ -297,7 +300,7 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
                 continue
         hit = tester.explain(d.layer)
         if hit is None:
-            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say)
+            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say, subops)
             return
         v, f = hit
         for part in v.parts or (v.name,):
@@ -315,25 +318,41 @@ def _evidence(d: LayerLocal, f: Fit) -> str:
 
 def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, env: Envelope,
             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-            say: Progress) -> None:
+            say: Progress, subops: Sequence[ChunkResult] | None = None) -> None:
     say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
     best, n = defect_library(trace, ref_engine, cand, d.layer, env, fault_engines)
     st.runs["defect_library"] += n
     unexplained = d.local if d.local is not None else d.local_attn
+    own = _dumped_subop(ref_engine, cand, subops, d.layer, env, st) if subops is not None else None
+    position = own.position if own is not None and own.position is not None else d.position
     if best is not None and best.fit.explains:
-        sub = name_subop(ref_engine, best.engine, cand, d.layer, env)
-        st.runs["drill_down"] += 2
+        sub = own.name if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
+        st.runs["drill_down"] += 2 if own is None else 0
         ev = (f"matches {best.name}: residual {best.fit.err if best.fit.err is not None else best.fit.err_attn:.3g} "
               f"vs unexplained {unexplained:.3g}" + (f"; {d.structural}" if d.structural else ""))
         st.causes.append(Cause("defect", best.name, d.layer, sub, ev))
     else:
-        sub = None
+        sub = own.name if own is not None else None
         closest = (f"; closest known fault {best.name} leaves {best.fit.excess:.3g} x the envelope"
                    if best is not None else "; no engine offers fault switches")
-        st.causes.append(Cause("defect", "unexplained", d.layer, None,
+        st.causes.append(Cause("defect", "unexplained", d.layer, sub,
                                f"local excess {d.excess:.3g} (rel-L2 {unexplained:.3g})"
-                               + (f"; {d.structural}" if d.structural else "") + closest))
-    st.culprit = CheckCulprit(d.layer, sub, d.position, _decode_step(d.position, trace.header.n_prompt))
+                               + (f"; {d.structural}" if d.structural else "")
+                               + (f"; the candidate's own {own.detail}" if own is not None else "") + closest))
+    st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
+
+
+def _dumped_subop(ref_engine: Engine, cand: list[ChunkResult], subops: Sequence[ChunkResult], layer: int,
+                  env: Envelope, st: _Stages):
+    """The first sub-op where the candidate's own dumped captures depart from the reference's layer run on the
+    candidate's inputs (1 captured layer-run), or None when every dumped sub-op agrees."""
+    ref_outs = teacher_forced(ref_engine, cand, [layer], capture=True)[layer]
+    st.runs["drill_down"] += 1
+    own = [LayerOutput(c.checkpoints[block_attn(layer)], c.checkpoints[block(layer)], c.diags[layer],
+                       c.captures[layer]) for c in subops]
+    subs = compare_subops(ref_outs, own, cand, layer, ref_engine.config.ratio(layer), env,
+                          (ref_engine.name, "candidate dump"))
+    return next((s for s in subs if s.status == "defect"), None)
 
 
 def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[LayerLocal], env: Envelope,

@@ -15,9 +15,10 @@ from parity.bisect.envelope import Envelope, load_envelope
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import same_model
-from parity.tracing.importers import LCP_RE, import_ds4, import_llamacpp
+from parity.tracing.importers import LCP_RE, import_ds4, import_llamacpp, llamacpp_chunks
 from parity.tracing.io import read_trace
 from parity.tracing.records import Trace
+from parity.tracing.runner import ChunkResult
 
 
 class CheckPreflightError(ParityError):
@@ -41,6 +42,18 @@ def load_candidate(source: str | os.PathLike, config: ModelConfig, identity: dic
     if path.is_dir() and any(LCP_RE.match(f.name) for f in path.iterdir()):
         return _imported(import_llamacpp, path, config, identity, tokens, "llama.cpp dump directory")
     return _imported(import_ds4, source, config, identity, tokens, "ds4 dump prefix")
+
+
+def candidate_subops(source: Any, trace: Trace, config: ModelConfig,
+                     tokens: Sequence[int] | None) -> tuple[list[ChunkResult] | None, list[str]]:
+    """The candidate's own sub-op captures, chunk by chunk, when it was imported from a complete llama.cpp capture
+    file (every mapped tensor, all logits); else None and, for an incomplete capture, a note saying why."""
+    if trace.header.flags.get("imported") != "llama.cpp capture" or not isinstance(source, (str, os.PathLike)):
+        return None, []
+    try:
+        return llamacpp_chunks(source, config, None if tokens is None else [int(t) for t in tokens]), []
+    except TraceError as e:
+        return None, [f"no sub-op drill-down from the capture: {e}"]
 
 
 def _imported(importer: Any, path: str | os.PathLike, config: ModelConfig, identity: dict[str, Any],
