@@ -135,3 +135,23 @@ def test_sigkill_during_writes_never_loads_a_mixed_pair(tmp_path, name):
         outcomes["matching pair"] += 1
     assert sum(outcomes.values()) > 0
     print(json.dumps(outcomes))
+
+
+def test_an_interrupted_trace_run_leaves_no_older_logprob_dump(tmp_path, tiny_f32, monkeypatch):
+    """The dump is written after the trace: a run that dies while writing the trace must not leave the previous
+    run's dump beside it."""
+    from click.testing import CliRunner
+
+    from parity import api
+    from parity.cli import cli
+
+    dump = tmp_path / "d.json"
+    dump.write_text("previous run")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing the trace")
+
+    monkeypatch.setattr(api, "save_trace", killed)
+    CliRunner().invoke(cli, ["trace", "--engine", "reference", "-m", str(tiny_f32), "--tokens", "0,5",
+                             "--dump-logprobs", str(dump), "-o", str(tmp_path / "t.trace")])
+    assert not dump.exists() and not (tmp_path / "t.trace").exists()

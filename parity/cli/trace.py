@@ -147,6 +147,8 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
 
         progress(stage, 0, total)
         t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, **run)
+    if dump_logprobs:  # an older dump never stays beside the new trace (a run killed before the dump leaves none)
+        Path(dump_logprobs).unlink(missing_ok=True)
     path = api.save_trace(t, output)
     report = {"wrote": str(path), "checkpoint_records": len(t.ckpt), "positions": t.header.positions,
               "tokens": len(t.header.tokens), "n_prompt": t.header.n_prompt, "decode": t.header.decode}
