@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import numpy as np
 import pytest
@@ -399,5 +400,9 @@ def test_expert_threads_change_speed_only(tiny_realmix):
         for ca, cb in zip(a.captures, b.captures, strict=True):
             np.testing.assert_array_equal(ca["routed_out"], cb["routed_out"])
     assert TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=1).expert_threads == 1
+    from gpu_engine.engine import MAX_EXPERT_THREADS, usable_cpus
+
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))  # the affinity mask bounds it (a quota may lower it)
+    assert TorchEngine(str(tiny_realmix), RunOptions()).expert_threads == min(usable_cpus(), MAX_EXPERT_THREADS)
     with pytest.raises(ParityError, match="expert_threads must be >= 1"):
         TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=0)
