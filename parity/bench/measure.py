@@ -178,7 +178,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one engine through `load_engine` and run the measurements the spec asks for."""
     from parity.contract.engine import RunOptions, load_engine
 
-    options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"])
+    options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"], fp8_kv=spec["qat_sims"],
+                         fp4_indexer=spec["qat_sims"])
     with MemoryWatch() as mem:
         t = time.perf_counter()
         engine = load_engine(spec["engine"], spec["model"], options)
@@ -425,8 +426,42 @@ def machine_info() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+TINY_PLAN = {"lengths": {24: 3}, "decode_steps": 3}  # peers: the tiny model, every engine the same work
+
+
+def bench_tiny(cache_dir: Path, engines: tuple[str, ...], torch_threads: int | None,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Every engine (ours and the peers llama.cpp / transformers) on the tiny F32 model with the QAT simulations
+    off (the peers omit them), one worker process each: prefill 24 tokens and decode steps."""
+    from parity.contract.engine import RunOptions
+    from parity.gguf.synth import synthesize
+
+    path = cache_dir / f"tiny-f32-v{BENCH_VERSION}.gguf"
+    if not path.exists():
+        synthesize(path, "tiny", "f32", seed=0)
+    out = {}
+    for engine in engines:
+        log(f"{engine} engine on the tiny F32 model (QAT simulations off): prefill 24 tokens, decode steps ...")
+        spec = {"engine": engine, "model": str(path), "device": "cpu", **TINY_PLAN, "trace_prompt": 24,
+                "trace_reps": 0, "cache_gb": RunOptions.cache_gb, "qat_sims": False}
+        out[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, 600)
+    return out
+
+
+def tiny_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(engine, prefill per layer, decode per layer, vs reference) on the tiny model; per layer = whole forward
+    / L (whole-graph engines such as llama.cpp run every layer in one call)."""
+    rows, ref = [], None
+    for name, w in report.get("tiny_engines", {}).items():
+        run = w["runs"][0]
+        pre, dec = run["prefill_s"] / w["n_layers"], run["decode_s"] / w["n_layers"]
+        ref = ref or (pre, dec)
+        rows.append((name, f"{1e3 * pre:.2f} ms", f"{1e3 * dec:.2f} ms", f"{ref[0] / pre:.2f}x / {ref[1] / dec:.2f}x"))
+    return rows
+
+
 def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = 1,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, peers: tuple[str, ...] = ()) -> dict[str, Any]:
     """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
     from parity.contract.engine import RunOptions
 
@@ -438,7 +473,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     log("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
     n_values = (1 << 18) if quick else DEQUANT_VALUES
     report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
-    log("trace diff at real-model size (45 checkpoints x 4096 positions) ...")
+    log("trace diff at real-model size (88 checkpoints x 4096 positions) ...")
     report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
     timeout = 600 if quick else 1800
     workers = {}
@@ -448,7 +483,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
         log(f"{engine} engine ({dev}) on the 2-layer file: prefill {list(plan['lengths'])} tokens, decode steps ...")
         spec = {"engine": engine, "model": str(models["2layer"]), "device": dev, "lengths": plan["lengths"],
                 "decode_steps": plan["decode_steps"], "trace_prompt": min(plan["lengths"]),
-                "trace_reps": plan["trace_reps"], "cache_gb": RunOptions.cache_gb}
+                "trace_reps": plan["trace_reps"], "cache_gb": RunOptions.cache_gb, "qat_sims": True}
         # the reference parallelises over experts itself; a second BLAS thread pool would only contend
         workers[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout)
     if "reference" in engines:
@@ -456,9 +491,11 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
         log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
         n = min(PLANS["quick" if quick else "reference"]["lengths"])
         spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu", "lengths": {n: 1},
-                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb}
+                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb, "qat_sims": True}
         workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
     report["engines"] = workers
+    if peers:
+        report["tiny_engines"] = bench_tiny(cache_dir, ("reference", "torch", *peers), torch_threads, log)
     report["wall_s"] = time.perf_counter() - t0
     return report
 
@@ -558,6 +595,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['type']} | {r['gguf_mvs']:.0f} | {r['reference_mvs']:.0f} | {r['reference_speedup']:.1f}x"
                      f" | {yes(r['reference_exact'])} | {r['torch_mvs']:.0f} | {r['torch_speedup']:.1f}x"
                      f" | {yes(r['torch_exact'])} |")
+    if report.get("tiny_engines"):
+        lines += ["", "Every engine on the tiny F32 model (6 layers, dim 256, QAT simulations off), seconds per layer "
+                  "= whole forward / L, prefill of 24 tokens and one decode step (median); speed vs the reference:",
+                  "", "| engine | prefill 24 tok / layer | decode step / layer | speed vs reference (prefill / decode) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in tiny_rows(report)]
     return "\n".join(lines) + "\n"
 
 

@@ -21,6 +21,9 @@ ENGINES = ("reference", "torch")
               help="Where the generated benchmark GGUFs are cached (about 6 GiB for the real-dimension files).")
 @click.option("--engines", default=",".join(ENGINES), show_default=True,
               help="Comma-separated engines to run, e.g. 'torch' on a GPU machine.")
+@click.option("--peers", default="llamacpp,hf", show_default=True,
+              help="Peer engines timed beside ours on the tiny F32 model (comma list of registered engines; '' for "
+                   "none).")
 @click.option("--torch-threads", type=int, default=1, show_default=True,
               help="Torch CPU threads of the torch worker (0: torch's default). On a shared 2-core box more "
                    "threads mostly spin; the reference always runs one BLAS thread and parallelises over experts.")
@@ -28,7 +31,7 @@ ENGINES = ("reference", "torch")
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
 @json_option(help="Print the report as JSON on stdout instead of the tables.")
-def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads: int, quick: bool,
+def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, torch_threads: int, quick: bool,
           as_json: bool) -> None:
     """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,
     scaling to 512 tokens, tracing overhead, peak memory, and the dequantizers of every ggml type against
@@ -61,8 +64,14 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, torch_threads
             raise ParityError("--device cuda: torch sees no CUDA device on this machine (use --device cpu)")
     if torch_threads < 0:
         raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
+    from parity.contract.engine import available_engines
+
+    peer_names = tuple(p.strip() for p in peers.split(",") if p.strip())
+    missing = [p for p in peer_names if p not in available_engines()]
+    if missing:
+        raise ParityError(f"--peers: engine(s) {missing} not registered; registered: {', '.join(available_engines())}")
     report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
-                       log=lambda m: console.print(f"[dim]{m}[/dim]"))
+                       log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
