@@ -598,7 +598,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("tiny_engines"):
         lines += ["", "Every engine on the tiny F32 model (6 layers, dim 256, QAT simulations off), seconds per layer "
                   "= whole forward / L, prefill of 24 tokens and one decode step (median); speed vs the reference:",
-                  "", "| engine | prefill 24 tok / layer | decode step / layer | speed vs reference (prefill / decode) |",
+                  "", "| engine | prefill 24 tok / layer | decode step / layer | vs reference (prefill / decode) |",
                   "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in tiny_rows(report)]
     return "\n".join(lines) + "\n"
