@@ -121,7 +121,7 @@ def test_memory_watch_sees_an_allocation() -> None:
 
 def test_spawned_worker_failure_is_a_parity_error(tiny_f32) -> None:
     spec = {"engine": "no-such-engine", "model": str(tiny_f32), "device": "cpu", "lengths": {"4": 1},
-            "decode_steps": 1, "trace_prompt": 4, "trace_reps": 0, "cache_gb": 1.0}
+            "decode_steps": 1, "trace_prompt": 4, "trace_reps": 0, "cache_gb": 1.0, "qat_sims": True}
     with pytest.raises(ParityError, match="unknown engine .no-such-engine.; registered: .*reference"):
         bench.spawn_worker(spec, 1, timeout_s=120)
 
