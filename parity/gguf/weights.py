@@ -94,24 +94,24 @@ class Weights:
         """Whole tensor, dequantized, numpy shape = reversed(ne); non-finite values are an error."""
         info = self.info(name)
         out = dequantize_bytes(self.raw(name), info.ggml_type, info.shape, f"{self.paths[0]}: {name}")
-        _check_finite(out, name)
+        _check_finite(out, f"{self.paths[0]}: {name}")
         return out
 
     def expert_raw(self, name: str, e: int) -> tuple[np.ndarray, int, tuple[int, int]]:
         """Expert e's bytes of a 3-D expert tensor (numpy (E, out, in)): (raw, ggml_type, (out, in))."""
         info = self.info(name)
         if len(info.shape) != 3:
-            raise TensorError(f"tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
+            raise TensorError(f"{self.paths[0]}: tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
         n_exp, rows, cols = info.shape
         if not 0 <= e < n_exp:
-            raise TensorError(f"tensor {name!r}: expert {e} out of range [0, {n_exp})")
+            raise TensorError(f"{self.paths[0]}: tensor {name!r}: expert {e} out of range [0, {n_exp})")
         per = info.nbytes // n_exp
         return self.raw(name)[e * per : (e + 1) * per], info.ggml_type, (rows, cols)
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e of a 3-D expert tensor (numpy (E, out, in)) as a float32 (out, in) matrix."""
         out = dequantize_bytes(*self.expert_raw(name, e), f"{self.paths[0]}: {name}[expert {e}]")
-        _check_finite(out, f"{name}[expert {e}]")
+        _check_finite(out, f"{self.paths[0]}: {name}[expert {e}]")
         return out
 
     def identity(self) -> dict:
