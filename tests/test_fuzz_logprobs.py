@@ -13,7 +13,7 @@ import pytest
 from parity.logprobs.io import LogprobFileError, read_run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logprobs"
-N_JSON, N_VEC = 800, 300
+N_JSON, N_VEC = 900, 300  # N_JSON over the three JSON fixtures
 HUGE = int("9" * 400)
 
 
