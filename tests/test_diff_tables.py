@@ -393,3 +393,15 @@ def test_diff_refuses_traces_of_two_synth_models_of_different_seeds(tmp_path):
     with pytest.raises(PreflightError, match="model identity differs"):
         api.diff(a, b)
     assert api.diff(a, b, force=True).exact  # what the old identity would have reported
+
+
+def test_a_logits_drift_renders_in_every_report_form():
+    from parity.compare.plot import drift_figure
+    from parity.compare.printers import to_markdown, verdict_line
+
+    a, b = _changed(lambda t: t.vectors["logits"].__setitem__(1, t.vectors["logits"][1] * 1.5))
+    r = api.diff(a, b)
+    assert verdict_line(r).startswith("first drifting checkpoint: logits")
+    assert "logits" in to_markdown(r)
+    fig = drift_figure(r)  # no checkpoint to mark: the figure still renders, with the verdict in its title
+    assert "first drift: logits" in fig.get_suptitle() and len(fig.axes) >= 3

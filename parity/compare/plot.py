@@ -68,7 +68,8 @@ def drift_figure(report: DiffReport):
     gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
     ax_n, ax_c, ax_h = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
     first = report.first_drift
-    first_depth = None if first is None else t.loc[t["checkpoint"] == first["checkpoint"], "depth"].iloc[0]
+    at_first = t.loc[t["checkpoint"] == (first or {}).get("checkpoint"), "depth"]  # empty for a logits drift
+    first_depth = at_first.iloc[0] if len(at_first) else None
     small = 6 if len(depth) > 40 else 8
 
     ax_n.fill_between(depth, by["norm_ratio"].min().to_numpy(), by["norm_ratio"].max().to_numpy(), alpha=0.3,
@@ -88,7 +89,7 @@ def drift_figure(report: DiffReport):
     for ax in (ax_n, ax_c):
         ax.set_xticks(depth, labels, fontsize=small, rotation=90 if len(depth) > 20 else 0)
         ax.grid(alpha=0.3)
-    if first is not None:
+    if first_depth is not None:
         for ax in (ax_n, ax_c):
             ax.axvline(first_depth, color="tab:red", ls=":", lw=1.5, label=f"first drift: {first['checkpoint']}")
     ax_n.legend(fontsize=8, loc="best")
@@ -117,7 +118,7 @@ def drift_figure(report: DiffReport):
     ticks = list(range(int(LOG_MIN), int(LOG_MAX) + 1, 3))
     cb.set_ticks(ticks, labels=[f"1e{k}" for k in ticks])
     cb.ax.axhline(np.log10(th.rel_tol), color="black", lw=2)
-    if first is not None:
+    if first_depth is not None:
         ax_h.axvline(list(depth).index(first_depth) - 0.5, color="tab:blue", ls="--", lw=1.5)
     verdict = "all checkpoints agree" if first is None else f"first drift: {first['checkpoint']} ({first['reason']})"
     fig.suptitle(wrapped_title(f"Drift profile — A = {report.a['engine']} vs B = {report.b['engine']} — {verdict}"),
