@@ -274,6 +274,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from the reference alone. `fault_engines`: engines whose fault switches form the defect library.
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     from parity.bisect.check import check as run_check
+    from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
     from parity.contract.engine import engine_faults
     from parity.gguf.weights import Weights
@@ -285,14 +286,16 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
     preflight(trace_, config, identity)
     search = envelope_search if envelope_search is not None else [Path(model).parent, Path("traces")]
-    found = envelope_for(identity, trace_.header.dtype, envelope, search)
+    ref_options, _ = reference_options(trace_)
+    qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
+    found = envelope_for(identity, trace_.header.dtype, envelope, search, qat)
     if found is None and trace_.header.dtype != "float32":
         raise CheckPreflightError(f"no stored {trace_.header.dtype} envelope for this model in "
                                   f"{', '.join(map(str, search))}: measure one with `v4parity envelope --dtype "
                                   f"{trace_.header.dtype}` or pass --envelope")
     if found is None:
         say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked)")
-        env = measure_envelope(model, "reference", RunOptions(), say)
+        env = measure_envelope(model, "reference", RunOptions(**qat), say)
     else:
         env = found[0]
         say(f"envelope: {found[1]} ({trace_.header.dtype})")

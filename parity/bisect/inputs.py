@@ -82,24 +82,26 @@ def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any]) -> No
         raise CheckPreflightError("preflight: " + "; ".join(problems))
 
 
-def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike]) -> Path | None:
-    """The first `*.envelope.json` in the `search` directories measured on this model (size + header hash) with a
-    `dtype` section, or None."""
+def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike],
+                  qat: dict[str, bool]) -> Path | None:
+    """The first `*.envelope.json` in the `search` directories measured on this model (`same_model`) with a
+    `dtype` section calibrated with the QAT flags `qat` ({"fp8_kv": .., "fp4_indexer": ..}), or None."""
     for d in search:
         for p in sorted(Path(d).glob("*.envelope.json")) if Path(d).is_dir() else ():
             try:
                 doc = json.loads(p.read_text())
-            except (OSError, json.JSONDecodeError):
+                model, section = doc["model"], doc["dtypes"][dtype]
+                calibration = {k: section["calibration"][k] for k in qat}
+            except (OSError, json.JSONDecodeError, KeyError, TypeError):
                 continue
-            model = doc.get("model")
             if isinstance(model, dict) and {"size", "header_sha256"} <= set(model) and \
-                    same_model(model, identity) and dtype in doc.get("dtypes", {}):
+                    same_model(model, identity) and calibration == qat:
                 return p
     return None
 
 
 def envelope_for(identity: dict[str, Any], dtype: str, path: str | os.PathLike | None,
-                 search: Sequence[str | os.PathLike]) -> tuple[Envelope, Path] | None:
+                 search: Sequence[str | os.PathLike], qat: dict[str, bool]) -> tuple[Envelope, Path] | None:
     """The envelope at `path` (refused when measured on another model), else the one found by model identity."""
-    found = Path(path) if path is not None else find_envelope(identity, dtype, search)
+    found = Path(path) if path is not None else find_envelope(identity, dtype, search, qat)
     return None if found is None else (load_envelope(found, dtype, identity), found)
