@@ -174,6 +174,7 @@ def test_summary_aggregates_are_the_hand_counted_rates():
     assert a["rel_l2.blk.0.mean"]["value"] == pytest.approx(0.4)
     assert s["divergence"]["classes"] == {"TIE-FLIP": 1, "WRONG": 1}
     assert s["divergence"]["first_step_histogram"] == [0, 1, 1, 0]
+    assert s["divergence"]["first_step_median"] == 1.5
     assert s["passed"]
     lo, hi = a["divergence_rate"]["ci"]
     assert 0 <= lo <= 0.5 <= hi <= 1

@@ -51,7 +51,8 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| blk.{l} | " + " | ".join(_g(r["value"]) for r in row) + f" | [{_g(ci[0])}, {_g(ci[1])}] |")
     div = report["divergence"]
     ex, an = pins["exactness"], pins["announce"]
-    lines += ["", f"First divergent step classes: {div['classes'] or 'none'}.", "",
+    median = "" if div["first_step_median"] is None else f", median first divergent step {div['first_step_median']:g}"
+    lines += ["", f"First divergent step classes: {div['classes'] or 'none'}{median}.", "",
               f"Exactness pin ({len(ex['prompts'])} prompts: exact twice"
               + (f", and `{ex['explicit_spec']}`" if ex["explicit_spec"] else "") + f"): "
               f"{'pass' if ex['passed'] else 'FAIL'}.",

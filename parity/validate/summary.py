@@ -79,8 +79,10 @@ def divergence_profile(records: Sequence[dict]) -> dict:
     first = [r["first_divergent_step"] for r in records]
     steps = len(records[0]["verdict"])
     per_step = np.array([np.isin(np.array(r["verdict"]), DIVERGENT) for r in records]).mean(axis=0)
+    diverged = [f for f in first if f is not None]
     return {"classes": dict(sorted(Counter(r["first_divergent_class"] for r in records if r["first_divergent_class"])
                                    .items())),
+            "first_step_median": float(np.median(diverged)) if diverged else None,
             "first_step_histogram": [sum(f == s for f in first) for s in range(steps)],
             "per_step_divergence_rate": [float(x) for x in per_step],
             "per_step_kl_mean": [float(x) for x in np.array([r["kl"] for r in records]).mean(axis=0)]}
