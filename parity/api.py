@@ -1,6 +1,7 @@
-"""The Python API mirroring the CLI: `trace`, `follow`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`.
+"""The Python API mirroring the CLI: `trace`, `follow`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`,
+`envelope`, `bisect`, `check`, `judge_envelope` (among others).
 
-Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult); the CLI
+Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult, BisectReport, CheckReport); the CLI
 commands only parse options, call one of these and print. Importing this module does not import
 torch; engines are loaded through `parity.contract.engine.load_engine` only when a trace is run.
 """

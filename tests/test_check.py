@@ -300,3 +300,21 @@ def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, 
     assert r.verdict == "DEFECT", r.headline
     assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "output_proj", 0), r.headline
     assert r.causes[-1].name == "unexplained" and "candidate's own" in r.causes[-1].evidence
+
+
+def test_follow_mode_replays_a_chunked_binary_trace(tiny_f32, setup, tmp_path):
+    # prefill in chunks of 9 (9, 9, 9, 1) then 4 decode steps, stored in the binary form: the reference follows
+    # that schedule exactly (chunk by chunk, at the same start positions), and the clean candidate is not DEFECT
+    from parity.bisect.check import replay
+
+    t = api.trace("torch", tiny_f32, setup[0], positions="all", full="all", decode=DECODE, chunk=9,
+                  forced=setup[1])
+    api.save_trace(t, tmp_path / "chunked.npz")
+    h = api.load_trace(tmp_path / "chunked.npz").header
+    assert h.chunks == [9, 9, 9, 1, 1, 1, 1, 1]
+    run = replay(load_engine("reference", str(tiny_f32), RunOptions()), h.tokens, h.chunks)
+    assert [(c.start_pos, len(c.tokens)) for c in run] == [(0, 9), (9, 9), (18, 9), (27, 1), (28, 1), (29, 1),
+                                                           (30, 1), (31, 1)]
+    assert np.concatenate([c.tokens for c in run]).tolist() == h.tokens
+    r = api.check(tmp_path / "chunked.npz", tiny_f32, envelope=ENV_F32)
+    assert r.verdict in ("MATCH", "NOISE") and all(c.kind == "benign" for c in r.causes), r.headline
