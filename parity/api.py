@@ -268,11 +268,13 @@ def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
 
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
-          fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None) -> Any:
+          fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None,
+          counter: Callable[[str, int, int | None], None] | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
     size + header hash) in `envelope_search` (default: the model's directory and ./traces), else measured now
-    from the reference alone. `fault_engines`: engines whose fault switches form the defect library.
+    from the reference alone. `fault_engines`: engines whose fault switches form the defect library;
+    `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks.
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
@@ -305,7 +307,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
     return run_check(trace_, lambda o: load_engine("reference", str(model), o), env, fault_engines=library,
-                     subops=subops, notes=notes, progress=say)
+                     subops=subops, notes=notes, progress=say, counter=counter)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

@@ -43,6 +43,7 @@ from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
 
 Progress = Callable[[str], None]
+Counter = Callable[[str, int, "int | None"], None]
 EngineFactory = Callable[[RunOptions], Engine]
 
 
@@ -104,16 +105,19 @@ class LayerLocal:
 
 # ---------------------------------------------------------------- follow
 
-def replay(engine: Engine, tokens: Sequence[int], chunks: Sequence[int]) -> list[ChunkResult]:
+def replay(engine: Engine, tokens: Sequence[int], chunks: Sequence[int],
+           on_chunk: Callable[[int], None] | None = None) -> list[ChunkResult]:
     """Run `tokens` through `engine` on exactly the chunk schedule `chunks` (a followed trace's: prefill pieces,
     then one token per decode step; tokens are taken from the trace, never generated)."""
     if sum(chunks) != len(tokens):
         raise TraceError(f"chunk schedule {list(chunks)} covers {sum(chunks)} tokens, the trace has {len(tokens)}")
     state, out, pos = engine.new_state(), [], 0
     toks = np.asarray(tokens, dtype=np.int64)
-    for n in chunks:
+    for i, n in enumerate(chunks):
         out.append(forward_chunk(engine, state, toks[pos : pos + n], pos))
         pos += n
+        if on_chunk:
+            on_chunk(i)
     return out
 
 
@@ -212,11 +216,13 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None) -> CheckReport:
+          progress: Progress | None = None, counter: Counter | None = None) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
-    own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down."""
+    own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down.
+    progress(message) announces the stages; counter(stage, done, total) counts the chunks of the two long passes."""
     say = progress or (lambda _m: None)
+    count = counter or (lambda _s, _d, _t: None)
     t0 = time.perf_counter()
     h = trace.header
     opts, qat_notes = reference_options(trace)
@@ -226,7 +232,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     L = ref_engine.config.n_layers
     st = _Stages(notes=list(notes), runs={"free": L})
     say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")
-    ref = replay(ref_engine, h.tokens, h.chunks)
+    ref = replay(ref_engine, h.tokens, h.chunks, lambda i: count("reference (follow)", i + 1, len(h.chunks)))
     free = free_profile(trace, ref, env)
     if not free:
         raise TraceError(f"{h.engine} trace has no full vectors: check needs them (trace with --full all, or "
@@ -236,7 +242,8 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     layers = [] if cand is None else [l for l in range(L) if (EMBED if l == 0 else block(l - 1)) in cand[0].checkpoints
                                       and (block(l) in free or block_attn(l) in free)]
     say(f"teacher-forced: {len(layers)} reference layers on the candidate's inputs")
-    tf = teacher_forced(ref_engine, cand, layers) if cand is not None else {}
+    tf = (teacher_forced(ref_engine, cand, layers, on_chunk=lambda i: count("local error", i + 1, len(cand)))
+          if cand is not None else {})
     st.runs["local"] = len(layers)
     local = local_errors(trace, tf, env)
     departing = [r for r in local if r.excess > 1 or r.structural is not None]

@@ -54,9 +54,12 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, a
         raise click.UsageError("give --tokens or --tokens-file, not both")
     ids = (read_token_list(tokens, "--tokens") if tokens is not None else
            read_token_list(Path(tokens_file).read_text(), tokens_file) if tokens_file is not None else None)
+    from parity.cli.progress import Progress
+
+    bar = Progress()
     try:
         report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
-                           progress=lambda m: click.echo(m, err=True))
+                           progress=bar.note, counter=bar)
     except ParityError as e:
         raise Refused(str(e)) from None
     if markdown_path:
