@@ -101,9 +101,12 @@ def test_clean_torch_is_match_or_noise_with_flips_named(clean_report):
 
 
 def test_fp8_flip_names_its_layer_and_subop(clean_report):
-    flips = [c for c in clean_report.causes if c.name == "fp8-code-flip"]
+    # a clean pair that is not a MATCH differs by the amplification of sub-envelope drift; today that is one FP8
+    # KV code flip, named with its layer, sub-op and position
+    flips = [c for c in clean_report.causes if c.name in ("fp8-code-flip", "fp4-code-flip")]
+    assert clean_report.verdict == "MATCH" or flips, clean_report.causes
     assert all(c.subop in ("rope", "compressor_rows") and isinstance(c.layer, int) for c in flips), flips
-    assert all("code flip" in c.evidence for c in flips)
+    assert all("code flip" in c.evidence and "from position" in c.evidence for c in flips)
 
 
 def test_cli_json_markdown_plot_and_exit_codes(tiny_f32, setup, clean_trace, tmp_path):
