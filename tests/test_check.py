@@ -164,11 +164,15 @@ def _write_ds4_dumps(prefix: Path, engine, tokens) -> None:
     r.logits[-1].astype("<f4").tofile(f"{prefix}_result_output-{L}_pos0.bin")
 
 
-@pytest.mark.parametrize(("fault", "verdicts"), [((), {"MATCH", "NOISE"}), (("sink-dropped",), {"DEFECT"})])
-def test_ds4_dump_set_end_to_end(tiny_f32, setup, tmp_path, fault, verdicts):
+@pytest.mark.parametrize(("fault", "verdicts", "prefix"), [((), {"MATCH", "NOISE"}, "run"),
+                                                        ((), {"MATCH", "NOISE"}, "dumps/"),
+                                                        (("sink-dropped",), {"DEFECT"}, "run")])
+def test_ds4_dump_set_end_to_end(tiny_f32, setup, tmp_path, fault, verdicts, prefix):
+    # prefix `DIR/RUN` (files DIR/RUN_<name>...) or `DIR/` (ds4 writes DIR/_<name>...)
     prompt = setup[0]
-    _write_ds4_dumps(tmp_path / "run", load_engine("torch", str(tiny_f32), RunOptions(inject=fault)), prompt)
-    res = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(tmp_path / "run"),
+    (tmp_path / "dumps").mkdir()
+    _write_ds4_dumps(f"{tmp_path}/{prefix}", load_engine("torch", str(tiny_f32), RunOptions(inject=fault)), prompt)
+    res = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", f"{tmp_path}/{prefix}",
                                    "--envelope", str(ENV_F32), "--tokens", " ".join(map(str, prompt)), "--json"])
     doc = json.loads(res.stdout)
     assert doc["verdict"] in verdicts and res.exit_code == (1 if fault else 0), res.output
