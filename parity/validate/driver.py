@@ -108,7 +108,9 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
     todo = [t for t in tasks if (t.kind, t.prompt.index) not in have]
     records = list(done)
     t0 = time.perf_counter()
-    if executor.ray is not None:
+    if not todo:
+        stream = iter(())
+    elif executor.ray is not None:
         stream = executors.ray_tasks(job, todo, None if executor.ray == "local" else executor.ray, executor.workers)
     elif executor.workers > 1:
         stream = executors.processes(job, todo, executor.workers)
