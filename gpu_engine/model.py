@@ -219,7 +219,7 @@ def moe(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: 
     def expert(e: int, xe: Tensor, we: Tensor) -> Tensor:
         h = ops.swiglu(w.expert_linear(xe, p + "ffn_gate_exps.weight", e),
                        w.expert_linear(xe, p + "ffn_up_exps.weight", e), limit)
-        return w.expert_linear(h * we[:, None], p + "ffn_down_exps.weight", e)
+        return w.expert_linear(h, p + "ffn_down_exps.weight", e, weight=we)
 
     h = ops.swiglu(w.linear(x, p + "ffn_gate_shexp.weight"), w.linear(x, p + "ffn_up_shexp.weight"),
                    cfg.swiglu_limit_shexp[layer])

@@ -169,11 +169,15 @@ class DeviceWeights:
         A caller multiplying with it bypasses `act_quant`: the engine refuses act_quant for such a quantized weight."""
         return self._whole(name, dtype, scratch=False)
 
-    def _operand(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x as the matmul operand for weight `name`: rounded by `act_quant` when the weight is quantized."""
+    def _rounded(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x rounded by `act_quant` when weight `name` is quantized (unchanged otherwise), activation dtype."""
         if self.act_quant is not None and self._qtensor(name).qtype not in UNQUANTIZED:
             x = self.act_quant(x)
-        return x.to(self.mm)
+        return x
+
+    def _operand(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x as the matmul operand for weight `name`: rounded by `act_quant` when the weight is quantized."""
+        return self._rounded(x, name).to(self.mm)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """y = x Wᵀ.  x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
@@ -184,11 +188,15 @@ class DeviceWeights:
         w = self._whole(name, self.mm, scratch=True).reshape(x.shape[1], -1, x.shape[2])
         return torch.einsum("ngw,grw->ngr", self._operand(x, name), w).to(self.act)
 
-    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        """y = x W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one reused buffer.
-        x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
+    def expert_linear(self, x: torch.Tensor, name: str, e: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """y = (x · weight) W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one
+        reused buffer. The row weights scale x after its act_quant rounding (llama.cpp applies the routing weight
+        after its down matmul, so its rounded input is round(h), not round(w·h)).
+        x [n, in] (activation dtype), weight [n] or None -> [n, out] (activation dtype)"""
         scratch = f"experts@{threading.get_ident()}"  # one buffer per thread: experts may run concurrently
-        y = self._qtensor(name).expert_linear(e, self._operand(x, name), lambda n: self._scratch(scratch, n))
+        x = self._rounded(x, name)
+        operand = (x if weight is None else x * weight[:, None]).to(self.mm)
+        y = self._qtensor(name).expert_linear(e, operand, lambda n: self._scratch(scratch, n))
         return y.to(self.act)
 
     def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
