@@ -185,7 +185,9 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
         config = None
     else:
         if model is None or approx is None:
-            raise TraceError("validate needs model and approx (or resume=True)")
+            from parity.contract.errors import ParityError
+
+            raise ParityError("validate needs model and approx (or resume=True)")
         config = new_config(str(model), exact, approx, n, decode, seed, None if prompts is None else str(prompts),
                             boundary, top_k, TIE_MARGIN if tie_margin is None else tie_margin,
                             DRIFT_TOL if drift_tol is None else drift_tol, pins,

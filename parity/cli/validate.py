@@ -3,27 +3,38 @@
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from parity.cli.common import json_option, model_option
 from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
+
+if TYPE_CHECKING:
+    from parity.validate.driver import Tick
 
 RESUMABLE = ("resume", "workers", "ray", "as_json")
 
 
-def plain_progress(p) -> None:
-    """One line every 5 % of the tasks (progress off a terminal)."""
-    if p.done % max(1, p.total // 20) and p.done != p.total:
-        return
-    eta = "-" if p.eta is None else f"{p.eta:.0f} s"
-    click.echo(f"validate: {p.done}/{p.total} tasks ({100 * p.done / p.total:.0f}%), {p.elapsed:.0f} s elapsed, "
-               f"ETA {eta}", err=True)
+def progress_printer() -> Callable[[Tick], None]:
+    """The shared progress bar (with ETA) on a terminal; off a terminal a line with the ETA every 5 %."""
+    from parity.cli.progress import Progress
+
+    bar = Progress()
+
+    def show(t: Tick) -> None:
+        if bar.terminal:
+            bar("validate", t.done, t.total)
+        elif t.done % max(1, t.total // 20) == 0 or t.done == t.total:
+            eta = "-" if t.eta is None else f"{t.eta:.0f} s"
+            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), ETA {eta}")
+    return show
 
 
 @click.command()
-@click.option("--model", type=click.Path(exists=True, dir_okay=False), help="deepseek4 GGUF (readable on every node).")
+@model_option(required=False, help="deepseek4 GGUF (with --ray: readable at this path on every node).")
 @click.option("--exact", default="torch", show_default=True, metavar="ENGINE[:OPTS]",
               help="The exact path, e.g. torch or reference. OPTS: key=value,... over the run options "
                    "(dtype, act_quant, kv_cache, rope_angles, fp8_kv, fp4_indexer, device, cache_gb).")
@@ -54,7 +65,7 @@ def plain_progress(p) -> None:
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--resume", type=click.Path(exists=True, file_okay=False),
               help="Continue the run in this directory (its settings; only --workers/--ray may change).")
-@click.option("--json", "as_json", is_flag=True, help="Print report.json instead of the Markdown summary.")
+@json_option(help="Print report.json instead of the Markdown summary (errors as JSON too).")
 @click.pass_context
 def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode, seed, workers, ray, budget, top_k,
              tie_margin, drift_tol, pins, output, resume, as_json) -> None:
@@ -93,26 +104,10 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
                                "decides")
     if ray == "local" and not workers_given:
         workers = LOCAL_RAY_CPUS
-    progress = plain_progress
-    if sys.stderr.isatty():
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(TextColumn("validate"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeRemainingColumn(), transient=True)
-        tid = bar.add_task("validate", total=None)
-
-        def progress(p) -> None:
-            bar.update(tid, completed=p.done, total=p.total)
-
-        bar.start()
-    try:
-        report = api.validate(out, model=model, exact=exact, approx=approx, n=n, decode=decode, seed=seed,
-                              prompts=str(CORPUS) if corpus else prompt_file, boundary=boundary, top_k=top_k,
-                              tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget,
-                              workers=workers, ray=ray, resume=bool(resume), on_progress=progress)
-    finally:
-        if sys.stderr.isatty():
-            bar.stop()
+    report = api.validate(out, model=model, exact=exact, approx=approx, n=n, decode=decode, seed=seed,
+                          prompts=str(CORPUS) if corpus else prompt_file, boundary=boundary, top_k=top_k,
+                          tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget, workers=workers,
+                          ray=ray, resume=bool(resume), on_progress=progress_printer())
     out = Path(out)
     if as_json:
         click.echo((out / "report.json").read_text(), nl=False)

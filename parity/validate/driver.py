@@ -39,7 +39,9 @@ class Executor:
 
 
 @dataclass(frozen=True)
-class Progress:
+class Tick:
+    """Progress after each finished task (eta: seconds left at this session's rate)."""
+
     done: int
     total: int
     elapsed: float
@@ -85,8 +87,7 @@ def _sources(prompts: list[Prompt]) -> str:
 
 
 def run_validation(out: str | os.PathLike, config: dict | None, executor: Executor,
-                   on_progress: Callable[[Progress], None] | None = None,
-                   on_record: Callable[[dict], None] | None = None) -> dict:
+                   on_progress: Callable[[Tick], None] | None = None) -> dict:
     """Run (config given) or resume (config None: read from `out`) a validation; returns the report."""
     out = Path(out)
     cfg = read_config(out) if config is None else config
@@ -121,11 +122,9 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
         for i, rec in enumerate(stream, 1):
             writer.add(rec)
             records.append(rec)
-            if on_record:
-                on_record(rec)
             if on_progress:
                 elapsed = time.perf_counter() - t0
-                on_progress(Progress(len(tasks) - len(todo) + i, len(tasks), elapsed,
+                on_progress(Tick(len(tasks) - len(todo) + i, len(tasks), elapsed,
                                      elapsed / i * (len(todo) - i)))
     finally:
         writer.close()
