@@ -305,15 +305,20 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
                 st.causes.append(Cause("benign", "routing-flip", d.layer, "router", _evidence(d, flip[2])
                                        + "; the candidate's expert picks differ only at router margins within noise"))
                 continue
-        hit = tester.explain(d.layer)
+        exact = fit(trace, tf[d.layer], d.layer, env)
+        hit = tester.explain(d.layer, exact)
         if hit is None:
             _defect(trace, ref_engine, cand, d, env, fault_engines, st, say, subops)
             return
-        v, f = hit
+        v, f, flips = hit
+        flip_note = "" if flips is None else (
+            f"; isolated position(s) {', '.join(map(str, flips.tolist()))} left outside the envelope at "
+            f"{float((f.pos_err[flips] / exact.pos_err[flips]).max()):.2g} of the exact path's error there "
+            "(rounding flips)")
         for part in v.parts or (v.name,):
             sub = name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
             st.runs["drill_down"] += 2
-            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f)
+            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f) + flip_note
                                    + (f" (together with {v.name})" if v.parts else "")))
 
 

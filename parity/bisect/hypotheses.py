@@ -12,13 +12,13 @@ recorded output inside the envelope, structure (visible rows, expert sets) inclu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
 from parity.bisect.envelope import Envelope, gate
-from parity.bisect.search import compare_subops
+from parity.bisect.search import FLIP_FRACTION, compare_subops
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RunOptions
@@ -27,6 +27,7 @@ from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
 
 EngineFactory = Callable[[RunOptions], Engine]
+FLIP_RESIDUAL = 0.1   # a rounding flip leaves at most this fraction of the exact path's error at its position
 
 # Benign numerics: hypothesis name -> the RunOptions fields of the reference variant that reproduces it.
 NUMERICS: dict[str, dict[str, str]] = {
@@ -63,10 +64,23 @@ class Fit:
     excess: float              # max excess over the envelope of the two
     position: int | None       # first position outside the envelope, or of the structural difference
     structural: str | None
+    pos_excess: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [T] max excess of the two halves
+    pos_err: np.ndarray = field(default_factory=lambda: np.zeros(0))     # [T] max rel-L2 of the two halves
 
     @property
     def explains(self) -> bool:
         return self.excess <= 1 and self.structural is None
+
+    def flips_left(self, exact: Fit) -> np.ndarray | None:
+        """Positions a rounding variant leaves outside the envelope when it otherwise explains the layer, or None.
+        A variant that rounds (Q8_0 / bf16 / f16 activations, f16 KV, FP8/FP4) flips a code where the
+        candidate's input and the reference's differ by round-off near a rounding boundary, as the QAT
+        simulations do: accepted are at most max(1, FLIP_FRACTION * T) such positions, each with a residual
+        <= FLIP_RESIDUAL of the exact path's error there (the variant explains >= 90% of it)."""
+        out = np.flatnonzero(self.pos_excess > 1)
+        if self.structural is not None or not len(out) or len(out) > max(1, FLIP_FRACTION * len(self.pos_excess)):
+            return None
+        return out if bool((self.pos_err[out] <= FLIP_RESIDUAL * exact.pos_err[out]).all()) else None
 
 
 def table_rows(trace: Trace, kind: str, layer: int) -> dict[str, np.ndarray]:
@@ -118,8 +132,10 @@ def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, env: Envelope) ->
         first.append(struct[1])
     excess = max((float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()), default=0.0)
     pick = (lambda n: float(errs[n].max()) if n in errs else None)  # noqa: E731
+    pos_excess = np.max([gate(e, env.floor(n), env.k, env.eps) for n, e in errs.items()], axis=0)
+    pos_err = np.max(list(errs.values()), axis=0)
     return Fit(pick(block_attn(layer)), pick(block(layer)), excess, min(first) if first else None,
-               struct[0] if struct else None)
+               struct[0] if struct else None, pos_excess, pos_err)
 
 
 def benign_variants(trace: Trace, base: RunOptions) -> list[Variant]:
@@ -168,7 +184,9 @@ class VariantTester:
         self.runs["hypotheses"] = self.runs.get("hypotheses", 0) + 1
         return fit(self.trace, teacher_forced(engine, self.cand, [layer])[layer], layer, self.env)
 
-    def explain(self, layer: int) -> tuple[Variant, Fit] | None:
+    def explain(self, layer: int, exact: Fit) -> tuple[Variant, Fit, np.ndarray | None] | None:
+        """The first variant (or pair) that explains `layer`: inside the envelope everywhere, or but for isolated
+        rounding flips (`Fit.flips_left` against the exact path's fit `exact`; the positions are returned)."""
         done = {v.name for v in self.accepted}
         order = [*self.accepted, *(v for v in self.variants if v.name not in done)]
         tried: list[tuple[float, Variant]] = []
@@ -176,8 +194,8 @@ class VariantTester:
             f = self._fit(v, layer)
             if f is None:
                 continue
-            if f.explains:
-                return self._accept(v, f)
+            if f.explains or f.flips_left(exact) is not None:
+                return self._accept(v, f, exact)
             tried.append((f.excess, v))
         tried.sort(key=lambda t: t[0])
         for _, best in tried[:2]:
@@ -186,14 +204,14 @@ class VariantTester:
                     continue
                 pair = best.plus(other)
                 f = self._fit(pair, layer)
-                if f is not None and f.explains:
-                    return self._accept(pair, f)
+                if f is not None and (f.explains or f.flips_left(exact) is not None):
+                    return self._accept(pair, f, exact)
         return None
 
-    def _accept(self, v: Variant, f: Fit) -> tuple[Variant, Fit]:
+    def _accept(self, v: Variant, f: Fit, exact: Fit) -> tuple[Variant, Fit, np.ndarray | None]:
         if v.name not in {a.name for a in self.accepted}:
             self.accepted.insert(0, v)
-        return v, f
+        return v, f, (None if f.explains else f.flips_left(exact))
 
 
 def routing_replay(trace: Trace, make_reference: EngineFactory, base: RunOptions, cand: Sequence[ChunkResult],
