@@ -258,3 +258,17 @@ def test_results_survive_a_cut_last_line(tmp_path):
     assert (tmp_path / RESULTS).read_bytes().endswith(b"}\n")
     with pytest.raises(StoreError, match="already holds a validation run"):
         start(tmp_path, {"x": 1})
+
+
+def test_non_finite_values_are_stored_as_strings_and_never_pass_a_budget(tmp_path):
+    start(tmp_path, {"x": 1})
+    w = ResultWriter(tmp_path)
+    w.add({"kind": "main", "kl": [0.1, float("inf")], "rel": float("nan")})
+    w.close()
+    assert (tmp_path / RESULTS).read_text() == '{"kind": "main", "kl": [0.1, "inf"], "rel": "nan"}\n'
+    recs = [_record(0, ["MATCH", "MATCH"], [0.1, "inf"], ["nan", 0.2]),
+            _record(1, ["MATCH"] * 2, [0.0, 0.0], [0.1, 0.2])]
+    s = summarize(recs, [], 0, None, parse_budget("kl_max <= 1e9\nrel_l2.blk.0.max <= 1e9\ntop1_agreement >= 0.5\n"))
+    assert s["aggregates"]["kl_max"]["value"] == math.inf
+    assert math.isnan(s["aggregates"]["rel_l2.blk.0.max"]["value"])
+    assert [b["passed"] for b in s["budget"]] == [False, False, True]

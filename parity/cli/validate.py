@@ -28,8 +28,7 @@ def progress_printer() -> Callable[[Tick], None]:
         if bar.terminal:
             bar("validate", t.done, t.total)
         elif t.done % max(1, t.total // 20) == 0 or t.done == t.total:
-            eta = "-" if t.eta is None else f"{t.eta:.0f} s"
-            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), ETA {eta}")
+            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), ETA {t.eta:.0f} s")
     return show
 
 

@@ -45,7 +45,7 @@ class Tick:
     done: int
     total: int
     elapsed: float
-    eta: float | None
+    eta: float
 
 
 def new_config(model: str, exact: str, approx: str, n: int, decode: int, seed: int, prompt_file: str | None,

@@ -40,7 +40,7 @@ def per_prompt(records: Sequence[dict]) -> dict[str, np.ndarray]:
         "step_wrong_rate": np.array([(x == StepVerdict.WRONG.value).mean() for x in v]),
         "step_drift_rate": np.array([(x == StepVerdict.DRIFT.value).mean() for x in v]),
         "top1_agreement": np.array([np.isin(x, (StepVerdict.MATCH.value, StepVerdict.DRIFT.value)).mean() for x in v]),
-        "kl_mean": np.array([np.mean(r["kl"]) for r in records]),
+        "kl_mean": np.array([np.asarray(r["kl"], np.float64).mean() for r in records]),
     }
 
 
@@ -85,7 +85,7 @@ def divergence_profile(records: Sequence[dict]) -> dict:
             "first_step_median": float(np.median(diverged)) if diverged else None,
             "first_step_histogram": [sum(f == s for f in first) for s in range(steps)],
             "per_step_divergence_rate": [float(x) for x in per_step],
-            "per_step_kl_mean": [float(x) for x in np.array([r["kl"] for r in records]).mean(axis=0)]}
+            "per_step_kl_mean": [float(x) for x in np.array([r["kl"] for r in records], np.float64).mean(axis=0)]}
 
 
 def exactness_pin(main: dict[int, dict], pins: Sequence[dict], explicit: str | None) -> dict:
@@ -129,7 +129,8 @@ def summarize(records: Sequence[dict], pins: Sequence[dict], seed: int, explicit
     """Aggregates, divergence profile, pins, budget and the overall verdict (records: main records)."""
     records = sorted(records, key=lambda r: r["index"])
     pins = sorted(pins, key=lambda r: r["index"])
-    agg = aggregates(records, seed)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite value makes its statistic inf / nan, as it must
+        agg = aggregates(records, seed)
     exact = exactness_pin({r["index"]: r for r in records}, pins, explicit)
     announce = announce_pin(records)
     budget = judge(list(bounds), agg) if bounds else None
