@@ -140,7 +140,7 @@ def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: di
 
 # ---------------------------------------------------------------- drill-down
 
-@dataclass
+@dataclass(frozen=True)
 class SubopResult:
     """Local comparison of one sub-op inside the culprit layer (both engines on the reference's inputs)."""
 
@@ -253,8 +253,7 @@ def _worst(results: list[SubopResult], name: str) -> SubopResult:
     """Combine the captures of one sub-op: the first defect, else the worst status."""
     for r in results:
         if r.status == "defect":
-            r.name = name
-            return r
+            return replace(r, name=name)
     best = max(results, key=lambda r: (r.status == "noise", r.excess))
     return SubopResult(name, best.status, best.err, best.floor, best.excess, best.position,
                        "; ".join(r.detail for r in results if r.detail))
