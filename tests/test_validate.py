@@ -272,3 +272,21 @@ def test_non_finite_values_are_stored_as_strings_and_never_pass_a_budget(tmp_pat
     assert s["aggregates"]["kl_max"]["value"] == math.inf
     assert math.isnan(s["aggregates"]["rel_l2.blk.0.max"]["value"])
     assert [b["passed"] for b in s["budget"]] == [False, False, True]
+
+
+def test_indexer_boundary_prompts_cross_the_top_k_in_a_real_engine(tiny_realmix):
+    # independent of the shape arithmetic: the torch engine's own diagnostics say how many compressed rows the
+    # CSA layer's last prompt position sees; the indexer becomes selective exactly on the "indexer4+0" prompt
+    from parity.contract.engine import RunOptions, load_engine
+    from parity.gguf.weights import Weights
+    from parity.tracing.runner import run_sequence
+
+    cfg = Weights(tiny_realmix).config
+    eng = load_engine("torch", str(tiny_realmix), RunOptions())
+    csa = next(l for l in range(cfg.n_layers) if cfg.has_indexer(l))
+    prompts = {p.source.split(":", 1)[1]: p for p in boundary_prompts(cfg, 19, decode=8, seed=0)}
+    seen = {}
+    for name in ("indexer4-1", "indexer4+0"):
+        res = run_sequence(eng, prompts[name].tokens)
+        seen[name] = int(res[-1].diags[csa].n_comp_visible[-1])
+    assert seen == {"indexer4-1": cfg.index_topk, "indexer4+0": cfg.index_topk + 1}

@@ -4,10 +4,11 @@ temporary site directory, put on sys.path (this process) and PYTHONPATH (worker 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from validate_engines import ENTRY_POINTS
+
+from parity.contract.engine import available_engines
 
 TESTS = Path(__file__).parent
 
@@ -22,4 +23,5 @@ def install(site: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(TESTS))
     parts = [str(site), str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(parts))
-    assert "vfake" in __import__("parity.contract.engine", fromlist=["x"]).available_engines(), sys.path[:3]
+    missing = set(ENTRY_POINTS) - set(available_engines())
+    assert not missing, f"test engine entry points not found: {missing}"
