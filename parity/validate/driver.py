@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from parity.contract.engine import engine_class
+from parity.contract.errors import ParityError
 from parity.gguf.weights import Weights
 from parity.validate import executors, stats
 from parity.validate.budget import check_names, parse_budget
@@ -60,12 +62,13 @@ def new_config(model: str, exact: str, approx: str, n: int, decode: int, seed: i
             "budget_source": None if budget_file is None else str(budget_file)}
 
 
-def _preflight(cfg: dict) -> tuple[Job, list[Prompt], dict, int]:
+def _preflight(cfg: dict) -> tuple[Job, list[Prompt], dict]:
+    """Everything checked before a task runs: specs, engines registered, ranges, the model, budget names, prompts."""
     exact, approx = parse_spec(cfg["exact"]), parse_spec(cfg["approx"])
     for spec in (exact, approx):
         engine_class(spec.engine)
     if cfg["decode"] < 0 or cfg["top_k"] < 1 or cfg["pins"] < 0 or cfg["tie_margin"] < 0 or cfg["drift_tol"] < 0:
-        raise StoreError("--decode and --pins must be >= 0, --top-k >= 1, --tie-margin and --drift-tol >= 0")
+        raise ParityError("--decode and --pins must be >= 0, --top-k >= 1, --tie-margin and --drift-tol >= 0")
     weights = Weights(cfg["model"])
     identity, mcfg = weights.identity(), weights.config
     if cfg["budget"] is not None:
@@ -76,13 +79,11 @@ def _preflight(cfg: dict) -> tuple[Job, list[Prompt], dict, int]:
     explicit = explicit_exact(exact, approx) if approx_keys(exact, approx) and approx.engine == exact.engine else None
     job = Job(cfg["model"], exact, approx, explicit, cfg["decode"], cfg["top_k"], cfg["tie_margin"],
               cfg["drift_tol"])
-    return job, prompts, identity, mcfg.n_layers
+    return job, prompts, identity
 
 
 def _sources(prompts: list[Prompt]) -> str:
-    kinds: dict[str, int] = {}
-    for p in prompts:
-        kinds[p.source.split(":")[0]] = kinds.get(p.source.split(":")[0], 0) + 1
+    kinds = Counter(p.source.split(":")[0] for p in prompts)
     return ", ".join(f"{k} {v}" for k, v in kinds.items())
 
 
@@ -91,7 +92,7 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
     """Run (config given) or resume (config None: read from `out`) a validation; returns the report."""
     out = Path(out)
     cfg = read_config(out) if config is None else config
-    job, prompts, identity, _ = _preflight(cfg)
+    job, prompts, identity = _preflight(cfg)
     if config is None:
         done = read_results(out)
     else:
