@@ -142,3 +142,13 @@ def test_torch_act_quant_q8_0_is_announced_and_the_exact_path_pinned(tmp_path, t
     assert r["pins"]["announce"]["declared"] == {"act_quant": "q8_0"}
     assert r["pins"]["announce"]["numerics_differ_on"] == 3
     assert r["pins"]["exactness"]["explicit_spec"] == "torch:act_quant=none"
+
+
+def test_engines_are_loaded_once_per_worker_not_per_prompt(plugins, tmp_path, tiny_f32):
+    # vfake announces itself once per load (and the captured text is passed on to stderr): 8 prompts on 2 worker
+    # processes must show at most 2 loads of the approximate engine
+    r = subprocess.run([*CLI, "-m", str(tiny_f32), "--exact", "vfake", "--approx", "vfake:act_quant=q8_0",
+                        "--boundary", "--n", "8", "--decode", "2", "--pins", "0", "--workers", "2",
+                        "-o", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert 1 <= r.stderr.count("vfake: APPROXIMATE act_quant=q8_0") <= 2
