@@ -28,7 +28,8 @@ def progress_printer() -> Callable[[Tick], None]:
         if bar.terminal:
             bar("validate", t.done, t.total)
         elif t.done % max(1, t.total // 20) == 0 or t.done == t.total:
-            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), ETA {t.eta:.0f} s")
+            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), {t.elapsed:.0f} s, "
+                     f"ETA {t.eta:.0f} s")
     return show
 
 
