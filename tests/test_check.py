@@ -358,3 +358,30 @@ def test_rounding_flips_are_isolated_and_small():
     assert fit_([0.1] * 30 + [3.7] * 2, [4e-7] * 30 + [2.9e-5] * 2).flips_left(exact) is None   # not isolated
     assert fit_([0.1] * 31 + [90.0], [4e-7] * 31 + [6e-4]).flips_left(exact) is None           # 20%: not a flip
     assert fit_([0.1] * 32, [4e-7] * 32).flips_left(exact) is None and fit_([0.1] * 32, [4e-7] * 32).explains
+
+
+@pytest.mark.parametrize("quanta", [1, 5])
+def test_dumped_sub_ops_show_a_local_fp8_flip_as_noise(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path,
+                                                       quanta):
+    # the last layer's dumped KV row at position 5 rounds one element to the neighbouring e4m3 code, and the
+    # layer's output departs from position 5 on (its cascade): with the candidate's own sub-ops the departure is
+    # a QAT code flip, not a defect (tampered last layer: nothing downstream is fed the changed carrier);
+    # 5 quanta is no rounding flip: DEFECT, named at the dumped sub-op
+    api.capture_llamacpp(tiny_f32, setup[0], tmp_path / "cap.npz")
+    with np.load(tmp_path / "cap.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    kv = arrays["kv-5"].copy()
+    j = int(np.argmax(np.abs(kv[5])))
+    kv[5, j] += quanta * np.sign(kv[5, j]) * np.exp2(np.floor(np.log2(abs(kv[5, j]))) - 3)   # e4m3 quanta
+    arrays["kv-5"] = kv
+    out = arrays["l_last-5"].copy()
+    out[5:] *= np.float32(1 + 1e-4)
+    arrays["l_last-5"] = out
+    np.savez(tmp_path / "flip.npz", **arrays)
+    r = api.check(tmp_path / "flip.npz", tiny_f32, envelope=envelopes_qat_off[tiny_f32])
+    if quanta > 2:
+        assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "rope", 5)
+        return
+    assert r.verdict == "NOISE", r.headline
+    (c,) = r.causes
+    assert (c.name, c.layer, c.subop) == ("fp8-code-flip", 5, "rope") and "from position 5" in c.evidence, c

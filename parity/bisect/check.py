@@ -34,7 +34,7 @@ from parity.bisect.hypotheses import (
     routing_replay,
     table_rows,
 )
-from parity.bisect.search import compare_subops, inherited_flips
+from parity.bisect.search import SubopResult, compare_subops, inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
 from parity.contract.engine import Engine, LayerOutput, RunOptions
@@ -308,7 +308,14 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
         exact = fit(trace, tf[d.layer], d.layer, env)
         hit = tester.explain(d.layer, exact)
         if hit is None:
-            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say, subops)
+            dumped = _dumped_subops(ref_engine, cand, subops, d.layer, env, st) if subops is not None else None
+            flip = _dumped_flip(dumped) if d.structural is None else None
+            if flip is not None:
+                st.causes.append(Cause("benign", "fp8-code-flip" if "FP8" in flip.detail else "fp4-code-flip",
+                                       d.layer, flip.name, f"local excess {d.excess:.3g}; the candidate's own dumped "
+                                       f"sub-ops differ only by {flip.detail} and its cascade"))
+                continue
+            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say, dumped)
             return
         v, f, flips = hit
         flip_note = "" if flips is None else (
@@ -330,12 +337,12 @@ def _evidence(d: LayerLocal, f: Fit) -> str:
 
 def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, env: Envelope,
             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-            say: Progress, subops: Sequence[ChunkResult] | None = None) -> None:
+            say: Progress, dumped: list[SubopResult] | None = None) -> None:
     say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
     best, n = defect_library(trace, ref_engine, cand, d.layer, env, fault_engines)
     st.runs["defect_library"] += n
     unexplained = d.local if d.local is not None else d.local_attn
-    own = _dumped_subop(ref_engine, cand, subops, d.layer, env, st) if subops is not None else None
+    own = next((s for s in dumped if s.status == "defect"), None) if dumped is not None else None
     position = own.position if own is not None and own.position is not None else d.position
     if best is not None and best.fit.explains:
         sub = own.name if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
@@ -354,17 +361,23 @@ def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerL
     st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
 
 
-def _dumped_subop(ref_engine: Engine, cand: list[ChunkResult], subops: Sequence[ChunkResult], layer: int,
-                  env: Envelope, st: _Stages):
-    """The first sub-op where the candidate's own dumped captures depart from the reference's layer run on the
-    candidate's inputs (1 captured layer-run), or None when every dumped sub-op agrees."""
+def _dumped_subops(ref_engine: Engine, cand: list[ChunkResult], subops: Sequence[ChunkResult], layer: int,
+                   env: Envelope, st: _Stages) -> list[SubopResult]:
+    """The candidate's own dumped captures of `layer` judged sub-op by sub-op against the reference's layer run on
+    the candidate's inputs (1 captured layer-run); QAT code flips and their cascade are recognised."""
     ref_outs = teacher_forced(ref_engine, cand, [layer], capture=True)[layer]
     st.runs["drill_down"] += 1
     own = [LayerOutput(c.checkpoints[block_attn(layer)], c.checkpoints[block(layer)], c.diags[layer],
                        c.captures[layer]) for c in subops]
-    subs = compare_subops(ref_outs, own, cand, layer, ref_engine.config.ratio(layer), env,
+    return compare_subops(ref_outs, own, cand, layer, ref_engine.config.ratio(layer), env,
                           (ref_engine.name, "candidate dump"))
-    return next((s for s in subs if s.status == "defect"), None)
+
+
+def _dumped_flip(dumped: list[SubopResult] | None) -> SubopResult | None:
+    """The QAT code flip that explains a layer's departure when the dumped sub-ops show nothing else."""
+    if dumped is None or any(s.status == "defect" for s in dumped):
+        return None
+    return next((s for s in dumped if s.status == "noise" and "code flip" in s.detail), None)
 
 
 def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[LayerLocal], env: Envelope,
