@@ -159,19 +159,13 @@ def candidate_chunks(trace: Trace, ref: Sequence[ChunkResult]) -> tuple[list[Chu
     return chunks, notes
 
 
-def _rows_at(trace: Trace, name: str) -> np.ndarray | None:
-    vec = trace.vectors or {}
-    return None if name not in vec else np.asarray(vec[name])
-
-
 # ---------------------------------------------------------------- profile and local error
 
-def free_profile(trace: Trace, ref: Sequence[ChunkResult], env: Envelope) -> dict[str, np.ndarray]:
+def free_profile(trace: Trace, ref: Sequence[ChunkResult]) -> dict[str, np.ndarray]:
     """Per-position rel-L2 of every checkpoint (and logits) the candidate recorded full vectors of: name -> [P]."""
     pos = np.asarray(trace.header.positions)
     out = {}
-    for name in (trace.vectors or {}):
-        got = _rows_at(trace, name)
+    for name, got in (trace.vectors or {}).items():
         want = np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref])[pos]
         out[name] = rel_l2(want, got)
     return out
@@ -233,7 +227,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     st = _Stages(notes=list(notes), runs={"free": L})
     say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")
     ref = replay(ref_engine, h.tokens, h.chunks, lambda i: count("reference (follow)", i + 1, len(h.chunks)))
-    free = free_profile(trace, ref, env)
+    free = free_profile(trace, ref)
     if not free:
         raise TraceError(f"{h.engine} trace has no full vectors: check needs them (trace with --full all, or "
                          "import the dumps)")
