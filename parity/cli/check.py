@@ -20,8 +20,9 @@ class Refused(click.ClickException):
               help="Candidate: a trace (text or binary), a llama.cpp dump directory or capture .npz, or a ds4 dump "
                    "prefix (DIR/RUN for DIR/RUN_<name>-<layer>_pos<pos>.bin).")
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Envelope file (default: the stored one measured on this model, found by size + header hash in "
-                   "the model's directory and ./traces; else the reference's own, measured now).")
+              help="Envelope file (default: the stored one measured on this model (size, header and data hash, "
+                   "never the file name) with the candidate's dtype and QAT flags, in the model's directory or "
+                   "./traces; else the reference's own, measured now).")
 @click.option("--tokens", default=None, help="Token ids of imported dumps, e.g. '0 17 42' (traces carry their own).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File with the token ids of imported dumps.")
