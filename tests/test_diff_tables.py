@@ -9,6 +9,7 @@ import copy
 import math
 import zipfile
 
+import click
 import numpy as np
 import pandas as pd
 import pytest
@@ -405,3 +406,28 @@ def test_a_logits_drift_renders_in_every_report_form():
     assert "logits" in to_markdown(r)
     fig = drift_figure(r)  # no checkpoint to mark: the figure still renders, with the verdict in its title
     assert "first drift: logits" in fig.get_suptitle() and len(fig.axes) >= 3
+
+
+# Each layer diagnostic a printed report must name when it alone differs (the words come from the printer; the
+# point is that no recorded difference is invisible in the console and Markdown output).
+PRINTED = {
+    "expert-weight": "expert weights",
+    "expert-order": "same experts in another order",
+    "router-margin": "router margins",
+    "hc-gate-nan": "HC mixes",
+    "n-comp": "visible-compressed-row count",
+    "side-file-logits": "full logits: worst rel-L2",
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRINTED))
+def test_every_differing_diagnostic_is_printed(case):
+    from parity.compare.printers import print_report, to_markdown
+
+    a, b = _changed(SILENT[case])
+    r = api.diff(a, b)
+    lines: list[str] = []
+    print_report(r, echo=lambda s="", **_: lines.append(click.unstyle(str(s))))
+    console = " ".join(" ".join(lines).split())  # undo the 100-column wrapping
+    assert PRINTED[case] in console, console
+    assert PRINTED[case] in " ".join(to_markdown(r).split())

@@ -11,6 +11,7 @@ is plain fixed-width text: the compact form (default) fits 100 columns for V4-Fl
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -148,17 +149,58 @@ def text_table(r: DiffReport, wide: bool = False, style: Callable[[str, Checkpoi
     return "\n".join(out)
 
 
-def _flagged_layers(r: DiffReport) -> list[str]:
+# Every per-layer diagnostic that differs, worded (the differ's columns; a column at its no-difference value is
+# not shown).
+_LAYER_WORDS = (
+    ("expert_flips", lambda e: f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}"),
+    ("order_mismatch", lambda e: f"{e.order_mismatch} row(s) with the same experts in another order"),
+    ("weight_max_abs", lambda e: f"expert weights max |diff| {e.weight_max_abs:.3g}"),
+    ("margin_max_abs", lambda e: f"router margins max |diff| {e.margin_max_abs:.3g}"),
+    ("hc_max_abs", lambda e: f"HC mixes max |diff| {e.hc_max_abs:.3g}"),
+    ("n_comp_mismatch", lambda e: f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)"),
+    ("sel_mismatch", lambda e: f"{e.sel_mismatch} indexer selection mismatch(es)"),
+    ("unmatched", lambda e: f"{e.unmatched} diagnostic row(s) only one trace holds"),
+)
+
+
+_CONTINUOUS = ("weight_max_abs", "margin_max_abs", "hc_max_abs")
+
+
+def layer_differences(r: DiffReport, continuous: bool = True) -> list[tuple[int, list[str]]]:
+    """(layer, worded differences) for every layer whose recorded diagnostics differ; without `continuous`
+    only the discrete ones (flips, order, counts, selections, unmatched rows)."""
+    words = [(c, w) for c, w in _LAYER_WORDS if continuous or c not in _CONTINUOUS]
+    out = []
+    for e in r.layers.itertuples():
+        parts = [word(e) for col, word in words if getattr(e, col) != 0]
+        if parts:
+            out.append((int(e.layer), parts))
+    return out
+
+
+def logit_lines(r: DiffReport) -> list[str]:
+    """The side files' full logits, when both traces carry them: worst rel-L2 and the drifting positions."""
+    lg = r.logits
+    if not len(lg):
+        return []
+    bad = lg[lg["drift"]]
+    worst = f"full logits: worst rel-L2 {lg['rel_l2'].max():.3e} over {len(lg)} position(s)"
+    return [worst + (f", drifting at position(s) {', '.join(map(str, bad['pos'].tolist()[:8]))}" if len(bad) else "")]
+
+
+def continuous_line(r: DiffReport) -> list[str]:
+    """One line: the largest HC-mix, expert-weight and router-margin difference over all layers, with its layer."""
     if not len(r.layers):
         return []
-    flagged = r.layers[r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0]
-    lines = []
-    for e in flagged.itertuples():
-        parts = [f"{e.expert_flips} expert-set flip(s) from position {e.first_flip_pos}" if e.expert_flips else "",
-                 f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)" if e.n_comp_mismatch else "",
-                 f"{e.sel_mismatch} indexer selection mismatch(es)" if e.sel_mismatch else ""]
-        lines.append(f"layer {e.layer}: " + ", ".join(p for p in parts if p))
-    return lines
+    names = {"hc_max_abs": "HC mixes", "weight_max_abs": "expert weights", "margin_max_abs": "router margins"}
+    parts = [f"{names[c]} {r.layers[c].max():.3g} (layer {int(r.layers.loc[r.layers[c].idxmax(), 'layer'])})"
+             for c in _CONTINUOUS if r.layers[c].max() > 0]
+    return ["diagnostics max |diff|: " + ", ".join(parts)] if parts else []
+
+
+def _flagged_layers(r: DiffReport) -> list[str]:
+    discrete = [f"layer {layer}: " + ", ".join(parts) for layer, parts in layer_differences(r, continuous=False)]
+    return discrete + continuous_line(r) + logit_lines(r)
 
 
 def thresholds_line(r: DiffReport) -> str:
@@ -183,9 +225,10 @@ def print_report(r: DiffReport, wide: bool = False, echo: Callable[..., None] = 
     echo(f"A = {r.a['engine']} ({r.a['dtype']})  vs  B = {r.b['engine']} ({r.b['dtype']})")
     echo(text_table(r, wide, style))
     for line in _flagged_layers(r):
-        echo(line)
-    echo(click.style(verdict_line(r), fg="green" if r else "red", bold=not r))
-    echo(thresholds_line(r))
+        echo(textwrap.fill(line, 100, subsequent_indent="  "))
+    echo(click.style(textwrap.fill(verdict_line(r), 100, subsequent_indent="  "), fg="green" if r else "red",
+                     bold=not r))
+    echo(textwrap.fill(thresholds_line(r), 100, subsequent_indent="  "))
 
 
 def to_markdown(r: DiffReport) -> str:
@@ -196,13 +239,11 @@ def to_markdown(r: DiffReport) -> str:
     lines += [f"> flags differ: `{k}` A={v[0]} B={v[1]}" for k, v in r.flags_differ.items()]
     lines += ["", "| " + " | ".join(WIDE) + " |", "|" + "---|" * len(WIDE)]
     lines += ["| " + " | ".join(cells(row, wide=True)) + " |" for row in checkpoint_rows(r)]
-    bad = r.layers[(r.layers[["expert_flips", "n_comp_mismatch", "sel_mismatch"]].sum(axis=1) > 0)
-                   | (r.layers["hc_max_abs"] > 0)] if len(r.layers) else r.layers
-    if len(bad):
-        lines += ["", "| layer | HC max-abs | expert flips | n_comp mismatches | indexer mismatches |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {e.layer} | {e.hc_max_abs:.3e} | {e.expert_flips} | {e.n_comp_mismatch} | {e.sel_mismatch} |"
-                  for e in bad.itertuples()]
+    differing = layer_differences(r)
+    if differing:
+        lines += ["", "| layer | diagnostics that differ |", "|---|---|"]
+        lines += [f"| {layer} | {'; '.join(parts)} |" for layer, parts in differing]
+    lines += ["", *logit_lines(r)] if len(r.logits) else []
     cos = f" (cosine >= {r.thresholds.cos_tol:.10g} for equal norms)."
     lines += ["", thresholds_line(r).replace("* =", "`*` =") + cos]
     return "\n".join(lines) + "\n"
