@@ -116,8 +116,10 @@ def plot(report: CheckReport, path: str) -> None:
     ax.axhline(1, color="gray", lw=1)
     ax.set_xticks(list(xs), [r.checkpoint for r in report.table], rotation=60, fontsize=7)
     ax.set_ylabel("excess over the envelope")
-    ax.set_title(report.headline[:120], fontsize=8)
+    from parity.compare.plot import wrapped_title
+    from parity.contract.files import save_figure
+
+    ax.set_title(wrapped_title(report.headline), fontsize=8)  # wrapped, never cut
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

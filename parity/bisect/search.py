@@ -654,9 +654,9 @@ def plot_report(report: BisectReport, path: str) -> object:
         ax2.text(0.5, 0.5, "no attribution needed:\nevery checkpoint inside the envelope", ha="center", va="center")
         ax2.set_axis_off()
     from parity.compare.plot import wrapped_title
+    from parity.contract.files import save_figure
 
     fig.suptitle(wrapped_title(report.summary.splitlines()[0]), fontsize=9)  # wrapped, never cut
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return fig

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from parity.cli.common import device_option, echo_json, json_option
+from parity.contract.files import atomic_write_text
 
 ENGINES = ("reference", "torch")
 
@@ -74,9 +75,9 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
                        log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(out / "bench.json", json.dumps(report, indent=2))
     table = render_markdown(report)
-    (out / "bench.md").write_text(table)
+    atomic_write_text(out / "bench.md", table)
     if as_json:
         echo_json(report)
         return

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from parity.contract.errors import ParityError
+from parity.contract.files import atomic_write_text
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -76,7 +77,7 @@ def write_text(path: str, text: str) -> None:
     if path == "-":
         click.echo(text, nl=not text.endswith("\n"))
     else:
-        Path(path).write_text(text, encoding="utf-8")
+        atomic_write_text(path, text)
 
 
 def echo_json(doc: Any) -> None:

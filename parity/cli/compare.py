@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from parity.cli.common import echo_json, html_option, json_errors, json_option, markdown_option, write_text
+from parity.contract.files import atomic_write_text
 
 a_arg = click.argument("a", metavar="A", type=click.Path(exists=True, dir_okay=False))
 b_arg = click.argument("b", metavar="B", type=click.Path(exists=True, dir_okay=False))
@@ -172,7 +173,7 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
         raise SystemExit(2) from None
     md = g.markdown(result)
     if junit:
-        Path(junit).write_text(g.junit_xml(result))
+        atomic_write_text(junit, g.junit_xml(result))
     if markdown_path:
         write_text(markdown_path, md)
     judged = _judge(result.report, envelope_path)

@@ -20,6 +20,7 @@ from typing import Any
 
 from parity.compare.differ import DiffReport
 from parity.compare.printers import WIDE, cells, checkpoint_rows, thresholds_line, verdict_line
+from parity.contract.files import atomic_write_text
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5rem; color: #1b1b1b; }
@@ -95,10 +96,7 @@ def page(title: str, verdict: str, ok: bool, sections: Sequence[Section]) -> str
 
 def write_html(path: str | os.PathLike, title: str, verdict: str, ok: bool, sections: Sequence[Section]) -> Path:
     """Write `page(...)` to `path` (parent directories created) and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page(title, verdict, ok, sections), encoding="utf-8")
-    return path
+    return atomic_write_text(path, page(title, verdict, ok, sections))
 
 
 def checkpoint_table(report: DiffReport) -> str:

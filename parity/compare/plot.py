@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.compare.differ import DiffReport
+from parity.contract.files import save_figure
 
 LOG_MIN, LOG_MAX = -9.0, 0.0   # the heatmap's fixed colour range, log10 rel-L2 (float32 noise sits near -7)
 FLOOR = 10.0 ** LOG_MIN        # exact zeros and anything smaller sit at the bottom of the scale
@@ -128,10 +129,7 @@ def drift_figure(report: DiffReport):
 
 def plot_drift(report: DiffReport, out: str | os.PathLike) -> Path:
     """Write the drift-profile figure of `report` to `out` (format from the extension) and return the path."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    drift_figure(report).savefig(out, dpi=110)
-    return out
+    return save_figure(drift_figure(report), out, dpi=110)
 
 
 def png_bytes(report: DiffReport, dpi: int = 90) -> bytes:

@@ -1,10 +1,10 @@
 """The one way v4parity writes an output file: atomically, durably, with one file mode.
 
 Every output (traces and their vectors side files, `.npz` exports, ds4 logprob dumps, synthetic GGUFs,
-envelopes) goes through `atomic_write`: the bytes go to a uniquely named temp file in the target's
-directory, are fsynced, the file gets mode `OUTPUT_MODE` (0644, whatever the umask), and it is renamed
-over the target. A reader therefore sees the old file or the new one, never a half-written one, and two
-writers of the same path never share a temp file.
+envelopes, plots, HTML and Markdown reports, JUnit files, bench tables) goes through `atomic_write`: the
+bytes go to a uniquely named temp file in the target's directory, are fsynced, the file gets mode
+`OUTPUT_MODE` (0644, whatever the umask), and it is renamed over the target. A reader therefore sees the
+old file or the new one, never a half-written one, and two writers of the same path never share a temp file.
 """
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[io.BufferedWriter], o
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """`atomic_write` of a bytes object."""
     return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """`atomic_write` of UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_figure(fig: object, path: str | os.PathLike, dpi: int) -> Path:
+    """A matplotlib figure written atomically (format from the extension) and closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or None, dpi=dpi)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def _fsync_dir(directory: Path) -> None:
