@@ -143,7 +143,17 @@ def diff(a: TraceLike, b: TraceLike, *, force: bool = False, rel_tol: float | No
     from parity.compare.differ import Thresholds, diff_traces
 
     th = Thresholds().with_overrides(rel_tol=rel_tol, norm_tol=norm_tol)
-    return diff_traces(_as_trace(a), _as_trace(b), thresholds=th, force=force)
+    ta, tb = _both_traces(a, b)
+    return diff_traces(ta, tb, thresholds=th, force=force)
+
+
+def _both_traces(a: TraceLike, b: TraceLike) -> tuple[Trace, Trace]:
+    """Two traces read concurrently (the zip CRC checks and validation release the GIL for most of the time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        fa, fb = pool.submit(_as_trace, a), pool.submit(_as_trace, b)
+        return fa.result(), fb.result()
 
 
 def gate(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike | dict | None = None,
@@ -151,7 +161,7 @@ def gate(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike 
     """CI gate of `candidate` against `golden` with a tolerance table -> GateResult (bool = passed)."""
     from parity.compare.gate import run_gate
 
-    return run_gate(_as_trace(golden), _as_trace(candidate), tolerances, force=force)
+    return run_gate(*_both_traces(golden, candidate), tolerances, force=force)
 
 
 def export(t: TraceLike, out: str | os.PathLike) -> Path:
