@@ -346,6 +346,19 @@ def test_torch_q8_0_activations_f32_experts_is_a_match(tiny_f32, tmp_path):
     assert r.verdict == "MATCH" and not r.causes, r.headline
 
 
+def test_torch_q8_0_rounding_flips_on_a_short_prompt_are_noise(tiny_mxfp4, envelopes_qat_off):
+    # "Hello world" as one chat turn, QAT sims off: layers 1 and 2 each keep one position where the torch engine's
+    # Q8_0 rounding and the reference's variant round one code apart (22 % and 43 % of the exact path's error
+    # there, measured); every layer is still explained by act-quant-q8_0, never a DEFECT
+    tokens = [0, 286, 41, 265, 77, 80, 222, 88, 278, 77, 69, 287, 289]
+    q8 = RunOptions(fp8_kv=False, fp4_indexer=False, act_quant="q8_0")
+    t = api.trace("torch", tiny_mxfp4, tokens, positions="all", full="all", options=q8)
+    r = api.check(t, tiny_mxfp4, envelope=envelopes_qat_off[tiny_mxfp4])
+    assert r.verdict == "NOISE", r.headline
+    assert {c.name for c in r.causes} == {"act-quant-q8_0"}
+    assert sorted({c.layer for c in r.causes}) == list(range(6))
+
+
 def test_rounding_flips_are_isolated_and_small():
     from parity.bisect.hypotheses import Fit
 
@@ -356,7 +369,8 @@ def test_rounding_flips_are_isolated_and_small():
     one = fit_([0.1] * 31 + [3.7], [4e-7] * 31 + [2.9e-5])           # 1 of 32 positions, 1% of the exact error
     assert one.flips_left(exact).tolist() == [31]
     assert fit_([0.1] * 30 + [3.7] * 2, [4e-7] * 30 + [2.9e-5] * 2).flips_left(exact) is None   # not isolated
-    assert fit_([0.1] * 31 + [90.0], [4e-7] * 31 + [6e-4]).flips_left(exact) is None           # 20%: not a flip
+    assert fit_([0.1] * 31 + [90.0], [4e-7] * 31 + [6e-4]).flips_left(exact).tolist() == [31]  # 20%: a flip
+    assert fit_([0.1] * 31 + [270.0], [4e-7] * 31 + [1.8e-3]).flips_left(exact) is None       # 60%: not a flip
     assert fit_([0.1] * 32, [4e-7] * 32).flips_left(exact) is None and fit_([0.1] * 32, [4e-7] * 32).explains
 
 

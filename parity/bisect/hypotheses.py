@@ -27,7 +27,10 @@ from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
 
 EngineFactory = Callable[[RunOptions], Engine]
-FLIP_RESIDUAL = 0.1   # a rounding flip leaves at most this fraction of the exact path's error at its position
+# A rounding flip leaves at most this fraction of the exact path's error at its position. Measured: isolated Q8_0
+# activation-rounding flips between the torch engine and the reference's q8_0 variant leave 22 % and 43 % of the
+# exact path's error (tiny mxfp4 model, 13-token prompt, layers 1 and 2); a variant that explains less is no flip.
+FLIP_RESIDUAL = 0.5
 
 # Benign numerics: hypothesis name -> the RunOptions fields of the reference variant that reproduces it.
 NUMERICS: dict[str, dict[str, str]] = {

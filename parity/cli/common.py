@@ -40,6 +40,20 @@ def inject_option(help: str = "") -> Callable:
     return click.option("--inject", multiple=True, metavar="FAULT", help=text)
 
 
+def numerics_options(fn: Callable) -> Callable:
+    """--act-quant, --kv-cache, --rope-angles: the opt-in approximate numerics of RunOptions (first = exact)."""
+    from parity.contract.engine import NUMERICS_CHOICES
+
+    words = {"act_quant": "activations rounded before every quantized matmul (q8_0: llama.cpp's CPU backend)",
+             "kv_cache": "precision of the stored KV window and compressed rows",
+             "rope_angles": "RoPE angles: the official float32 recipe, or ggml's repeated multiplication"}
+    for name in reversed(NUMERICS_CHOICES):
+        choices = NUMERICS_CHOICES[name]
+        fn = click.option(f"--{name.replace('_', '-')}", name, type=click.Choice(choices), default=choices[0],
+                          show_default=True, help=f"Approximate numerics, announced on stderr: {words[name]}.")(fn)
+    return fn
+
+
 def tokenizer_option() -> Callable:
     return click.option("--tokenizer", type=click.Choice(["model", "ds4"]), default="model", show_default=True,
                         help="model: the GGUF's own pre-tokenizer and chat template; ds4: exactly ds4's (bytes >= 0x80 "

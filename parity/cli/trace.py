@@ -15,6 +15,7 @@ from parity.cli.common import (
     json_errors,
     json_option,
     model_option,
+    numerics_options,
     read_prompt,
     tokenizer_option,
 )
@@ -93,6 +94,7 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @dtype_option()
 @device_option()
 @inject_option()
+@numerics_options
 @lcp_options
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(1, 100), help="Top logits per position.")
 @click.option("--dump-logprobs", type=click.Path(dir_okay=False), help="Also write a ds4 --dump-logprobs JSON.")
@@ -101,7 +103,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @json_option()
 @json_errors
 def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, decode, chunk,
-          no_fp8_kv, no_fp4_indexer, dtype, device, inject, lcp_kv, lcp_flash_attn, lcp_threads, top_k, dump_logprobs,
+          no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
+          lcp_threads, top_k, dump_logprobs,
           output, as_json) -> None:
     """Run an engine on a prompt and record every checkpoint (stats + fingerprints) to a trace.
 
@@ -132,7 +135,8 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
                "positions": positions if positions is not None else default_positions(len(ids), decode)}
     ids, decode = run["tokens"], run["decode"]
     options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
-                         inject=tuple(inject), **lcp_run_options(engine, lcp_kv, lcp_flash_attn, lcp_threads))
+                         inject=tuple(inject), act_quant=act_quant, kv_cache=kv_cache, rope_angles=rope_angles,
+                         **lcp_run_options(engine, lcp_kv, lcp_flash_attn, lcp_threads))
     rows = []
     total = api.n_chunks(len(ids), decode, run["chunk"])
     stage = f"trace {engine}: {len(ids)} tokens + {decode} decode"
