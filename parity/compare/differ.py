@@ -134,7 +134,7 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         def records(df: pd.DataFrame) -> list[dict]:
-            return [{k: _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+            return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
         return {"a": self.a, "b": self.b, "thresholds": {**asdict(self.thresholds), "cos_tol": self.thresholds.cos_tol},
                 "warnings": self.warnings, "flags_differ": self.flags_differ, "agree": bool(self),
@@ -142,7 +142,8 @@ class DiffReport:
                 "positions": records(self.table), "layers": records(self.layers), "logits": records(self.logits)}
 
 
-def _json_value(v: Any) -> Any:
+def json_value(v: Any) -> Any:
+    """A scalar for strict JSON: numpy -> Python, NaN -> null, +-inf -> "inf" / "-inf"."""
     if isinstance(v, (np.bool_, bool)):
         return bool(v)
     if isinstance(v, (np.integer,)):
@@ -296,8 +297,8 @@ def _logits_drift(logits: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None
     row = d.loc[d["rel_l2"].astype(float).fillna(np.inf).idxmax()]
     reason = "non-finite values" if not row["finite"] else f"rel-L2 {row['rel_l2']:.3g} > {th.rel_tol:g}"
     return {"checkpoint": LOGITS, "layer": None, "first_pos": int(d["pos"].iloc[0]), "worst_pos": int(row["pos"]),
-            "positions": d["pos"].tolist(), "method": "full", "rel_l2": _json_value(row["rel_l2"]),
-            "norm_ratio": None, "cosine": _json_value(row["cosine"]), "reason": reason}
+            "positions": d["pos"].tolist(), "method": "full", "rel_l2": json_value(row["rel_l2"]),
+            "norm_ratio": None, "cosine": json_value(row["cosine"]), "reason": reason}
 
 
 def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
@@ -312,8 +313,8 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
               f"RMS ratio {row['norm_ratio']:.6g} outside 1 +- {th.norm_tol:g}")
     return {"checkpoint": row["checkpoint"], "layer": None if row["layer"] < 0 else int(row["layer"]),
             "first_pos": int(at["pos"].iloc[0]), "worst_pos": int(row["pos"]), "positions": at["pos"].tolist(),
-            "method": row["method"], "rel_l2": _json_value(row["rel_l2"]), "norm_ratio": _json_value(row["norm_ratio"]),
-            "cosine": _json_value(row["cosine"]), "reason": reason}
+            "method": row["method"], "rel_l2": json_value(row["rel_l2"]), "norm_ratio": json_value(row["norm_ratio"]),
+            "cosine": json_value(row["cosine"]), "reason": reason}
 
 
 LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "order_mismatch",

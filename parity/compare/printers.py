@@ -10,7 +10,6 @@ is plain fixed-width text: the compact form (default) fits 100 columns for V4-Fl
 
 from __future__ import annotations
 
-import math
 import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,7 +18,7 @@ import click
 import numpy as np
 import pandas as pd
 
-from parity.compare.differ import DiffReport
+from parity.compare.differ import DiffReport, json_value
 
 
 @dataclass(frozen=True)
@@ -84,16 +83,9 @@ def checkpoint_rows(r: DiffReport) -> list[CheckpointRow]:
             for name, g in t.groupby("checkpoint", sort=False)]
 
 
-def _json_number(v: object) -> object:
-    """NaN -> None, +-inf -> "inf" / "-inf" (strict JSON), anything else unchanged."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else str(v)
-    return v
-
-
 def worst_rows(r: DiffReport) -> list[dict]:
     """`checkpoint_rows` as JSON-ready dicts, with each row's status."""
-    return [{**{k: _json_number(v) for k, v in asdict(row).items()}, "status": row.status}
+    return [{**{k: json_value(v) for k, v in asdict(row).items()}, "status": row.status}
             for row in checkpoint_rows(r)]
 
 

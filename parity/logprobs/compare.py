@@ -167,16 +167,18 @@ class Comparison:
         d.update(counts=self.counts(), first_divergent_step=self.first_divergent_step(),
                  first_non_match_step=self.first_non_match_step(), ds4_test=self.ds4_test(),
                  incomplete=self.incomplete, summary=self.summary_line())
-        return _json_safe(d)
+        return json_safe(d)
 
 
-def _json_safe(x):
+def json_safe(x: object) -> object:
+    """Nested dicts / lists for strict JSON with non-finite floats spelled "inf" / "-inf" / "nan" (logprob
+    reports keep NaN visible as a string; the diff report writes it as null, see compare.differ.json_value)."""
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else "-inf" if x < 0 else "nan"
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from parity.contract.errors import ParityError
-from parity.logprobs.compare import _json_safe
+from parity.logprobs.compare import json_safe
 
 CONFIG, RESULTS = "config.json", "results.jsonl"
 
@@ -39,7 +39,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def dumps(obj: object) -> str:
     """Canonical JSON: sorted keys; a non-finite float becomes the string "inf" / "-inf" / "nan" (as in the
     logprob reports), never the non-JSON NaN token. numpy reads those strings back as floats."""
-    return json.dumps(_json_safe(obj), sort_keys=True, allow_nan=False)
+    return json.dumps(json_safe(obj), sort_keys=True, allow_nan=False)
 
 
 def start(out: Path, config: dict) -> None:
