@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_engine.model import build
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_tokens
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import Weights
@@ -119,13 +119,7 @@ class HFEngine:
 
     # -- internals ------------------------------------------------------------------------------
     def _tokens(self, tokens: np.ndarray, where: str) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        V = self.config.vocab_size
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ParityError(f"{where}: token id outside [0, {V}): {tokens.min()}..{tokens.max()}")
-        return tokens
+        return check_tokens(tokens, self.config.vocab_size, where)
 
     def _np(self, t) -> np.ndarray:
         return np.ascontiguousarray(t.detach().to(self.dtype).numpy(), dtype=np.dtype(self.options.dtype)).copy()

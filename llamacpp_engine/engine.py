@@ -24,7 +24,7 @@ import numpy as np
 
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
-from parity.contract.engine import LayerOutput, RunOptions
+from parity.contract.engine import LayerOutput, RunOptions, check_tokens
 from parity.contract.errors import ParityError
 from parity.contract.llamacpp import (
     CACHE_ROWS,
@@ -205,13 +205,7 @@ class LlamaCppEngine:
 
     # -- internals ------------------------------------------------------------------------------
     def _tokens(self, tokens: np.ndarray, where: str) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        V = self.config.vocab_size
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ParityError(f"{where}: token id outside [0, {V}): {tokens.min()}..{tokens.max()}")
-        return tokens
+        return check_tokens(tokens, self.config.vocab_size, where)
 
     def _chunk(self, state: LlamaState, tokens: np.ndarray, start: int) -> Chunk:
         cur = state.current

@@ -28,11 +28,16 @@ def _diff(a, b, force, rel_tol, norm_tol, as_json=False):
     try:
         return api.diff(a, b, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
     except PreflightError as e:
-        if as_json:
-            echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
-        else:
-            click.secho(f"preflight: {e}", fg="red", err=True)
-        raise SystemExit(2) from None
+        _preflight_exit(e, as_json)
+
+
+def _preflight_exit(e: Exception, as_json: bool) -> None:
+    """Two traces that cannot be compared: the reason (as JSON with --json) and exit 2."""
+    if as_json:
+        echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
+    else:
+        click.secho(f"preflight: {e}", fg="red", err=True)
+    raise SystemExit(2) from None
 
 
 def _plot_path(output: str) -> str:
@@ -166,11 +171,7 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
         result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
                             names=(golden, candidate))
     except PreflightError as e:
-        if as_json:
-            echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
-        else:
-            click.secho(f"preflight: {e}", fg="red", err=True)
-        raise SystemExit(2) from None
+        _preflight_exit(e, as_json)
     md = g.markdown(result)
     if junit:
         atomic_write_text(junit, g.junit_xml(result))

@@ -81,6 +81,18 @@ def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, en
                           "32 (FP4 blocks of 32); run with --no-fp4-indexer")
 
 
+def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
+    """Token ids as int64 [n]: a non-empty 1-D array inside [0, vocab_size), else a ParityError naming `where`."""
+    from parity.contract.errors import ParityError
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {tokens.shape}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ParityError(f"{where}: token id outside [0, {vocab_size}): {tokens.min()}..{tokens.max()}")
+    return tokens
+
+
 def check_expert_ids(ids: np.ndarray, n_experts: int, where: str) -> None:
     """Expert ids (routing replay or a hash-routing table) must lie in [0, n_experts); names `where`."""
     from parity.contract.errors import ParityError

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from parity.contract.errors import ParityError
+from parity.contract.files import atomic_write_bytes
 from parity.logprobs.compare import json_safe
 
 CONFIG, RESULTS = "config.json", "results.jsonl"
@@ -24,16 +24,7 @@ class StoreError(ParityError):
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def dumps(obj: object) -> str:
