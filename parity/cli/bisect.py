@@ -16,21 +16,20 @@ from parity.cli.common import (
     json_errors,
     json_option,
     model_option,
+    tokenizer_option,
 )
 
 
-def _tokens(tokens: str | None, tokens_file: str | None, vocab: int, bos: int) -> list[int]:
-    """--tokens / --tokens-file (parsed by `trace`'s reader), else the built-in prompt; ids checked against vocab."""
-    from parity.cli.trace import read_token_list
+def _tokens(model: str, sources: dict[str, str | None], tokenizer: str, vocab: int, bos: int) -> list[int]:
+    """--tokens / --tokens-file / --prompt / --prompt-file as `trace` reads them, else the built-in prompt;
+    ids checked against vocab."""
+    from parity.cli.trace import resolve_tokens
 
-    if tokens is not None and tokens_file is not None:
-        raise click.UsageError("give --tokens or --tokens-file, not both")
-    if tokens is None and tokens_file is None:
+    if all(v is None for v in sources.values()):
         from parity.bisect.search import builtin_prompt
 
         return builtin_prompt(vocab, bos)
-    ids = (read_token_list(tokens, "--tokens") if tokens is not None
-           else read_token_list(Path(tokens_file).read_text(), tokens_file))
+    ids = resolve_tokens(model, **sources, tokenizer=tokenizer)
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise click.BadParameter(f"token ids must be in [0, {vocab}); out of range: {bad[:5]}")
@@ -93,8 +92,15 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @click.option("--tokens", default=None, help="Prompt token ids, e.g. '0 17 42' (default: a built-in prompt).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File with whitespace/comma separated prompt token ids.")
-@click.option("--decode", type=click.IntRange(0), default=4, show_default=True,
-              help="Greedy decode steps after the prompt (decode-only defects show up here).")
+@click.option("--prompt", default=None, help="User text as one chat turn (as `trace --prompt`).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of user text (read raw).")
+@tokenizer_option()
+@click.option("--follow", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Bisect on another trace's run: its prompt, decode length and prefill chunking (not with the "
+                   "token, prompt, --decode or --chunk options).")
+@click.option("--decode", type=click.IntRange(0), default=None,
+              help="Greedy decode steps after the prompt (decode-only defects show up here).  [default: 4]")
 @click.option("--chunk", type=click.IntRange(1), default=None, help="Prefill chunk size (default: one chunk).")
 @inject_option()
 @dtype_opt
@@ -109,13 +115,15 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @json_option(help="Print the full report as JSON (errors too).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
 @json_errors
-def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, device, no_fp8_kv, no_fp4_indexer,
-           envelope_path, routing_replay, as_json, plot):
+def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, decode, chunk, inject, dtype,
+           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
 
+    \b
     Example: v4parity bisect -m tiny-f32.gguf --engine torch --inject no-decode-compression
+             v4parity bisect -m tiny-f32.gguf --engine torch --follow ref.trace
     """
     from parity import api
     from parity.gguf.weights import Weights
@@ -123,8 +131,19 @@ def bisect(model, engine, tokens, tokens_file, decode, chunk, inject, dtype, dev
     if envelope_path is not None and not Path(envelope_path).exists():
         raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
     cfg = Weights(model).config
-    prompt = _tokens(tokens, tokens_file, cfg.vocab_size, cfg.bos_token_id)
-    report = api.bisect(model, engine=engine, tokens=prompt, decode=decode, chunk=chunk,
+    sources = {"tokens": tokens, "tokens_file": tokens_file, "prompt": prompt, "prompt_file": prompt_file}
+    if follow is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in {**sources, "decode": decode, "chunk": chunk}.items()
+                 if v is not None]
+        if given:
+            raise click.UsageError(f"--follow takes the followed trace's prompt, decode steps and chunking; drop "
+                                   f"{', '.join(given)}")
+        run = api.follow(follow)
+        ids, decode, chunk = run["tokens"], run["decode"], run["chunk"]
+    else:
+        ids = _tokens(model, sources, tokenizer, cfg.vocab_size, cfg.bos_token_id)
+        decode = 4 if decode is None else decode
+    report = api.bisect(model, engine=engine, tokens=ids, decode=decode, chunk=chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
                         routing_replay=routing_replay, progress=_stderr)
     if plot:

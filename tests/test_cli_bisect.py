@@ -1,0 +1,30 @@
+"""`v4parity bisect` takes its run the way `trace` does: --prompt / --prompt-file, or --follow another trace."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from parity import api
+from parity.cli import cli
+
+
+def test_bisect_follows_a_trace_and_finds_the_fault(tiny_f32, tmp_path):
+    ref = api.trace("reference", tiny_f32, [0, 17, 42, 99, 5, 8], decode=2)
+    api.save_trace(ref, tmp_path / "ref.trace")
+    r = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--follow", str(tmp_path / "ref.trace"),
+                                 "--inject", "sink-dropped", "--json"])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "defect" and doc["culprit"]["layer"] == 0 and doc["culprit"]["subop"] == "attention"
+
+
+def test_bisect_takes_a_prompt_and_refuses_follow_with_other_run_options(tiny_f32, tmp_path):
+    ref = api.trace("reference", tiny_f32, [0, 17, 42], decode=1)
+    api.save_trace(ref, tmp_path / "ref.trace")
+    clash = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--follow", str(tmp_path / "ref.trace"),
+                                     "--decode", "3"])
+    assert clash.exit_code == 2 and "drop --decode" in clash.output
+    ok = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--prompt", "Hi there", "--decode", "1"])
+    assert ok.exit_code == 0 and ok.stdout.startswith("NO DEFECT"), ok.output
