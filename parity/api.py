@@ -244,23 +244,26 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
            progress: Callable[[str], None] | None = None) -> Any:
     """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
-    `envelope`: a file; default traces/<model stem>.envelope.json when present, else measured now."""
+    `envelope`: a file (refused when measured on another model); default the stored envelope of this model
+    (found by model identity, not file name, in the model's directory and ./traces), else measured now."""
     from dataclasses import replace
 
-    from parity.bisect.envelope import load_envelope
+    from parity.bisect.inputs import envelope_for
     from parity.bisect.search import ReplayRouter, builtin_prompt
     from parity.bisect.search import bisect as run_bisect
 
     say = progress or (lambda _m: None)
     options = options or RunOptions()
-    path = Path(envelope) if envelope is not None else default_envelope_path(model)
-    if path.exists():
+    if envelope is not None and not Path(envelope).exists():
+        raise TraceError(f"envelope file {envelope} does not exist")
+    qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
+    found = envelope_for(model_identity(model), options.dtype, envelope, [Path(model).parent, Path("traces")], qat)
+    if found is not None:
+        env, path = found
         say(f"envelope: {path} ({options.dtype})")
-        env = load_envelope(path, options.dtype, model_identity(model))
-    elif envelope is not None:
-        raise TraceError(f"envelope file {path} does not exist")
     else:
-        say(f"envelope: no {path}; measuring it now (save one with `v4parity envelope`)")
+        say("envelope: none stored for this model (searched by model identity in the model's directory and "
+            "./traces); measuring it now (save one with `v4parity envelope`)")
         env = measure_envelope(model, engine, options, say)
     ref = load_engine("reference", str(model), RunOptions(fp8_kv=options.fp8_kv, fp4_indexer=options.fp4_indexer))
     router = ReplayRouter() if routing_replay else None
