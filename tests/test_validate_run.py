@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from validate_plugin import install
@@ -152,3 +153,34 @@ def test_engines_are_loaded_once_per_worker_not_per_prompt(plugins, tmp_path, ti
                         "-o", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert 1 <= r.stderr.count("vfake: APPROXIMATE act_quant=q8_0") <= 2
+
+
+def test_ray_cluster_at_an_address_equals_worker_processes(tmp_path, tiny_realmix, monkeypatch):
+    """A real Ray cluster started with `ray start --head` (its own processes), reached by --ray ADDRESS: the
+    report is byte-identical to the --workers run."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("ray")
+    import shutil
+    import socket
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # `ray start` makes a token (~/.ray/auth_token); clients need it
+    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent))
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    started = subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                              "--num-cpus", "2",
+                              "--include-dashboard=false", "--disable-usage-stats"], capture_output=True, text=True,
+                             timeout=120)
+    assert started.returncode == 0, started.stderr
+    try:
+        address = f"127.0.0.1:{port}"
+        args = ["-m", str(tiny_realmix), "--exact", "torch", "--approx", "torch:act_quant=q8_0", "--boundary",
+                "--n", "4", "--decode", "2", "--pins", "1"]
+        for out, executor in (("w", ["--workers", "2"]), ("r", ["--ray", address])):
+            r = subprocess.run([*CLI, *args, *executor, "-o", str(tmp_path / out)], capture_output=True, text=True,
+                               timeout=300)
+            assert r.returncode == 0, r.stderr[-2000:]
+        assert (tmp_path / "w" / REPORT).read_bytes() == (tmp_path / "r" / REPORT).read_bytes()
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)

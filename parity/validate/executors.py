@@ -47,7 +47,12 @@ def ray_tasks(job: Job, tasks: Sequence[Task], address: str | None, local_cpus: 
         if address is None:
             ray.init(num_cpus=local_cpus, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address=address, log_to_driver=False)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as e:
+                raise ParityError(f"--ray {address}: cannot connect to the Ray cluster ({e}). A cluster started with "
+                                  "`ray start` uses token authentication: set RAY_AUTH_MODE=token (the token is "
+                                  "read from ~/.ray/auth_token) or pass --ray auto on a node of the cluster") from None
     try:
         remote = ray.remote(num_cpus=1)(run_task)
         job_ref = ray.put(job)
