@@ -123,6 +123,7 @@ class TorchEngine:
         self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
         self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb, ACT_QUANT[options.act_quant])
         self.config = self.cfg = cfg = self.w.config
+        self.identity = self.w.source.identity()
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
         self._check_hash_tables()
         self._check_act_quant()

@@ -65,6 +65,7 @@ class HFEngine:
         self.dtype = {"float32": torch.float32, "float64": torch.float64}[options.dtype]
         weights = Weights(model_path)
         self.config: ModelConfig = weights.config
+        self.identity = weights.identity()
         self.model, self.hf_config = build(weights, self.dtype)
         self.version = f"transformers {transformers.__version__} DeepseekV4ForCausalLM ({VERSION})"
 

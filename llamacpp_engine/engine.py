@@ -118,6 +118,7 @@ class LlamaCppEngine:
         check_options(options)
         weights = Weights(model_path)
         self.config: ModelConfig = weights.config
+        self.identity = weights.identity()
         check_model(self.config, weights)
         settings = settings_from(options)
         # what llama.cpp does, declared: ggml's RoPE angle recurrence, the K/V cache type, its settings

@@ -85,7 +85,7 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
     results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, forced=forced, on_chunk=each)
     all_tokens = np.concatenate([r.tokens for r in results]).tolist()
     header = TraceHeader(
-        engine=eng.name, engine_version=eng.version, model=model_identity(model), dtype=eng.options.dtype,
+        engine=eng.name, engine_version=eng.version, model=eng.identity, dtype=eng.options.dtype,
         n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
         chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
         checkpoints=trace_checkpoints(eng.config.n_layers), full=full_names,
@@ -257,7 +257,8 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
-    found = envelope_for(model_identity(model), options.dtype, envelope, [Path(model).parent, Path("traces")], qat)
+    ref = load_engine("reference", str(model), RunOptions(**qat))  # its identity: the GGUF is hashed once here
+    found = envelope_for(ref.identity, options.dtype, envelope, [Path(model).parent, Path("traces")], qat)
     if found is not None:
         env, path = found
         say(f"envelope: {path} ({options.dtype})")
@@ -265,7 +266,6 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
         say("envelope: none stored for this model (searched by model identity in the model's directory and "
             "./traces); measuring it now (save one with `v4parity envelope`)")
         env = measure_envelope(model, engine, options, say)
-    ref = load_engine("reference", str(model), RunOptions(fp8_kv=options.fp8_kv, fp4_indexer=options.fp4_indexer))
     router = ReplayRouter() if routing_replay else None
     cand = load_engine(engine, str(model), replace(options, expert_override=router))
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)

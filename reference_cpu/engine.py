@@ -63,6 +63,7 @@ class ReferenceEngine:
     def __init__(self, model_path: str, options: RunOptions, cache_gb: float | None = None,
                  threads: int | None = None) -> None:
         self.weights = Weights(model_path)
+        self.identity = self.weights.identity()
         self.config: ModelConfig = self.weights.config
         check_options(options, self.config)
         self.options = options

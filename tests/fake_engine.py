@@ -19,7 +19,8 @@ class FakeEngine:
     version = "0.0.1"
 
     def __init__(self, model_path: str, options: RunOptions | None = None, perturb: dict[int, float] | None = None):
-        self.config = Weights(model_path).config
+        weights = Weights(model_path)
+        self.config, self.identity = weights.config, weights.identity()
         self.options = options or RunOptions()
         self.perturb = perturb or {}
         c = self.config

@@ -131,6 +131,8 @@ class Engine(Protocol):
     version: str
     config: ModelConfig
     options: RunOptions
+    identity: dict[str, Any]  # the opened GGUF's model identity, `parity.gguf.weights.Weights(path).identity()`:
+    #                           file, size, header_sha256, data_sha256 (hashed once, when the engine opens the file)
 
     def new_state(self) -> Any:
         """Fresh per-sequence state (every layer's raw KV window, compressed rows, compressor state)."""
