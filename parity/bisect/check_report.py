@@ -48,7 +48,7 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _row(r: CheckRow) -> list[str]:
+def row_cells(r: CheckRow) -> list[str]:
     return [r.checkpoint, _num(r.free), _num(r.free_excess), _num(r.local), _num(r.local_excess), _num(r.floor),
             "-" if r.position is None else str(r.position), r.status]
 
@@ -64,7 +64,7 @@ def to_text(report: CheckReport) -> str:
     lines += [f"  note: {n}" for n in report.notes]
     cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
     lines.append(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s")
-    rows = [COLUMNS, *(_row(r) for r in report.table)]
+    rows = [COLUMNS, *(row_cells(r) for r in report.table)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
@@ -77,7 +77,7 @@ def to_markdown(report: CheckReport) -> str:
         out += [f"| {c.kind} | {c.name} | {c.layer} | {c.subop or '-'} | {c.evidence} |" for c in report.causes]
         out.append("")
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(_row(r)) + " |" for r in report.table]
+    out += ["| " + " | ".join(row_cells(r)) + " |" for r in report.table]
     out += ["", *(f"- {n}" for n in report.notes)]
     return "\n".join(out) + "\n"
 

@@ -12,6 +12,7 @@ from parity.cli.common import (
     device_option,
     dtype_option,
     echo_json,
+    html_option,
     inject_option,
     json_errors,
     json_option,
@@ -114,9 +115,10 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
                    "arithmetic error).")
 @json_option(help="Print the full report as JSON (errors too).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
+@html_option()
 @json_errors
 def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, decode, chunk, inject, dtype,
-           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot):
+           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot, html_path):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
@@ -151,6 +153,11 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
 
         plot_report(report, plot)
         _stderr(f"plot: {plot}")
+    if html_path:
+        from parity.cli.html_pages import bisect_page
+
+        bisect_page(html_path, report)
+        _stderr(f"html: {html_path}")
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.summary)
     sys.exit(1 if report.verdict == "defect" else 0)
 

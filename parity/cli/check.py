@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import click
 
-from parity.cli.common import echo_json, json_errors, json_option, markdown_option, model_option, write_text
+from parity.cli.common import (
+    echo_json,
+    html_option,
+    json_errors,
+    json_option,
+    markdown_option,
+    model_option,
+    write_text,
+)
 from parity.contract.errors import ParityError
 
 
@@ -32,9 +40,10 @@ class Refused(click.ClickException):
 @markdown_option()
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the free-running / local excess per checkpoint as a PNG.")
+@html_option()
 @json_errors
 def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, as_json, markdown_path,
-          plot) -> None:
+          plot, html_path) -> None:
     """Judge CANDIDATE against the reference on MODEL: the reference follows its tokens and chunks, every
     layer is re-run on the candidate's own inputs (local error), and each difference beyond the noise
     envelope is explained by a benign numerics variant or matched against the known porting bugs.
@@ -67,6 +76,10 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, a
         write_text(markdown_path, to_markdown(report))
     if plot:
         plot_report(report, plot)
+    if html_path:
+        from parity.cli.html_pages import check_page
+
+        check_page(html_path, report)
     if as_json:
         echo_json(to_json(report))
     elif markdown_path != "-":

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from parity.cli.common import json_option, model_option
+from parity.cli.common import html_option, json_option, model_option
 from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
 
 if TYPE_CHECKING:
     from parity.validate.driver import Tick
 
-RESUMABLE = ("resume", "workers", "ray", "as_json")
+RESUMABLE = ("resume", "workers", "ray", "as_json", "html_path")
 
 
 def progress_printer() -> Callable[[Tick], None]:
@@ -66,9 +66,10 @@ def progress_printer() -> Callable[[Tick], None]:
 @click.option("--resume", type=click.Path(exists=True, file_okay=False),
               help="Continue the run in this directory (its settings; only --workers/--ray may change).")
 @json_option(help="Print report.json instead of the Markdown summary (errors as JSON too).")
+@html_option()
 @click.pass_context
 def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode, seed, workers, ray, budget, top_k,
-             tie_margin, drift_tol, pins, output, resume, as_json) -> None:
+             tie_margin, drift_tol, pins, output, resume, as_json, html_path) -> None:
     """Validate an approximate path against the exact path over n prompts: token divergence (TIE-FLIP / DRIFT /
     WRONG), top-k KL, top-1 agreement, per-layer carrier rel-L2, each with a bootstrap 95% CI and the minimum
     detectable effect; an exactness pin, an announce pin and an optional budget. Results are written to
@@ -109,6 +110,10 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
                           tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget, workers=workers,
                           ray=ray, resume=bool(resume), on_progress=progress_printer())
     out = Path(out)
+    if html_path:
+        from parity.cli.html_pages import validate_page
+
+        validate_page(html_path, report, out)
     if as_json:
         click.echo((out / "report.json").read_text(), nl=False)
     else:
