@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from click.testing import CliRunner
 
@@ -28,3 +29,10 @@ def test_bisect_takes_a_prompt_and_refuses_follow_with_other_run_options(tiny_f3
     assert clash.exit_code == 2 and "drop --decode" in clash.output
     ok = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--prompt", "Hi there", "--decode", "1"])
     assert ok.exit_code == 0 and ok.stdout.startswith("NO DEFECT"), ok.output
+
+
+def test_bisect_stage_lines_carry_the_elapsed_time(tiny_f32):
+    r = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--decode", "1"])
+    stages = [line for line in r.stderr.splitlines() if line]
+    assert r.exit_code == 0 and len(stages) >= 3
+    assert all(re.search(r" \[\d+:\d\d\]$", line) for line in stages), stages
