@@ -242,8 +242,10 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
 def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[int] | None = None,
            decode: int = 4, chunk: int | None = None, options: RunOptions | None = None,
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
-           progress: Callable[[str], None] | None = None) -> Any:
+           progress: Callable[[str], None] | None = None,
+           counter: Callable[[str, int, int | None], None] | None = None) -> Any:
     """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
+    `progress(message)` announces the stages, `counter(stage, done, total)` counts the long passes' chunks.
     `envelope`: a file (refused when measured on another model); default the stored envelope of this model
     (found by model identity, not file name, in the model's directory and ./traces), else measured now."""
     from dataclasses import replace
@@ -269,7 +271,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     router = ReplayRouter() if routing_replay else None
     cand = load_engine(engine, str(model), replace(options, expert_override=router))
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router)
+    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter)
 
 
 def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:

@@ -38,7 +38,7 @@ from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
 from parity.contract.engine import Engine, LayerDiag, LayerOutput
 from parity.contract.errors import ParityError
-from parity.tracing.runner import ChunkResult, all_tokens, run_sequence, stack
+from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
 QUANT_MBITS = {"rope_kv": 3, "comp_rows": 3, "index_rows": 1}   # e4m3, e4m3, e2m1
@@ -47,6 +47,7 @@ QUANT_FORMAT = {"rope_kv": "FP8 e4m3", "comp_rows": "FP8 e4m3", "index_rows": "F
 FLIP_FRACTION = 1 / 32
 
 Progress = Callable[[str], None]
+Counter = Callable[[str, int, "int | None"], None]  # (stage, done, total): chunks of the long passes
 
 # Built-in prompt: BOS + a 4-token motif repeated. The repetition makes compressed rows alike, so the indexer
 # meets exactly tied scores at its top-k cut (tie-breaking gets exercised); 27 + 1 tokens put 7 CSA rows and
@@ -445,16 +446,27 @@ class _Clock:
 
 
 def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
-               chunk: int | None, say: Progress, replay: ReplayRouter | None = None) -> FreeStage:
+               chunk: int | None, say: Progress, replay: ReplayRouter | None = None,
+               count: Counter | None = None) -> FreeStage:
     """Step 1 (2 full runs): reference greedy, candidate teacher-forced on the reference's tokens."""
     L, P = cand.config.n_layers, len(prompt)
+    total = len(chunk_schedule(P, chunk)) + decode
+
+    def counting(stage: str) -> Callable[[ChunkResult], None] | None:
+        done = [0]
+
+        def tick(_r: ChunkResult) -> None:
+            done[0] += 1
+            count(stage, done[0], total)  # type: ignore[misc]
+        return tick if count is not None else None
+
     say(f"reference: {P} prompt tokens + {decode} greedy decode steps")
-    ref = run_sequence(ref_engine, prompt, decode, chunk=chunk)
+    ref = run_sequence(ref_engine, prompt, decode, chunk=chunk, on_chunk=counting("reference run"))
     tokens = [int(t) for t in all_tokens(ref)]
     if replay is not None:
         replay.fill(ref)
     say(f"{cand.name}: same tokens (teacher-forced)")
-    free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:])
+    free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:], on_chunk=counting(f"{cand.name} run"))
     errs = checkpoint_errors(ref, free)
     excess = {n: float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()}
     logits = [np.concatenate([c.logits for c in run]) for run in (ref, free)]
@@ -464,13 +476,14 @@ def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: 
 
 def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
            chunk: int | None = None, progress: Progress | None = None,
-           replay: ReplayRouter | None = None) -> BisectReport:
+           replay: ReplayRouter | None = None, counter: Counter | None = None) -> BisectReport:
     """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
-    `replay`: the candidate's expert_override, filled here with the reference's expert choices."""
+    `replay`: the candidate's expert_override, filled here with the reference's expert choices;
+    `counter(stage, done, total)` counts the chunks of the two full runs and of the teacher-forced pass."""
     say = progress or (lambda _m: None)
     env.check_options(cand.options)
     clock = _Clock()
-    fs = free_stage(ref_engine, cand, prompt, decode, env, chunk, say, replay)
+    fs = free_stage(ref_engine, cand, prompt, decode, env, chunk, say, replay, counter)
     clock.lap("full_runs")
     runs = {"full": 2, "teacher_forced": 0, "splice": 0, "drill_down_layers": 0, "flip_check_layers": 0}
     envelope = {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration}
@@ -479,7 +492,7 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     if fs.clean:
         clock.lap("verdict")
         return BisectReport("no defect", _clean_summary(fs), None, runs=runs, seconds=clock.seconds, **base)
-    ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock)
+    ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, counter)
     report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
                           subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
     report = replace(report, summary=summarize(report, env))
@@ -496,11 +509,12 @@ def _clean_summary(fs: FreeStage) -> str:
 
 
 def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env: Envelope, say: Progress,
-             clock: _Clock) -> LocalStage:
+             clock: _Clock, counter: Counter | None = None) -> LocalStage:
     """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
     L, P = ref_engine.config.n_layers, n_prompt
     say("teacher-forced pass: every candidate layer on the reference's inputs")
-    attribution = attribute(fs.ref, teacher_forced(cand, fs.ref, list(range(L))), fs.errs, env)
+    tick = (lambda i: counter("teacher-forced pass", i + 1, len(fs.ref))) if counter is not None else None
+    attribution = attribute(fs.ref, teacher_forced(cand, fs.ref, list(range(L)), on_chunk=tick), fs.errs, env)
     runs = {"teacher_forced": 1}
     clock.lap("teacher_forced")
     if fs.max_excess[EMBED] > 1:

@@ -41,11 +41,12 @@ def _stderr(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def _stages() -> object:
-    """Stage lines on stderr with the elapsed time since the command started (`stage ... [m:ss]`)."""
+def _progress() -> object:
+    """Stage lines on stderr with the elapsed time since the command started (`stage ... [m:ss]`); called with
+    (stage, done, total), a bar with ETA on a terminal and periodic `stage done/total elapsed` lines otherwise."""
     from parity.cli.progress import Progress
 
-    return Progress().note
+    return Progress()
 
 
 def _options(dtype: str, device: str, no_fp8_kv: bool, no_fp4_indexer: bool, inject=()):
@@ -84,7 +85,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
     from parity import api
 
     env, path = api.envelope(model, engine=engine, options=_options(dtype, device, no_fp8_kv, no_fp4_indexer),
-                             output=output, progress=_stages())
+                             output=output, progress=_progress().note)
     worst = max(env.checkpoints, key=env.checkpoints.get)
     if as_json:
         echo_json({"wrote": str(path), "dtype": dtype, "k": env.k, "eps": env.eps, "largest_floor":
@@ -154,7 +155,8 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
         decode = 4 if decode is None else decode
     report = api.bisect(model, engine=engine, tokens=ids, decode=decode, chunk=chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
-                        routing_replay=routing_replay, progress=_stages())
+                        routing_replay=routing_replay, progress=(bar := _progress()).note,
+                        counter=bar)
     if plot:
         from parity.bisect.search import plot_report
 
