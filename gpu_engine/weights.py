@@ -20,6 +20,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,8 +44,9 @@ def all_finite(x: torch.Tensor) -> bool:
 class QTensor:
     """A GGUF tensor of numpy shape `shape` (reversed ne) held as raw blocks on the device."""
 
-    def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device):
-        self.name, self.qtype, self.shape = name, Q(qtype), tuple(shape)
+    def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device,
+                 file: str):
+        self.name, self.qtype, self.shape, self.file = name, Q(qtype), tuple(shape), file
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         view = np.ascontiguousarray(raw).reshape(rows, -1)
         with warnings.catch_warnings():  # zero-copy view of the read-only mapping; never written to
@@ -57,7 +59,7 @@ class QTensor:
         y = dequantize(raw, self.qtype, out).reshape(shape)
         if what not in self._checked:
             if not all_finite(y):
-                raise TensorError(f"tensor {what}: non-finite values after dequantization")
+                raise TensorError(f"{self.file}: tensor {what}: non-finite values after dequantization")
             self._checked.add(what)
         return y.to(dtype)
 
@@ -78,7 +80,7 @@ class QTensor:
             rows = raw[r : r + step]
             w = dequantize(rows, self.qtype, scratch(rows.shape[0] * n_in))
             if what not in self._checked and not all_finite(w):
-                raise TensorError(f"tensor {what}: non-finite values after dequantization")
+                raise TensorError(f"{self.file}: tensor {what}: non-finite values after dequantization")
             y[:, r : r + step] = x @ w.to(x.dtype).T
         self._checked.add(what)
         return y
@@ -87,7 +89,7 @@ class QTensor:
         """Selected rows of a 2-D tensor.  idx [n] -> [n, in]"""
         out = dequantize(self.raw[idx], self.qtype).reshape(idx.shape[0], self.shape[-1])
         if not all_finite(out):
-            raise TensorError(f"tensor {self.name}: non-finite values in rows {idx.tolist()}")
+            raise TensorError(f"{self.file}: tensor {self.name}: non-finite values in rows {idx.tolist()}")
         return out.to(dtype)
 
 
@@ -119,7 +121,8 @@ class DeviceWeights:
             elif len(info.shape) == 1:
                 self.vec[name] = torch.from_numpy(self.source.tensor(name).copy()).to(device=device, dtype=act)
             else:
-                self.q[name] = QTensor(name, self.source.raw(name), info.ggml_type, info.shape, device)
+                self.q[name] = QTensor(name, self.source.raw(name), info.ggml_type, info.shape, device,
+                                       Path(path).name)
 
     def _check_inventory(self) -> None:
         names = set(self.source.names)

@@ -88,7 +88,8 @@ class WeightStore:
         # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary
         if not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
             bad = int(np.flatnonzero(~np.isfinite(arr.ravel()))[0])
-            raise TensorError(f"tensor {what}: non-finite value {arr.ravel()[bad]} at flat index {bad}")
+            raise TensorError(f"{self.weights.paths[0].name}: tensor {what}: non-finite value {arr.ravel()[bad]} at "
+                              f"flat index {bad}")
         return arr.astype(self.dtype, copy=False)  # float32 dequantizer output is used as is (no second copy)
 
     def dense(self, name: str) -> np.ndarray:

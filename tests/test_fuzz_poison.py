@@ -3,6 +3,8 @@ hash-routing table holds an impossible expert id, ends in a ParityError naming t
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,11 @@ def test_the_recorder_refuses_every_non_finite_recorded_value(poison, what):
     rec.add(_chunk(None))  # NaN margins (hash layer) are recorded as "no margin"
     with pytest.raises(TensorError, match=f"{what}: non-finite value"):
         Recorder(["embed", "blk.0", "final_norm"], [0, 1], [], 2, 2).add(_chunk(poison))
+
+
+@pytest.mark.parametrize("engine", ["reference", "torch"])
+def test_a_non_finite_weight_is_an_error_naming_file_and_tensor(tiny_f32, tmp_path, engine):
+    name = "blk.0.attn_output_b.weight"
+    path = _poisoned(tiny_f32, tmp_path / "nan-weight.gguf", name, lambda w: np.where(w == w.flat[7], np.nan, w))
+    with pytest.raises(TensorError, match=rf"nan-weight\.gguf: tensor {re.escape(name)}.*non-finite"):
+        api.trace(engine, path, PROMPT)
