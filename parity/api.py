@@ -208,12 +208,13 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
 # ---------------------------------------------------------------- envelope, bisect, check
 
 def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOptions | None = None,
-             output: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None) -> Any:
+             output: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
+             counter: Callable[[str, int, int | None], None] | None = None) -> Any:
     """Measure the noise envelope of `engine` on `model` (benign pairs, never with faults) and store it as a
     section of `output` (default traces/<model stem>.envelope.json). Returns (Envelope, path)."""
     from parity.bisect.envelope import save_envelope
 
-    env = measure_envelope(model, engine, options or RunOptions(), progress)
+    env = measure_envelope(model, engine, options or RunOptions(), progress, counter)
     return env, save_envelope(output or default_envelope_path(model), env, model_identity(model))
 
 
@@ -222,7 +223,8 @@ def default_envelope_path(model: str | os.PathLike) -> Path:
 
 
 def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
-                     progress: Callable[[str], None] | None = None) -> Any:
+                     progress: Callable[[str], None] | None = None,
+                     counter: Callable[[str, int, int | None], None] | None = None) -> Any:
     """Benign pairs for the envelope of `engine` with `options` (faults and routing replay dropped)."""
     from dataclasses import replace
 
@@ -236,7 +238,7 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
     cand = load_engine(engine, str(model), clean)
     cand32 = load_engine(engine, str(model), replace(clean, dtype="float32")) if clean.dtype != "float32" else None
     prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress)
+    return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress, counter=counter)
 
 
 def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[int] | None = None,
@@ -267,7 +269,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     else:
         say("envelope: none stored for this model (searched by model identity in the model's directory and "
             "./traces); measuring it now (save one with `v4parity envelope`)")
-        env = measure_envelope(model, engine, options, say)
+        env = measure_envelope(model, engine, options, say, counter)
     router = ReplayRouter() if routing_replay else None
     cand = load_engine(engine, str(model), replace(options, expert_override=router))
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)

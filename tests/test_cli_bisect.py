@@ -39,3 +39,9 @@ def test_bisect_progress_off_a_terminal_is_timed_stage_and_count_lines(tiny_f32)
     assert r.exit_code == 0 and len(stages) >= 3 and len(stages) + len(counts) == len(lines), lines
     assert any(line.startswith("reference run ") and "/" in line for line in counts), lines
     assert any(line.startswith("torch run ") for line in counts), lines
+
+
+def test_envelope_counts_its_runs(tiny_f32, tmp_path):
+    r = CliRunner().invoke(cli, ["envelope", "-m", str(tiny_f32), "-o", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^envelope runs 4/4 \d+:\d\d$", r.stderr, re.M), r.stderr

@@ -195,17 +195,26 @@ def pair_floors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[
 
 def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequence[int], decode: int = 0,
                      chunk: int = 5, cand_f32: Engine | None = None,
-                     progress: Callable[[str], None] | None = None) -> Envelope:
+                     progress: Callable[[str], None] | None = None,
+                     counter: Callable[[str, int, int | None], None] | None = None) -> Envelope:
     """Run the benign pairs on `prompt` (+ `decode` greedy steps of the float32 reference, teacher-forced on
     every side) and keep the largest floor of each quantity. `cand_f32` (the candidate in float32) adds the
-    `dtype` pair for a bf16 candidate."""
+    `dtype` pair for a bf16 candidate. `counter(stage, done, total)` counts the finished runs."""
     say = progress or (lambda _m: None)
+    n_runs, done = 4 + (cand_f32 is not None), [0]
+
+    def counted(result: list[ChunkResult]) -> list[ChunkResult]:
+        done[0] += 1
+        if counter is not None:
+            counter("envelope runs", done[0], n_runs)
+        return result
+
     say("envelope: reference float32")
-    base = run_sequence(ref32, prompt, decode, capture=True)
+    base = counted(run_sequence(ref32, prompt, decode, capture=True))
     forced = [int(t) for t in np.concatenate([r.tokens for r in base])[len(prompt):]]
 
     def run(engine: Engine, ch: int | None) -> list[ChunkResult]:
-        return run_sequence(engine, prompt, decode, chunk=ch, forced=forced, capture=True)
+        return counted(run_sequence(engine, prompt, decode, chunk=ch, forced=forced, capture=True))
 
     say("envelope: reference float64")
     pairs = {"oracle": (base, run(ref64, None))}

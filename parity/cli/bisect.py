@@ -85,7 +85,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
     from parity import api
 
     env, path = api.envelope(model, engine=engine, options=_options(dtype, device, no_fp8_kv, no_fp4_indexer),
-                             output=output, progress=_progress().note)
+                             output=output, progress=(bar := _progress()).note, counter=bar)
     worst = max(env.checkpoints, key=env.checkpoints.get)
     if as_json:
         echo_json({"wrote": str(path), "dtype": dtype, "k": env.k, "eps": env.eps, "largest_floor":
