@@ -364,13 +364,13 @@ def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tupl
 def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
     """Seconds of `api.diff` on two traces written as .npz files (what `v4parity diff A.npz B.npz` does)."""
     from parity.api import diff
-    from parity.contract.checkpoints import trace_checkpoints
+    from parity.contract.checkpoints import block_attn, trace_checkpoints
     from parity.tracing.io import write_trace
 
     rng = np.random.default_rng(0)
     a = synthetic_trace(n_layers, n_pos, rng)
     b = synthetic_trace(n_layers, n_pos, rng, base=a,
-                        drift_from=trace_checkpoints(n_layers).index(f"blk.{n_layers // 2}.attn"))
+                        drift_from=trace_checkpoints(n_layers).index(block_attn(n_layers // 2)))
     tmp.mkdir(parents=True, exist_ok=True)
     pa, pb = write_trace(a, tmp / "a.npz"), write_trace(b, tmp / "b.npz")
     del a, b
