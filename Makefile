@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(VPY) -m pip install -q --no-binary llama-cpp-python -e '.[dev,llamacpp,hf,ray]'
-	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "warning: Debian chromium not installed; the HTML tests fail in CI without it"
 	touch $(STAMP)
 
 demo: $(STAMP)
