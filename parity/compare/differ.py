@@ -14,6 +14,7 @@ drifting checkpoint is the shallowest one (depth order) where any position drift
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -173,11 +174,14 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
         problems.append(f"compared only positions < {cut}: from there on the runs were fed different tokens")
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
-    table = _metrics_table(a, b, names, positions, th, a.n_layers)
-    logits = _logit_metrics(a, b, positions, th)
+    with ThreadPoolExecutor(2) as pool:  # independent tables; their numpy work releases the GIL
+        layers_job = pool.submit(_layer_diags, a, b, positions)
+        table = _metrics_table(a, b, names, positions, th, a.n_layers)
+        logits = _logit_metrics(a, b, positions, th)
+        layers = layers_job.result()
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
-        layers=_layer_diags(a, b, positions), first_drift=_first_drift(table, th) or _logits_drift(logits, th),
+        layers=layers, first_drift=_first_drift(table, th) or _logits_drift(logits, th),
         logits=logits,
         flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
