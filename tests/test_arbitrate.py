@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 
-import pytest
 from click.testing import CliRunner
 from fake_engine import FakeEngine
+from requires import require
 
 from parity.cli import cli
 from parity.compare.arbitration import arbitrate_runs, clusters
@@ -44,7 +42,7 @@ def test_arbitrate_cli_peers_agree(tiny_f32):
     """reference, llama.cpp and transformers on the tiny F32 model: one cluster everywhere (measured worst pair
     1.2e-6 against the 1e-4 tolerance), exit 0, JSON report."""
     for mod in ("llama_cpp", "transformers"):   # in CI a missing peer is a failure, not a skip
-        importlib.import_module(mod) if os.environ.get("CI") else pytest.importorskip(mod)
+        require(mod)
     r = CliRunner().invoke(cli, ["arbitrate", "-m", str(tiny_f32), "--tokens", ",".join(map(str, PROMPT)),
                                  "--decode", "2", "--engines", "reference,llamacpp,hf", "--json"])
     assert r.exit_code == 0, r.output

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from requires import require
 from test_bisect_engines import SUBOP
 
 from parity import api
@@ -219,10 +220,8 @@ OFF = RunOptions(fp8_kv=False, fp4_indexer=False)   # llama.cpp runs no QAT simu
 @pytest.fixture(scope="module")
 def llama_cpp():
     # In CI a missing llama-cpp-python is a failure, not a skip (as tests/test_llamacpp_engine.py).
-    import importlib
-    import os
 
-    return importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+    return require("llama_cpp")
 
 
 def _llamacpp(model):

@@ -4,12 +4,11 @@ selections and greedy tokens, for one-chunk prefill and token by token; teacher 
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from requires import require
 
 from parity.bisect.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
@@ -20,7 +19,7 @@ from parity.gguf.synth import preset_config
 from parity.tracing.runner import all_tokens, run_sequence, stack
 
 # In CI a missing transformers is a failure, not a skip.
-transformers = importlib.import_module("transformers") if os.environ.get("CI") else pytest.importorskip("transformers")
+transformers = require("transformers")
 
 OFF = RunOptions(fp8_kv=False, fp4_indexer=False)
 PROMPT = [0, *((7 * i + 3) % 280 + 2 for i in range(40))]

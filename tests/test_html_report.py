@@ -3,30 +3,25 @@ table are on the page and visible, the file is self-contained (no URL other than
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 from fake_engine import FakeEngine
+from requires import require_program
 
 from parity import api
 from parity.compare.html import Section, table, write_html, write_report
 
-CHROMIUM = shutil.which("chromium")
 PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
 
 
 def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium (Debian package 'chromium') is required in CI")
-        pytest.skip("chromium not installed")
+    chromium = require_program("chromium", "chromium")
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}"]
-    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run([chromium, *flags, *args], capture_output=True, text=True, timeout=120, check=True)
 
 
 @pytest.fixture(scope="module")

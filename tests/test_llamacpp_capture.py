@@ -3,17 +3,14 @@ writes for the same run (llama.cpp itself, in-process)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import numpy as np
-import pytest
 from click.testing import CliRunner
+from requires import require
 
 from parity import api
 from parity.cli import cli
 
-llama_cpp = importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+llama_cpp = require("llama_cpp")
 
 TOKENS = "0,5,7,9,11,13,15,17,19,21"
 IMPORT_FLAGS = ("imported", "import_dropped", "import_unmapped")

@@ -4,12 +4,11 @@ prefill in one chunk, in chunks and token by token; teacher forcing; llama.cpp's
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from requires import require
 
 from parity.bisect.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
@@ -21,7 +20,7 @@ from parity.gguf.weights import Weights
 from parity.tracing.runner import all_tokens, run_sequence, stack
 
 # In CI a missing llama-cpp-python is a failure, not a skip.
-llama_cpp = importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+llama_cpp = require("llama_cpp")
 
 OFF = RunOptions(fp8_kv=False, fp4_indexer=False)
 LCP = replace(OFF, engine_args=("lcp_threads=1", "lcp_ctx=512"))

@@ -29,7 +29,7 @@ def dump(engine: str, options: RunOptions, model, prompt: list[int], path) -> No
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """Tiny matrices: threads only add contention on a shared 2-core machine (10x slower measured)."""
-    torch = pytest.importorskip("torch")
+    import torch
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -3,8 +3,6 @@ the llamacpp engine records for the same run (same settings: one ubatch, F32 KV,
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 import subprocess
 import sys
@@ -12,14 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pytest
+from requires import require
 
 from parity import api
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights
 from parity.tracing.importers import import_llamacpp
 
-llama_cpp = importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+llama_cpp = require("llama_cpp")
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "peers.md"
 TOKENS = [0, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25]

@@ -5,14 +5,13 @@ conversions, a float32 recurrence loop, and llama.cpp itself on a model with MXF
 from __future__ import annotations
 
 import ctypes
-import importlib
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from requires import require
 
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions, load_engine
@@ -51,7 +50,7 @@ def test_q8_0_hand_computed_blocks():
 
 def _ggml_quantize_row_q8_0():
     """ggml's own CPU-backend quantize_row_q8_0 from the llama.cpp build (a missing build is a failure in CI)."""
-    llama_cpp = importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+    llama_cpp = require("llama_cpp")
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
     fn = lib.quantize_row_q8_0
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
@@ -77,7 +76,7 @@ def test_q8_0_matches_ggml_quantize_row_q8_0_bit_for_bit():
 
 
 def test_bf16_and_f16_rounding_match_torch_conversions():
-    torch = pytest.importorskip("torch")
+    import torch
     rng = np.random.default_rng(9)
     x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-6, 4, 4096)).astype(F32)
     x[:4] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11]  # bf16 / f16 ties to even
@@ -207,7 +206,7 @@ def test_kv_f16_stores_every_cached_row_in_f16(tiny_f32):
 
 def test_q8_0_reproduces_llama_cpp_routed_experts_on_mxfp4(tiny_mxfp4):
     """llama.cpp itself on the tiny model with MXFP4 experts: its CPU backend rounds the expert inputs to Q8_0."""
-    importlib.import_module("llama_cpp") if os.environ.get("CI") else pytest.importorskip("llama_cpp")
+    require("llama_cpp")
     prompt = [0, *((7 * i + 3) % 280 + 2 for i in range(40))]
     lcp = load_engine("llamacpp", str(tiny_mxfp4), replace(OFF, engine_args=("lcp_threads=1", "lcp_ctx=512")))
     theirs = run_sequence(lcp, prompt, capture=True)[0]

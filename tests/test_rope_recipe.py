@@ -14,14 +14,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
+from gpu_engine.ops import rope_angles as torch_rope_angles
+from gpu_engine.ops import rope_frequencies as torch_rope_frequencies
 from parity.compare import metrics
 from parity.contract.engine import RunOptions, load_engine
 from reference_cpu.rope import RopeSpec, RopeTable, rope_angles, rope_frequencies
-
-torch = pytest.importorskip("torch")
-from gpu_engine.ops import rope_angles as torch_rope_angles  # noqa: E402
-from gpu_engine.ops import rope_frequencies as torch_rope_frequencies  # noqa: E402
 
 F32 = np.float32
 YARN = dict(factor=16.0, original_seq_len=65536, beta_fast=32.0, beta_slow=1.0)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from requires import require
 from validate_plugin import install
 
 from parity import api
@@ -125,8 +126,7 @@ def test_kill_and_resume_gives_the_uninterrupted_report(plugins, tmp_path, tiny_
 
 
 def test_ray_equals_worker_processes_byte_for_byte(plugins, tmp_path, tiny_f32):
-    if not os.environ.get("CI"):
-        pytest.importorskip("ray")
+    require("ray")
     a = api.validate(tmp_path / "w", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,
                      decode=4, boundary=True, pins=2, workers=2)
     b = api.validate(tmp_path / "r", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,
@@ -158,8 +158,7 @@ def test_engines_are_loaded_once_per_worker_not_per_prompt(plugins, tmp_path, ti
 def test_ray_cluster_at_an_address_equals_worker_processes(tmp_path, tiny_realmix, monkeypatch):
     """A real Ray cluster started with `ray start --head` (its own processes), reached by --ray ADDRESS: the
     report is byte-identical to the --workers run."""
-    if not os.environ.get("CI"):
-        pytest.importorskip("ray")
+    require("ray")
     import shutil
     import socket
 
