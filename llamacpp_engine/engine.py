@@ -26,7 +26,8 @@ from llamacpp_engine.constraints import check_model
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
 from parity.contract.engine import LayerOutput, RunOptions, check_tokens
 from parity.contract.errors import ParityError
-from parity.contract.llamacpp import (
+from parity.gguf.config import ModelConfig
+from parity.gguf.llamacpp import (
     CACHE_ROWS,
     EMBED_NAME,
     LOGITS_NAME,
@@ -38,7 +39,6 @@ from parity.contract.llamacpp import (
     layer_input_name,
     layer_output,
 )
-from parity.gguf.config import ModelConfig
 from parity.gguf.weights import Weights
 
 VERSION = "0.1.0"

@@ -2,7 +2,7 @@
 
 `Context.decode` feeds tokens at given positions (all logits requested, one `llama_decode` per ubatch of at
 most `n_ubatch` rows) and, through the eval callback, copies out the mapped tensors by capture key
-(`parity.contract.llamacpp`: `<name>-<layer>`, `#2` for a layer's second tensor of that name) and overwrites
+(`parity.gguf.llamacpp`: `<name>-<layer>`, `#2` for a layer's second tensor of that name) and overwrites
 the tensors named in `overrides` right after llama.cpp computed them, before anything reads them (this is
 how a layer is run on a given input carrier: the rest of the graph consumes the written values).
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from llamacpp_engine import ggml
 from parity.contract.errors import ParityError
-from parity.contract.llamacpp import CACHE_ROWS, base_name, rows
+from parity.gguf.llamacpp import CACHE_ROWS, base_name, rows
 
 KV_TYPES = {"f32": 0, "f16": 1}   # ggml types of the K/V cache
 

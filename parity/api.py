@@ -336,7 +336,7 @@ def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str |
     """Run llama.cpp (engine `llamacpp`) greedily on `tokens` (+ `decode` steps, prefill in pieces of `chunk`) and
     write its capture file (`parity.tracing.importers`). Returns {path, n_tensors, tokens, flags}."""
     from parity.contract.errors import ParityError
-    from parity.contract.llamacpp import Capturer
+    from parity.gguf.llamacpp import Capturer
     from parity.tracing.importers import write_llamacpp_capture
 
     options = options or RunOptions(fp8_kv=False, fp4_indexer=False)

@@ -8,7 +8,7 @@
   (`hc_{attn,ffn}_pre_weights/_post_weights/_comb`) and the router (`ffn_moe_topk`, `ffn_moe_weights_scaled`).
   ds4 has no embedding dump, so an imported ds4 trace has no `embed` checkpoint.
 * llama.cpp captures (`v4parity capture llamacpp`, or the script in docs/peers.md for other builds): one `.npz`
-  keyed by llama.cpp eval-callback names (`parity.contract.llamacpp`; tokens on axis 0, `#2` for a layer's second
+  keyed by llama.cpp eval-callback names (`parity.gguf.llamacpp`; tokens on axis 0, `#2` for a layer's second
   tensor of a name) plus `input_ids`, `output_positions` (the positions of the `result_*` rows) and optionally
   `chunks`, `n_prompt` and `meta` (JSON: engine, engine_version, flags of the run). Every checkpoint and
   diagnostic is mapped (`hc_init` -> embed, `hc_attn_post-l` -> blk.l.attn, `l_last-l` -> blk.l, `result_norm` /
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract import llamacpp as lcp
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, trace_checkpoints
 from parity.contract.errors import TraceError
 from parity.contract.files import atomic_write
+from parity.gguf import llamacpp as lcp
 from parity.gguf.config import ModelConfig
 from parity.tracing.recorder import Recorder, resolve_full, resolve_positions
 from parity.tracing.records import SUBLAYERS, Trace, TraceHeader
@@ -196,7 +196,7 @@ CAPTURE_EXTRAS = ("input_ids", "output_positions", "chunks", "n_prompt", "meta")
 
 def write_llamacpp_capture(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
                            meta: dict[str, Any] | None = None) -> Path:
-    """Write a capture `.npz` (keys as in `parity.contract.llamacpp`, plus the extras), atomically."""
+    """Write a capture `.npz` (keys as in `parity.gguf.llamacpp`, plus the extras), atomically."""
     out = dict(arrays)
     if meta is not None:
         out["meta"] = np.array(json.dumps(meta, sort_keys=True))

@@ -15,15 +15,13 @@ Full table with shapes and caveats: docs/peers.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from parity.contract.engine import LayerDiag, LayerOutput
 from parity.contract.errors import TraceError
-
-if TYPE_CHECKING:
-    from parity.gguf.config import ModelConfig
+from parity.gguf.config import ModelConfig
 
 EMBED_NAME, NORM_NAME, LOGITS_NAME = "hc_init", "result_norm", "result_output"
 SECOND = "#2"
