@@ -87,6 +87,8 @@ def check_options(options: RunOptions, cache_mb: int) -> None:
         if getattr(options, name) != exact:
             raise ParityError(f"torch engine: {name}={getattr(options, name)} is not implemented "
                               f"(implemented: {exact})")
+    if options.engine_args:
+        raise ParityError(f"torch engine: takes no engine arguments (got {list(options.engine_args)})")
 
 
 def resolve_device(name: str) -> torch.device:

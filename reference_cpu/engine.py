@@ -40,6 +40,8 @@ def check_options(options: RunOptions, cfg: ModelConfig) -> None:
                           "faults live in the torch engine")
     if options.dtype not in DTYPES:
         raise ParityError(f"reference dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.engine_args:
+        raise ParityError(f"the reference engine takes no engine arguments (got {list(options.engine_args)})")
     check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "reference engine")
 
 
