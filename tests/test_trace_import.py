@@ -219,6 +219,23 @@ def test_llamacpp_capture_errors_are_clear(ref_run, tmp_path):
         import_llamacpp(_written(a, tmp_path), tokens=None, config=eng.config, model={})
 
 
+def test_llamacpp_capture_meta_is_checked_not_guessed(ref_run, tmp_path):
+    eng, results = ref_run
+    a = write_llamacpp_capture_like_llamacpp(results, eng.config)
+    meta = {"engine": "llamacpp", "engine_version": "0.3.36", "flags": {"kv": "f16"}}
+    t = import_llamacpp(write_llamacpp_capture(tmp_path / "m.npz", a, meta), tokens=None, config=eng.config,
+                        model={})
+    assert (t.header.engine, t.header.engine_version, t.header.flags["kv"]) == ("llamacpp", "0.3.36", "f16")
+    for bad, match in (({"engine": "llamacpp", "flags": {}}, "meta field 'engine_version' missing"),
+                       ({**meta, "flags": []}, "meta field 'flags' missing or not a dict"), ([1], "JSON object")):
+        with pytest.raises(TraceError, match=match):
+            import_llamacpp(write_llamacpp_capture(tmp_path / "m.npz", a, bad), tokens=None, config=eng.config,
+                            model={})
+    a["meta"] = np.array("{not json")
+    with pytest.raises(TraceError, match="meta is not JSON"):
+        import_llamacpp(_written(a, tmp_path), tokens=None, config=eng.config, model={})
+
+
 def test_ds4_prefix_ending_in_a_slash(direct, tiny_f32, tmp_path):
     """ds4 writes `<prefix>_<name>...`: with DS4_METAL_GRAPH_DUMP_PREFIX=dumps/ the files are dumps/_<name>..."""
     (tmp_path / "dumps").mkdir()

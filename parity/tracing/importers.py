@@ -260,9 +260,26 @@ def read_llamacpp_capture(source: str | os.PathLike | Mapping[str, np.ndarray],
     if (heads and len(out_pos) != n_out) or (len(out_pos) and (out_pos.min() < 0 or out_pos.max() >= T)):
         raise TraceError(f"{where}: output_positions ({len(out_pos)} entries) do not index the {n_out} result rows "
                          f"within {T} tokens")
-    meta = json.loads(str(arrays["meta"])) if "meta" in arrays else {}
+    meta = _capture_meta(arrays["meta"], where) if "meta" in arrays else {}
     tensors = {k: v for k, v in arrays.items() if k not in CAPTURE_EXTRAS}
     return LlamaCppCapture(tensors, ids, out_pos, chunks, n_prompt, meta)
+
+
+META_KEYS = {"engine": str, "engine_version": str, "flags": dict}  # what `v4parity capture llamacpp` writes
+
+
+def _capture_meta(raw: np.ndarray, where: str) -> dict[str, Any]:
+    """The capture's `meta`: a JSON object holding at least engine, engine_version (strings) and flags (object)."""
+    try:
+        meta = json.loads(str(raw))
+    except ValueError as e:
+        raise TraceError(f"{where}: meta is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise TraceError(f"{where}: meta must be a JSON object, got {type(meta).__name__}")
+    for key, kind in META_KEYS.items():
+        if not isinstance(meta.get(key), kind):
+            raise TraceError(f"{where}: meta field {key!r} missing or not a {kind.__name__}")
+    return meta
 
 
 def _per_token(cap: LlamaCppCapture, k: str, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -315,11 +332,11 @@ def import_llamacpp_capture(source: str | os.PathLike | Mapping[str, np.ndarray]
         dropped += _capture_diags(rec, cap, cfg, l, pos, names)
     known = set(names)
     unmapped = sorted(k for k in cap.tensors if k not in known)
-    meta = cap.meta
-    flags = {**meta.get("flags", {}), "imported": "llama.cpp capture", "import_dropped": dropped,
+    meta = cap.meta or {"engine": "llama.cpp", "engine_version": engine_version, "flags": {}}  # no meta: the arguments
+    flags = {**meta["flags"], "imported": "llama.cpp capture", "import_dropped": dropped,
              "import_unmapped": unmapped}
-    header = TraceHeader(engine=meta.get("engine", "llama.cpp"), engine_version=meta.get("engine_version",
-                         engine_version), model=model, dtype="float32", n_hc=H, dim=cfg.dim, top_k=top_k,
+    header = TraceHeader(engine=meta["engine"], engine_version=meta["engine_version"], model=model,
+                         dtype="float32", n_hc=H, dim=cfg.dim, top_k=top_k,
                          tokens=cap.tokens, n_prompt=cap.n_prompt, chunks=cap.chunks, decode=T - cap.n_prompt,
                          positions=pos.tolist(), checkpoints=keep, full=full_names, flags=flags)
     return Trace(header, **rec.tables(), vectors=rec.vectors())
