@@ -120,6 +120,11 @@ def test_malformed_official_json(tmp_path):
         read_official_json(_write(tmp_path, "bad.json", '{"schema": '))
     with pytest.raises(LogprobFileError, match="field 'source': missing"):   # never a guessed source
         read_official_json(_mutated(tmp_path, "ranked.official.json", lambda d: d.pop("source")))
+    # the id picks ds4_test's skip list: a missing one is refused, never read as "not a skipped case"
+    with pytest.raises(LogprobFileError, match="field 'id': missing"):
+        read_official_json(_mutated(tmp_path, "ranked.official.json", lambda d: d.pop("id")))
+    with pytest.raises(LogprobFileError, match="field 'id': expected str"):
+        read_official_json(_mutated(tmp_path, "ranked.official.json", lambda d: d.update(id=7)))
 
 
 def _write(tmp_path, name, text) -> str:

@@ -240,7 +240,9 @@ def read_official_json(path: str | os.PathLike) -> LogprobRun:
         # ds4's generator writes each kept logprob with %.9g; ds4_test reads it back as float32
         checked = [(t, f32(float(format(lp, ".9g")))) for t, lp in kept]
         steps.append(Step(i, sel, kept, None, len(top) - len(kept), checked))
-    meta = {k: doc[k] for k in ("id", "model", "finish_reason", "created_at") if isinstance(doc.get(k), str)}
+    # the case id picks ds4_test's skip list (DS4_TEST_SKIPPED): a file without one is refused, not guessed
+    meta = {"id": w.get(doc, "id", "str", None, "id")}
+    meta |= {k: doc[k] for k in ("model", "finish_reason", "created_at") if isinstance(doc.get(k), str)}
     if isinstance(doc.get("request"), dict) and isinstance(doc["request"].get("top_logprobs"), int):
         meta["top_k"] = doc["request"]["top_logprobs"]
     if isinstance(doc.get("usage"), dict) and isinstance(doc["usage"].get("prompt_tokens"), int):
