@@ -91,8 +91,8 @@ def test_float32_agrees_with_float64_oracle(model):
     r32 = run_sequence(ReferenceEngine(str(model), SIMS_OFF), PROMPT)
     r64 = run_sequence(ReferenceEngine(str(model), dataclasses.replace(SIMS_OFF, dtype="float64")), PROMPT)
     assert stack(r64, "blk.0").dtype == np.float64 and stack(r32, "blk.0").dtype == np.float32
-    for name in ["logits", "final_norm", "blk.5", "blk.2.attn"]:
-        assert rel(stack(r32, name), stack(r64, name)) < 1e-5, name
+    for name in ["logits", "final_norm", "blk.5", "blk.2.attn"]:  # measured 4.7e-7..7.9e-7 (realmix logits max)
+        assert rel(stack(r32, name), stack(r64, name)) < 2e-6, name
 
 
 def quantized_row_flips(a, b, cfg) -> tuple[int, int]:
