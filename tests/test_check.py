@@ -20,11 +20,12 @@ from test_bisect_engines import SUBOP
 
 from parity import api
 from parity.bisect.check import check
-from parity.bisect.inputs import CheckPreflightError
+from parity.bisect.inputs import CheckPreflightError, find_envelope
 from parity.bisect.search import builtin_prompt
 from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, engine_faults, load_engine
+from parity.contract.errors import ParityError
 from parity.tracing.runner import run_sequence
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -149,6 +150,25 @@ def test_envelope_found_by_model_hash_not_file_name(tiny_f32, clean_trace, tmp_p
     seen = []
     api.check(clean_trace, tiny_f32, envelope_search=[store], progress=seen.append)
     assert any("some-other-name.envelope.json" in m for m in seen), seen
+
+
+def test_a_corrupt_stored_envelope_is_reported_not_skipped(tmp_path):
+    # find_envelope once skipped an unreadable *.envelope.json, so `check` silently measured a new envelope (or
+    # said none was stored) while the file meant for this model sat broken in the search directory.
+    doc = json.loads(ENV_F32.read_text())
+    identity, qat = doc["model"], {"fp8_kv": True, "fp4_indexer": True}
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "b-good.envelope.json").write_text(ENV_F32.read_text())
+    assert find_envelope(identity, "float32", [store], qat) == store / "b-good.envelope.json"
+    assert find_envelope(identity, "float16", [store], qat) is None          # no such section: passed over
+    assert find_envelope(identity, "float32", [store], {"fp8_kv": False, "fp4_indexer": True}) is None
+    (store / "a-truncated.envelope.json").write_text(ENV_F32.read_text()[:100])
+    with pytest.raises(ParityError, match="a-truncated.envelope.json"):
+        find_envelope(identity, "float32", [store], qat)
+    (store / "a-truncated.envelope.json").write_text(json.dumps({**doc, "model": "tiny"}))
+    with pytest.raises(ParityError, match="a-truncated.envelope.json: malformed envelope"):
+        find_envelope(identity, "float32", [store], qat)
 
 
 def _write_ds4_dumps(prefix: Path, engine, tokens) -> None:

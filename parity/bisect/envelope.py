@@ -249,19 +249,20 @@ def save_envelope(path: str | os.PathLike, env: Envelope, model_identity: dict) 
     path = Path(path)
     doc = {"format": "v4parity-envelope", "version": ENVELOPE_VERSION, "model": model_identity, "dtypes": {}}
     if path.exists():
-        old = _read(path)
+        old = read_envelope(path)
         if same_model(old["model"], model_identity):
             doc["dtypes"] = old["dtypes"]
     doc["dtypes"][env.dtype] = asdict(env)
     return atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
-def _read(path: Path) -> dict:
+def read_envelope(path: Path) -> dict:
+    """The whole envelope document; an unreadable file or one of another format or version is a ParityError."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ParityError(f"cannot read envelope {path}: {e}") from None
-    if doc.get("format") != "v4parity-envelope" or doc.get("version") != ENVELOPE_VERSION:
+    if not isinstance(doc, dict) or doc.get("format") != "v4parity-envelope" or doc.get("version") != ENVELOPE_VERSION:
         raise ParityError(f"{path}: not a v4parity envelope of version {ENVELOPE_VERSION}; "
                           "regenerate it with `v4parity envelope`")
     return doc
@@ -270,7 +271,7 @@ def _read(path: Path) -> dict:
 def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | None = None) -> Envelope:
     """The `dtype` section of an envelope file; refuses a file measured on another model (`same_model`)."""
     path = Path(path)
-    doc = _read(path)
+    doc = read_envelope(path)
     if model_identity is not None and not same_model(doc["model"], model_identity):
         raise ParityError(f"{path} was measured on model {doc['model']}, not {model_identity}")
     if dtype not in doc["dtypes"]:

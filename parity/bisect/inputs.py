@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope, load_envelope
+from parity.bisect.envelope import Envelope, load_envelope, read_envelope
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import same_model
@@ -85,17 +84,21 @@ def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any]) -> No
 def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike],
                   qat: dict[str, bool]) -> Path | None:
     """The first `*.envelope.json` in the `search` directories measured on this model (`same_model`) with a
-    `dtype` section calibrated with the QAT flags `qat` ({"fp8_kv": .., "fp4_indexer": ..}), or None."""
+    `dtype` section calibrated with the QAT flags `qat` ({"fp8_kv": .., "fp4_indexer": ..}), or None. A file of
+    another model, without that section or calibrated otherwise is passed over; an unreadable or malformed one is
+    an error naming it (never skipped: it may be the envelope meant for this model)."""
     for d in search:
         for p in sorted(Path(d).glob("*.envelope.json")) if Path(d).is_dir() else ():
+            doc = read_envelope(p)
             try:
-                doc = json.loads(p.read_text())
-                model, section = doc["model"], doc["dtypes"][dtype]
-                calibration = {k: section["calibration"][k] for k in qat}
-            except (OSError, json.JSONDecodeError, KeyError, TypeError):
-                continue
-            if isinstance(model, dict) and {"size", "header_sha256"} <= set(model) and \
-                    same_model(model, identity) and calibration == qat:
+                model, sections = doc["model"], doc["dtypes"]
+                if not {"size", "header_sha256"} <= set(model):
+                    raise KeyError("model size / header_sha256")
+                calibration = {k: sections[dtype]["calibration"][k] for k in qat} if dtype in sections else None
+            except (KeyError, TypeError) as e:
+                raise ParityError(f"{p}: malformed envelope (missing or mistyped {e}); regenerate it with "
+                                  "`v4parity envelope` or move it out of the search directory") from None
+            if calibration == qat and same_model(model, identity):
                 return p
     return None
 
