@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -167,7 +166,10 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
 
         bisect_page(html_path, report)
         _stderr(f"html: {html_path}")
-    click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.summary)
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        click.echo(report.summary)
     sys.exit(1 if report.verdict == "defect" else 0)
 
 
