@@ -56,6 +56,7 @@ def test_verification_width_q_tokens_equal_q_decode_steps(engine):
         steps = [forward_chunk(engine, s_step, toks[i : i + 1], 124 + i, capture=True) for i in range(q)]
         for name in (*checkpoint_names(6), "blk.3.attn"):
             a, b = wide.checkpoints[name], np.concatenate([r.checkpoints[name] for r in steps])
+            # measured 1.04e-6 max (batched vs single-row matmul summation order)
             assert max(_rel(a[i], b[i]) for i in range(q)) < 2e-6, f"q={q} {name}"
         for l in range(6):
             np.testing.assert_array_equal(wide.diags[l].expert_ids, np.concatenate([r.diags[l].expert_ids
@@ -64,14 +65,14 @@ def test_verification_width_q_tokens_equal_q_decode_steps(engine):
                 a, b = wide.captures[l][key], steps[-1].captures[l][key]
                 assert a.shape == b.shape, f"q={q} layer {l} {key}: {a.shape} vs {b.shape}"
                 if a.size:
-                    assert _rel(a, b) < 2e-6
+                    assert _rel(a, b) < 2e-6  # measured 2.9e-7 max
             # the emitted rows are the ones the q tokens complete
             m = engine.cfg.compress_ratios[l]
             if m:
                 assert wide.captures[l]["comp_rows"].shape[0] == (124 + q) // m
             cb, cs = s_batch.layers[l], s_step.layers[l]
             assert cb.pos == cs.pos == 124 + q
-            assert _rel(cb.raw.numpy(), cs.raw.numpy()) < 2e-6
+            assert _rel(cb.raw.numpy(), cs.raw.numpy()) < 2e-6  # measured 8.0e-7 max
 
 
 def test_e4m3_rounding_matches_torch_float8_cast():
