@@ -263,6 +263,29 @@ def test_json_errors_from_the_entry_point_include_parse_errors(tmp_path):
     assert r.returncode == 2 and err["exit_code"] == 2 and "missing.trace" in err["error"] and r.stderr == ""
 
 
+def test_every_json_command_reports_its_errors_as_json():
+    from parity.cli.common import json_errors
+
+    wrapped = json_errors(lambda: None).__code__
+
+    def has_json_errors(fn):
+        while fn is not None:
+            if getattr(fn, "__code__", None) is wrapped:
+                return True
+            fn = getattr(fn, "__wrapped__", None)
+        return False
+
+    json_commands = [(name, cmd) for name, cmd in _commands(cli) if any(p.name == "as_json" for p in cmd.params)]
+    assert "capture llamacpp" in dict(json_commands)
+    assert [name for name, cmd in json_commands if not has_json_errors(cmd.callback)] == []
+
+
+def test_capture_usage_error_with_json_is_a_json_object(traces, tmp_path):
+    res = run("capture", "llamacpp", "-m", traces["model"], "--tokens", "1", "--prompt", "x", "-o",
+              tmp_path / "c.npz", "--json", ok=False)
+    assert res.exit_code == 2 and "exactly one of" in json.loads(res.output)["error"]
+
+
 def test_every_command_help_has_an_example():
     assert [name for name, cmd in _commands(cli) if "Example" not in (cmd.help or "")] == []
 

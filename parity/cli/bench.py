@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from parity.cli.common import device_option, echo_json, json_option
+from parity.cli.common import device_option, echo_json, json_errors, json_option
 from parity.contract.files import atomic_write_text
 
 ENGINES = ("reference", "torch")
@@ -31,7 +31,8 @@ ENGINES = ("reference", "torch")
 @click.option("--quick", is_flag=True,
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
-@json_option(help="Print the report as JSON on stdout instead of the tables.")
+@json_option(help="Print the report as JSON on stdout instead of the tables (errors too).")
+@json_errors
 def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, torch_threads: int, quick: bool,
           as_json: bool) -> None:
     """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from parity.cli.common import json_option, model_option
+from parity.cli.common import echo_json, json_errors, json_option, model_option
 
 KV_CHOICES = ("f32", "f16")
 
@@ -45,6 +45,7 @@ def capture() -> None:
 @lcp_options
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Capture file (.npz).")
 @json_option()
+@json_errors
 def llamacpp(model, tokens, tokens_file, prompt, decode, chunk, lcp_kv, lcp_flash_attn, lcp_threads, output,
              as_json) -> None:
     """Run llama.cpp (llama-cpp-python, CPU, all logits) and write every tensor v4parity maps, keyed by llama.cpp's
@@ -55,8 +56,6 @@ def llamacpp(model, tokens, tokens_file, prompt, decode, chunk, lcp_kv, lcp_flas
     Example: v4parity capture llamacpp -m tiny-f32.gguf --tokens 0,5,7,9 --decode 4 -o cap.npz
              v4parity import llama.cpp cap.npz --model tiny-f32.gguf -o lcp.trace
     """
-    import json
-
     from parity import api
     from parity.cli.trace import resolve_tokens
     from parity.contract.engine import RunOptions
@@ -66,7 +65,7 @@ def llamacpp(model, tokens, tokens_file, prompt, decode, chunk, lcp_kv, lcp_flas
                          **lcp_run_options("llamacpp", lcp_kv, lcp_flash_attn, lcp_threads))
     info = api.capture_llamacpp(model, ids, output, decode=decode, chunk=chunk, options=options)
     if as_json:
-        click.echo(json.dumps({**info, "path": str(info["path"])}))
+        echo_json({**info, "path": str(info["path"])})
     else:
         click.echo(f"wrote {info['path']}: {info['n_tensors']} tensors, {len(info['tokens'])} tokens "
                    f"({len(ids)} prompt + {decode} decode); {', '.join(info['flags'].get('engine_args', []))}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from parity.cli.common import html_option, json_option, model_option
+from parity.cli.common import html_option, json_errors, json_option, model_option
 from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def progress_printer() -> Callable[[Tick], None]:
 @json_option(help="Print report.json instead of the Markdown summary (errors as JSON too).")
 @html_option()
 @click.pass_context
+@json_errors
 def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode, seed, workers, ray, budget, top_k,
              tie_margin, drift_tol, pins, output, resume, as_json, html_path) -> None:
     """Validate an approximate path against the exact path over n prompts: token divergence (TIE-FLIP / DRIFT /
