@@ -14,13 +14,14 @@ from pathlib import Path
 
 from parity.contract.engine import engine_class
 from parity.contract.errors import ParityError
+from parity.contract.files import atomic_write_bytes
 from parity.gguf.weights import Weights
 from parity.validate import executors, stats
 from parity.validate.budget import check_names, parse_budget
 from parity.validate.prompts import Prompt, build_prompts
 from parity.validate.report import plot_report, render_markdown
 from parity.validate.spec import approx_keys, explicit_exact, parse_spec
-from parity.validate.store import ResultWriter, StoreError, dumps, read_config, read_results, start, write_atomic
+from parity.validate.store import ResultWriter, StoreError, dumps, read_config, read_results, start
 from parity.validate.summary import metric_names, summarize
 from parity.validate.worker import MAIN, PIN, Job, Task
 
@@ -141,13 +142,13 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
               "alpha": stats.ALPHA, "beta": stats.BETA, **summary,
               "records": [{k: v for k, v in r.items() if k not in TIMES}
                           for r in sorted(main, key=lambda r: r["index"])]}
-    write_atomic(out / REPORT, (json.dumps(json.loads(dumps(report)), indent=1, sort_keys=True) + "\n").encode())
-    write_atomic(out / MARKDOWN, render_markdown(report).encode())
+    atomic_write_bytes(out / REPORT, (json.dumps(json.loads(dumps(report)), indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(out / MARKDOWN, render_markdown(report).encode())
     plot_report(report, out / FIGURE)
     timing = {"executor": executor.describe(), "wall_s_this_session": wall, "tasks_this_session": len(todo),
               "tasks": len(tasks), "engine_wall_s_all_tasks": sum(r["seconds"] for r in records),
               "engine_cpu_s_all_tasks": sum(r["cpu_seconds"] for r in records),
               "engine_wall_s_per_prompt": sum(r["seconds"] for r in main) / len(main),
               "engine_cpu_s_per_prompt": sum(r["cpu_seconds"] for r in main) / len(main)}
-    write_atomic(out / TIMING, (json.dumps(timing, indent=2) + "\n").encode())
+    atomic_write_bytes(out / TIMING, (json.dumps(timing, indent=2) + "\n").encode())
     return report

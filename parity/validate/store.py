@@ -23,10 +23,6 @@ class StoreError(ParityError):
     """An output directory that cannot be started or resumed."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    atomic_write_bytes(path, data)
-
-
 def dumps(obj: object) -> str:
     """Canonical JSON: sorted keys; a non-finite float becomes the string "inf" / "-inf" / "nan" (as in the
     logprob reports), never the non-JSON NaN token. numpy reads those strings back as floats."""
@@ -39,7 +35,7 @@ def start(out: Path, config: dict) -> None:
     if (out / CONFIG).exists() or (out / RESULTS).exists():
         raise StoreError(f"{out} already holds a validation run: continue it with --resume {out}, or choose "
                          "another -o")
-    write_atomic(out / CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(out / CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
     (out / RESULTS).touch()
 
 
@@ -65,7 +61,7 @@ def read_results(out: Path) -> list[dict]:
         except json.JSONDecodeError:
             raise StoreError(f"{path}:{no}: not a JSON record (the file was edited or corrupted)") from None
     if tail:
-        write_atomic(path, b"".join(line + b"\n" for line in complete))
+        atomic_write_bytes(path, b"".join(line + b"\n" for line in complete))
     return records
 
 
