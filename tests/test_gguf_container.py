@@ -314,6 +314,12 @@ def test_identity_covers_the_tensor_data_and_reads_the_old_form(tmp_path):
     old = {k: a[k] for k in ("file", "size", "header_sha256")}
     assert same_model(old, b) and same_model(b, old)  # an old identity is compared on what it carries
     assert not same_model(old, {**b, "size": b["size"] + 1})
+    for key in ("size", "header_sha256"):  # a key neither identity carries is no evidence of the same model
+        partial = {k: v for k, v in old.items() if k != key}
+        with pytest.raises(ParityError, match=f"model identity without '{key}'"):
+            same_model(partial, partial)
+    with pytest.raises(ParityError, match="without 'file'"):
+        same_model(a, {k: v for k, v in c.items() if k != "file"}, compare_file=True)
 
 
 def test_data_hash_samples_the_documented_blocks(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from parity.contract.errors import GGUFError, TensorError
+from parity.contract.errors import GGUFError, ParityError, TensorError
 from parity.gguf.config import ModelConfig, config_from_metadata
 from parity.gguf.container import GGUFFile, TensorInfo
 
@@ -159,7 +159,10 @@ def same_model(a: dict, b: dict, *, compare_file: bool = False) -> bool:
     written before the data hash lack it), the data hash; the file name only with `compare_file`."""
     keys = ["size", "header_sha256"] + (["data_sha256"] if "data_sha256" in a and "data_sha256" in b else [])
     keys += ["file"] if compare_file else []
-    return all(a.get(k) == b.get(k) for k in keys)
+    missing = [k for k in keys for ident in (a, b) if k not in ident]
+    if missing:  # two identities that both lack a key would otherwise compare equal on it
+        raise ParityError(f"model identity without {missing[0]!r}: cannot tell whether two models are the same")
+    return all(a[k] == b[k] for k in keys)
 
 
 def _check_finite(arr: np.ndarray, what: str) -> None:
