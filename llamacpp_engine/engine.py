@@ -83,6 +83,9 @@ def check_options(options: RunOptions) -> None:
                           "with --no-fp8-kv --no-fp4-indexer (the reference then omits them too)")
     if options.inject:
         raise ParityError(f"llamacpp: llama.cpp cannot inject faults (got {list(options.inject)})")
+    if options.device != "cpu":
+        raise ParityError(f"llamacpp: llama.cpp runs its CPU backend here; device {options.device!r} is the torch "
+                          "engine's option")
     if options.expert_override is not None:
         raise ParityError("llamacpp: llama.cpp cannot replay another engine's expert choices (routing replay)")
     if options.act_quant != "none":

@@ -42,6 +42,9 @@ def check_options(options: RunOptions, cfg: ModelConfig) -> None:
         raise ParityError(f"reference dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
     if options.engine_args:
         raise ParityError(f"the reference engine takes no engine arguments (got {list(options.engine_args)})")
+    if options.device != "cpu":
+        raise ParityError(f"the reference engine (NumPy) runs on the CPU; device {options.device!r} is the torch "
+                          "engine's option")
     check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "reference engine")
 
 

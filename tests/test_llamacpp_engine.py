@@ -103,6 +103,7 @@ def test_options_llamacpp_cannot_honour_are_refused(tiny_f32):
         load_engine("llamacpp", str(tiny_f32), RunOptions())
     for opts, msg in ((replace(LCP, dtype="float64"), "computes in float32"),
                       (replace(LCP, inject=("x",)), "cannot inject faults"),
+                      (replace(LCP, device="cuda"), "runs its CPU backend here; device 'cuda'"),
                       (replace(LCP, act_quant="q8_0"), "act_quant=q8_0"),
                       (replace(OFF, engine_args=("lcp_threds=2",)), "unknown engine argument 'lcp_threds=2'"),
                       (replace(OFF, engine_args=("lcp_threads=two",)), "lcp_threads='two'")):

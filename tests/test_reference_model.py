@@ -265,6 +265,8 @@ def test_options_are_refused_with_clear_errors(tiny_f32):
         ReferenceEngine(str(tiny_f32), RunOptions(dtype="bfloat16"))
     with pytest.raises(ParityError, match=r"no engine arguments \(got \['lcp_flash=on'\]\)"):
         ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("lcp_flash=on",)))
+    with pytest.raises(ParityError, match="runs on the CPU; device 'auto'"):
+        ReferenceEngine(str(tiny_f32), RunOptions(device="auto"))
     cfg = ReferenceEngine(str(tiny_f32), RunOptions()).config
     odd = dataclasses.replace(cfg, head_dim=80)  # nope = 48, not a multiple of 64
     with pytest.raises(ParityError, match="fp8-kv"):
