@@ -14,7 +14,7 @@ from parity.validate import stats
 from parity.validate.budget import BudgetError, check_names, judge, parse_budget
 from parity.validate.prompts import PromptError, boundary_prompts, boundary_shapes, build_prompts
 from parity.validate.spec import SpecError, approx_keys, explicit_exact, parse_spec
-from parity.validate.store import RESULTS, ResultWriter, StoreError, read_results, start
+from parity.validate.store import CONFIG, RESULTS, ResultWriter, StoreError, read_config, read_results, start
 from parity.validate.summary import metric_names, summarize
 
 Z975, Z80 = 1.959963984540054, 0.8416212335729143  # standard normal quantiles (tables)
@@ -258,6 +258,17 @@ def test_results_survive_a_cut_last_line(tmp_path):
     assert (tmp_path / RESULTS).read_bytes().endswith(b"}\n")
     with pytest.raises(StoreError, match="already holds a validation run"):
         start(tmp_path, {"x": 1})
+
+
+def test_a_corrupt_config_is_a_store_error_on_resume(tmp_path):
+    start(tmp_path, {"x": 1})
+    assert read_config(tmp_path) == {"x": 1}
+    (tmp_path / CONFIG).write_text('{"x": ')
+    with pytest.raises(StoreError, match="cannot read config.json"):
+        read_config(tmp_path)
+    (tmp_path / CONFIG).write_text("[1]")
+    with pytest.raises(StoreError, match="not a JSON object"):
+        read_config(tmp_path)
 
 
 def test_non_finite_values_are_stored_as_strings_and_never_pass_a_budget(tmp_path):

@@ -43,7 +43,13 @@ def read_config(out: Path) -> dict:
     path = out / CONFIG
     if not path.exists():
         raise StoreError(f"--resume {out}: no {CONFIG} there (not a validation output directory)")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"--resume {out}: cannot read {CONFIG} ({e}; the file was edited or corrupted)") from None
+    if not isinstance(config, dict):
+        raise StoreError(f"--resume {out}: {CONFIG} is not a JSON object (the file was edited or corrupted)")
+    return config
 
 
 def read_results(out: Path) -> list[dict]:
