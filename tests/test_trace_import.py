@@ -231,6 +231,10 @@ def test_llamacpp_capture_meta_is_checked_not_guessed(ref_run, tmp_path):
         with pytest.raises(TraceError, match=match):
             import_llamacpp(write_llamacpp_capture(tmp_path / "m.npz", a, bad), tokens=None, config=eng.config,
                             model={})
+    for chunks in ([0, 21], [22, -1]):   # sums to the 21 tokens, but a chunk of 0 or fewer tokens is no chunk
+        with pytest.raises(TraceError, match=r"chunks \[.*\] / n_prompt 18 do not fit the 21 input_ids"):
+            import_llamacpp(_written({**a, "chunks": np.array(chunks)}, tmp_path), tokens=None, config=eng.config,
+                            model={})
     a["meta"] = np.array("{not json")
     with pytest.raises(TraceError, match="meta is not JSON"):
         import_llamacpp(_written(a, tmp_path), tokens=None, config=eng.config, model={})

@@ -242,7 +242,7 @@ def read_llamacpp_capture(source: str | os.PathLike | Mapping[str, np.ndarray],
     T = len(ids)
     chunks = [int(c) for c in arrays["chunks"]] if "chunks" in arrays else [T]
     n_prompt = int(arrays["n_prompt"]) if "n_prompt" in arrays else T
-    if sum(chunks) != T or not 1 <= n_prompt <= T:
+    if sum(chunks) != T or min(chunks, default=0) < 1 or not 1 <= n_prompt <= T:
         raise TraceError(f"{where}: chunks {chunks} / n_prompt {n_prompt} do not fit the {T} input_ids")
     prefill = 0
     for i, c in enumerate(chunks):
