@@ -145,6 +145,10 @@ def test_gate_bad_tolerances_and_preflight(traces, tmp_path):
     bad.write_text(json.dumps({"default": {"rel_tool": 1}}))
     res = run("gate", "--golden", traces["ref"], "--candidate", traces["torch"], "--tolerances", bad, ok=False)
     assert "unknown key(s) ['rel_tool']" in str(res.exception)
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"checkpoints": {"blk.*.atn": {"rel_tol": 1}}}))
+    res = run("gate", "--golden", traces["ref"], "--candidate", traces["torch"], "--tolerances", typo, ok=False)
+    assert "pattern(s) ['blk.*.atn'] match no compared checkpoint" in str(res.exception)
     res = run("gate", "--golden", GOLDEN_DIR / "tiny-f32.trace", "--candidate", traces["torch"], ok=False)
     assert res.exit_code == 2 and "preflight" in res.output
 

@@ -5,8 +5,9 @@ Tolerance file (JSON, or TOML with a .toml extension):
      "checkpoints": {"final_norm": {"rel_tol": 2e-3}, "blk.*.attn": {"rel_tol": 1e-3}},
      "require_top1": true}
 Checkpoint keys are shell patterns (fnmatch); the first matching key in file order wins. Unknown
-keys are an error. The result reports, per failing checkpoint, the smallest tolerance that would
-have passed, and renders as JUnit XML and a Markdown summary.
+keys, and a pattern that matches no compared checkpoint (a typo would silently leave the default), are
+an error. The result reports, per failing checkpoint, the smallest tolerance that would have passed, and
+renders as JUnit XML and a Markdown summary.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
     """Diff candidate against golden and judge every checkpoint by its own tolerance."""
     tol = load_tolerances(tolerances)
     report = diff_traces(golden, candidate, Thresholds(), force=force)
+    compared = report.table["checkpoint"].unique().tolist()
+    unmatched = [pat for pat, _ in tol.checkpoints if not any(fnmatch.fnmatchcase(c, pat) for c in compared)]
+    if unmatched:
+        raise ParityError(f"tolerances: checkpoint pattern(s) {unmatched} match no compared checkpoint "
+                          f"(compared: {', '.join(compared)})")
     cases = []
     for name, rows in report.table.groupby("checkpoint", sort=False):
         th = tol.for_checkpoint(name)
