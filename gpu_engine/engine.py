@@ -35,7 +35,7 @@ from gpu_engine.ops import (
     rope_frequencies,
 )
 from gpu_engine.weights import UNQUANTIZED, DeviceWeights
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes, check_tokens
 from parity.contract.errors import ParityError
 
 __version__ = "0.1.0"
@@ -196,12 +196,8 @@ class TorchEngine:
         return TorchState([new_layer_cache(self.cfg, r, self.device, self.act) for r in self.ratios])
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise ParityError(f"embed expects a non-empty 1-D token array, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-            raise ParityError(f"token id out of range [0, {self.cfg.vocab_size}): {tokens.min()}..{tokens.max()}")
-        e = self.w.rows("token_embd.weight", torch.from_numpy(tokens.astype(np.int64)).to(self.device))
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "embed")
+        e = self.w.rows("token_embd.weight", torch.from_numpy(tokens).to(self.device))
         return self._out(e[:, None, :].expand(-1, self.cfg.hc_mult, -1))
 
     def forward_layer(self, state: TorchState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
@@ -218,10 +214,7 @@ class TorchEngine:
                               f"[n >= 1, {cfg.hc_mult}, {cfg.dim}]")
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
-        if np.min(tokens) < 0 or np.max(tokens) >= cfg.vocab_size:
-            raise ParityError(f"layer {layer}: token id out of range [0, {cfg.vocab_size}): "
-                              f"{np.min(tokens)}..{np.max(tokens)}")
-        tok = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        tok = torch.from_numpy(check_tokens(tokens, cfg.vocab_size, f"layer {layer}")).to(self.device)
         with torch.inference_mode():
             res = block_forward(self.w, cfg, self.ops, self.plans[layer], cache, self._in(carrier), tok, start_pos,
                                 self.options.expert_override, capture)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from parity.contract.engine import LayerOutput, RunOptions, check_qat_shapes
+from parity.contract.engine import LayerOutput, RunOptions, check_qat_shapes, check_tokens
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import Weights
@@ -89,12 +89,7 @@ class ReferenceEngine:
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """tokens [n] -> carrier [n, H, D]: H copies of the embedding row, no scaling (spec residual-ffn §6)."""
-        tokens = np.asarray(tokens)
-        V = self.config.vocab_size
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ParityError(f"embed expects a non-empty 1-D token array, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ParityError(f"token id outside [0, {V}): {tokens.min()}..{tokens.max()}")
+        tokens = check_tokens(tokens, self.config.vocab_size, "embed")
         return hc_init(self.store.rows("token_embd.weight", tokens), self.config.hc_mult)
 
     def forward_layer(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,

@@ -172,7 +172,7 @@ def test_options_errors_and_announcements(tiny_f32, capsys):
     e = TorchEngine(str(tiny_f32), RunOptions())
     with pytest.raises(ParityError, match="cache holds positions"):
         e.forward_layer(e.new_state(), 0, e.embed(np.array([3])), np.array([3]), start_pos=5)
-    with pytest.raises(ParityError, match="token id out of range"):
+    with pytest.raises(ParityError, match=r"embed: token id outside \[0, 290\): 290..290"):
         e.embed(np.array([290]))
     with pytest.raises(ParityError, match="non-empty 1-D"):
         e.embed(np.array([], dtype=np.int64))
@@ -287,7 +287,7 @@ def test_out_of_range_hash_routing_id_is_refused_at_load(tiny_f32, tmp_path, val
 
 def test_token_id_out_of_range_in_forward_layer(engine):
     X = engine.embed(np.array([3]))
-    with pytest.raises(ParityError, match=r"layer 0: token id out of range \[0, 290\)"):
+    with pytest.raises(ParityError, match=r"layer 0: token id outside \[0, 290\)"):
         engine.forward_layer(engine.new_state(), 0, X, np.array([290]), start_pos=0)
 
 
