@@ -9,7 +9,7 @@ from fake_engine import FakeEngine
 from requires import require
 
 from parity.cli import cli
-from parity.compare.arbitration import arbitrate_runs, clusters
+from parity.compare.arbitration import Arbitration, CheckpointClusters, arbitrate_runs, clusters
 from parity.tracing.runner import all_tokens, run_sequence
 
 PROMPT = [0, 5, 7, 9, 11, 13, 15, 17]
@@ -50,6 +50,13 @@ def test_arbitrate_cli_peers_agree(tiny_f32):
     assert doc["first_split"] is None and doc["greedy_disagreements"] == {"llamacpp": 0, "hf": 0}
     assert all(c["clusters"] == [["reference", "llamacpp", "hf"]] for c in doc["checkpoints"])
     assert max(v for c in doc["checkpoints"] for v in c["pairs"].values()) < 1e-5
+
+
+def test_json_of_a_non_finite_pair_is_strict_json():
+    """rel_l2 is inf on a non-finite candidate; strict JSON (the CLI's) spells it "inf" instead of failing."""
+    c = CheckpointClusters("blk.0", 1e-4, (("a",), ("b",)), {"a~b": float("inf")})
+    a = Arbitration(("a", "b"), (0,), 1, (c,), "blk.0", ("b",), {})
+    assert json.loads(json.dumps(a.to_json(), allow_nan=False))["checkpoints"][0]["pairs"] == {"a~b": "inf"}
 
 
 def test_arbitrate_needs_two_engines(tiny_f32):
