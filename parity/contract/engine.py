@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from parity.contract.errors import ParityError
+
 if TYPE_CHECKING:
     from parity.gguf.config import ModelConfig
 
@@ -43,8 +45,6 @@ class RunOptions:
     def __post_init__(self) -> None:
         for name, allowed in NUMERICS_CHOICES.items():
             if getattr(self, name) not in allowed:
-                from parity.contract.errors import ParityError
-
                 raise ParityError(f"run option {name}={getattr(self, name)!r}; expected one of {', '.join(allowed)}")
 
     def flags(self) -> dict[str, Any]:
@@ -71,8 +71,6 @@ NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
 def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, engine: str) -> None:
     """The QAT simulations need whole blocks: FP8 blocks of 64 KV nope dims, FP4 blocks of 32 indexer dims.
     One check for every engine, naming the option to turn off."""
-    from parity.contract.errors import ParityError
-
     if options.fp8_kv and nope_dim % 64:
         raise ParityError(f"{engine}: --fp8-kv needs head_dim - rope_head_dim = {nope_dim} to be a multiple of 64 "
                           "(FP8 blocks of 64); run with --no-fp8-kv")
@@ -83,8 +81,6 @@ def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, en
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
     """Token ids as int64 [n]: a non-empty 1-D array inside [0, vocab_size), else a ParityError naming `where`."""
-    from parity.contract.errors import ParityError
-
     tokens = np.asarray(tokens, dtype=np.int64)
     if tokens.ndim != 1 or len(tokens) == 0:
         raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {tokens.shape}")
@@ -95,8 +91,6 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
 
 def check_expert_ids(ids: np.ndarray, n_experts: int, where: str) -> None:
     """Expert ids (routing replay or a hash-routing table) must lie in [0, n_experts); names `where`."""
-    from parity.contract.errors import ParityError
-
     ids = np.asarray(ids)
     bad = (ids < 0) | (ids >= n_experts)
     if bad.any():
@@ -183,8 +177,6 @@ def engine_class(name: str) -> type:
     """The class registered as `name` under the entry-point group (its module is imported by the entry point)."""
     eps = available_engines()
     if name not in eps:
-        from parity.contract.errors import ParityError
-
         raise ParityError(f"unknown engine {name!r}; registered: {', '.join(sorted(eps)) or 'none'}")
     return eps[name].load()
 
