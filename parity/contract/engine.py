@@ -81,9 +81,12 @@ def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, en
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
     """Token ids as int64 [n]: a non-empty 1-D array inside [0, vocab_size), else a ParityError naming `where`."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    if tokens.ndim != 1 or len(tokens) == 0:
-        raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {tokens.shape}")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or len(arr) == 0:
+        raise ParityError(f"{where}: expected a non-empty 1-D token array, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":  # a cast would truncate 3.7 to token 3
+        raise ParityError(f"{where}: token ids must be integers, got dtype {arr.dtype}")
+    tokens = arr.astype(np.int64)
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise ParityError(f"{where}: token id outside [0, {vocab_size}): {tokens.min()}..{tokens.max()}")
     return tokens
