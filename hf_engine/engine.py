@@ -177,15 +177,15 @@ class HFEngine:
             kv = got["kv_norm"][:, None]                        # [1, 1, n, hd]
             derope = got["o_a_proj"].reshape(1, n, cfg.n_heads, cfg.head_dim).transpose(1, 2)
             cache = state.cache.layers[layer]
-            rows = getattr(cache, "compressed_kv", {})
+            rows = cache.compressed_kv if r else {}   # None until the layer's first block completes
             caps = {
                 "hc_attn_pre": self._np(got["attn_hc"][2][0]), "attn_norm": self._np(got["input_layernorm"][0]),
                 "q_path": self._np(q[0].transpose(0, 1)), "kv_latent": self._np(kv[0, 0]),
                 "rope_q": self._np(apply_rotary_pos_emb(q, cos, sin)[0].transpose(0, 1)),
                 "rope_kv": self._np(apply_rotary_pos_emb(kv, cos, sin)[0, 0]),
-                "comp_rows": (self._np(rows["compressor"][0]) if r and rows.get("compressor") is not None
+                "comp_rows": (self._np(rows["compressor"][0]) if r and rows["compressor"] is not None
                               else np.zeros((0, cfg.head_dim), self.options.dtype)),
-                "index_rows": (self._np(rows["indexer"][0]) if cfg.has_indexer(layer) and rows.get("indexer")
+                "index_rows": (self._np(rows["indexer"][0]) if cfg.has_indexer(layer) and rows["indexer"]
                                is not None else np.zeros((0, cfg.index_head_dim), self.options.dtype)),
                 "index_sel": sel if sel is not None else np.full((n, cfg.index_topk), -1, np.int64),
                 "attn_heads": self._np(apply_rotary_pos_emb(derope, cos, sin)[0].transpose(0, 1)),
