@@ -222,6 +222,11 @@ def default_envelope_path(model: str | os.PathLike) -> Path:
     return Path("traces") / (Path(model).stem + ".envelope.json")
 
 
+def _envelope_search(model: str | os.PathLike) -> list[Path]:
+    """Where `bisect` and `check` look for a stored envelope: the model's directory, then where `envelope` saves."""
+    return [Path(model).parent, default_envelope_path(model).parent]
+
+
 def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
                      progress: Callable[[str], None] | None = None,
                      counter: Callable[[str, int, int | None], None] | None = None) -> Any:
@@ -262,7 +267,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
         raise TraceError(f"envelope file {envelope} does not exist")
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     ref = load_engine("reference", str(model), RunOptions(**qat))  # its identity: the GGUF is hashed once here
-    found = envelope_for(ref.identity, options.dtype, envelope, [Path(model).parent, Path("traces")], qat)
+    found = envelope_for(ref.identity, options.dtype, envelope, _envelope_search(model), qat)
     if found is not None:
         env, path = found
         say(f"envelope: {path} ({options.dtype})")
@@ -307,7 +312,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
     preflight(trace_, config, identity)
-    search = envelope_search if envelope_search is not None else [Path(model).parent, Path("traces")]
+    search = envelope_search if envelope_search is not None else _envelope_search(model)
     ref_options, _ = reference_options(trace_)
     qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
     found = envelope_for(identity, trace_.header.dtype, envelope, search, qat)
