@@ -61,18 +61,6 @@ def max_abs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(_rows(b) - _rows(a)).max(axis=1)
 
 
-def rms_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sqrt(mean((b - a)^2)) per row (ds4's hc_rms)."""
-    d = _rows(b) - _rows(a)
-    return np.sqrt(np.einsum("ni,ni->n", d, d) / d.shape[1])
-
-
-def rel_diff_sglang(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """||a - b||^2 / (||a||^2 + ||b||^2) per row (SGLang/DeepGEMM `calc_rel_diff`; symmetric NMSE)."""
-    d = l2(_rows(b) - _rows(a)) ** 2
-    return d / (l2(a) ** 2 + l2(b) ** 2)
-
-
 def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per row |set(a) ∩ set(b)| / max(|set(a)|, |set(b)|), ignoring -1 padding; 1 for two empty rows
     (expert ids, indexer selections).
@@ -91,11 +79,6 @@ def sqnr_from_rel_l2(r: np.ndarray | float) -> np.ndarray:
     """SQNR dB = -20 log10(rel_l2)."""
     with np.errstate(divide="ignore"):
         return -20.0 * np.log10(np.asarray(r, dtype=np.float64))
-
-
-def rel_l2_from_sqnr(db: np.ndarray | float) -> np.ndarray:
-    """rel_l2 = 10^(-SQNR/20)."""
-    return 10.0 ** (-np.asarray(db, dtype=np.float64) / 20.0)
 
 
 def cosine_at_rel_l2(r: np.ndarray | float) -> np.ndarray:
