@@ -302,3 +302,15 @@ def test_traces_with_the_old_model_identity_still_read_and_write_back(tmp_path):
     assert read_trace(write_trace(dataclasses.replace(old, header=new), tmp_path / "new.trace")).header == new
     assert f"model_data {'ab' * 16}\n" in (tmp_path / "new.trace").read_text()
     assert api.diff(old, dataclasses.replace(old, header=new)).exact  # compared on size + header hash
+
+
+def test_runner_refusals_are_trace_errors(tiny_f32):
+    """A bad schedule is a ParityError (the CLI's clean exit 2), not a bare ValueError traceback."""
+    from parity.tracing.runner import chunk_schedule, run_sequence
+
+    assert chunk_schedule(5, 2) == [2, 2, 1] and chunk_schedule(5, None) == [5]
+    for n, chunk, match in ((0, None, "at least one token"), (5, 0, "chunk must be >= 1, got 0")):
+        with pytest.raises(TraceError, match=match):
+            chunk_schedule(n, chunk)
+    with pytest.raises(TraceError, match="forced has 1 tokens, 2 decode steps requested"):
+        run_sequence(FakeEngine(str(tiny_f32)), [1, 2], decode_steps=2, forced=[3])

@@ -16,6 +16,7 @@ import numpy as np
 
 from parity.contract.checkpoints import EMBED, FINAL_NORM, block, block_attn
 from parity.contract.engine import Engine, LayerDiag
+from parity.contract.errors import TraceError
 
 
 @dataclass
@@ -52,11 +53,11 @@ def forward_chunk(engine: Engine, state: object, tokens: np.ndarray, start_pos: 
 def chunk_schedule(n_prompt: int, chunk: int | None) -> list[int]:
     """Chunk sizes that cover the prompt: [n] for one prefill, else pieces of `chunk`."""
     if n_prompt < 1:
-        raise ValueError("the prompt needs at least one token")
+        raise TraceError("the prompt needs at least one token")
     if chunk is None:
         return [n_prompt]
     if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+        raise TraceError(f"chunk must be >= 1, got {chunk}")
     return [min(chunk, n_prompt - s) for s in range(0, n_prompt, chunk)]
 
 
@@ -70,7 +71,7 @@ def run_sequence(engine: Engine, prompt: Sequence[int], decode_steps: int = 0, c
     e.g. to drive a progress bar or stream records to disk).
     """
     if forced is not None and len(forced) < decode_steps:
-        raise ValueError(f"forced has {len(forced)} tokens, {decode_steps} decode steps requested")
+        raise TraceError(f"forced has {len(forced)} tokens, {decode_steps} decode steps requested")
     state = engine.new_state()
     results: list[ChunkResult] = []
     pos = 0
