@@ -57,7 +57,7 @@ def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
 
 
 class ReferenceEngine:
-    """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `cache_gb`.
+    """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `options.cache_gb`.
 
     `threads`: worker threads for independent experts, queries and output groups (None: the CPUs this process may
     use, `threads.usable_cpus`); results are bit-identical for any count.
@@ -65,8 +65,7 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def __init__(self, model_path: str, options: RunOptions, cache_gb: float | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(self, model_path: str, options: RunOptions, threads: int | None = None) -> None:
         self.weights = Weights(model_path)
         self.identity = self.weights.identity()
         self.config: ModelConfig = self.weights.config
@@ -75,8 +74,7 @@ class ReferenceEngine:
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
         self.workers = Workers(usable_cpus() if threads is None else threads)
-        self.store = WeightStore(self.weights, self.dtype, options.cache_gb if cache_gb is None else cache_gb,
-                                 options.act_quant)
+        self.store = WeightStore(self.weights, self.dtype, options.cache_gb, options.act_quant)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
                                  f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)

@@ -250,7 +250,7 @@ def test_repeated_expert_id_counts_once_per_slot(tiny_f32):
 
 def test_bounded_expert_cache_evicts_and_gives_same_result(tiny_realmix):
     big = ReferenceEngine(str(tiny_realmix), RunOptions())
-    small = ReferenceEngine(str(tiny_realmix), RunOptions(), cache_gb=600e3 / 2**30)
+    small = ReferenceEngine(str(tiny_realmix), RunOptions(cache_gb=600e3 / 2**30))
     a, b = run_sequence(big, PROMPT), run_sequence(small, PROMPT)
     np.testing.assert_array_equal(stack(a, "logits"), stack(b, "logits"))
     st = small.store.cache.stats()
