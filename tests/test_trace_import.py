@@ -183,8 +183,9 @@ def test_llamacpp_capture_chunks_map_every_subop(ref_run, tmp_path):
     for g, r in zip(got, results, strict=True):
         for l in range(eng.config.n_layers):
             assert sorted(g.captures[l]) == sorted(r.captures[l])
-            for name, want in r.captures[l].items():   # index_rows through H·H = I: float rounding only
-                np.testing.assert_allclose(g.captures[l][name], want, rtol=0, atol=1e-6, err_msg=f"{l} {name}")
+            for name, want in r.captures[l].items():   # index_rows through H·H = I: measured 1.19e-7 (2^-23)
+                atol = 2e-7 if name == "index_rows" else 0   # every other sub-op measured exact
+                np.testing.assert_allclose(g.captures[l][name], want, rtol=0, atol=atol, err_msg=f"{l} {name}")
             assert np.array_equal(g.diags[l].n_comp_visible, r.diags[l].n_comp_visible)
         for name, want in r.checkpoints.items():
             assert np.array_equal(g.checkpoints[name], want)
