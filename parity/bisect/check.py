@@ -388,7 +388,7 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
         lx = None if lo is None else float(gate(lo, floor, env.k, env.eps))
         pos = None
         if fe is not None and fx is not None and fx > 1:
-            pos = int(positions[int(np.argmax(fe > env.k * floor + env.eps))])
+            pos = int(positions[int(np.argmax(fe > env.limit(floor)))])
         if lx is not None and lx > 1 and lr is not None:
             pos = lr.position
         status = ("not judged" if fe is None else "structural" if lr is not None and lr.structural and

@@ -93,6 +93,10 @@ class Envelope:
             raise ParityError(f"envelope ({self.dtype}) has no floor for sub-op capture {capture!r} of layer {layer}")
         return self.subops[key]
 
+    def limit(self, floor: float) -> float:
+        """The largest error inside the envelope over `floor`: k * floor + eps (the denominator of `gate`)."""
+        return self.k * floor + self.eps
+
     def margin_tol(self, layer: int) -> float:
         """A routing flip at a reference router margin <= this is noise: k * measured key drift + MARGIN_EPS."""
         if str(layer) not in self.router_margin:

@@ -127,7 +127,7 @@ def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, env: Envelope) ->
             continue
         e = rel_l2(got, vec[name])
         errs[name] = e
-        out = np.flatnonzero(e > env.k * env.floor(name) + env.eps)
+        out = np.flatnonzero(e > env.limit(env.floor(name)))
         if len(out):
             first.append(int(out[0]))
     struct = structural_difference(trace, outs, layer, env)

@@ -192,7 +192,7 @@ class _Judge:
 
     def floats(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> SubopResult:
         floor = self.env.subop_floor(self.layer, name)
-        tol = self.env.k * floor + self.env.eps
+        tol = self.env.limit(floor)
         err = rel_l2(a, b) if len(a) else np.zeros(0)
         bad = [i for i in np.flatnonzero(err > tol) if not self.excused(int(pos[i]))]
         flips = [i for i in bad if name in QUANT_MBITS and is_code_flip(a[i], b[i], tol, QUANT_MBITS[name])]
@@ -518,7 +518,7 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
     runs = {"teacher_forced": 1}
     clock.lap("teacher_forced")
     if fs.max_excess[EMBED] > 1:
-        pos = int(np.argmax(fs.errs[EMBED] > env.k * env.floor(EMBED) + env.eps))
+        pos = int(np.argmax(fs.errs[EMBED] > env.limit(env.floor(EMBED))))
         return LocalStage("defect", Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs")),
                           attribution, runs=runs)
     layer, probes = mirror_bisect(ref_engine, fs.free, fs.errs, fs.ref, env, say)
