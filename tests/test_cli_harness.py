@@ -29,7 +29,8 @@ def traces(tiny_f32, tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     ref, tor, bad = d / "ref.trace", d / "torch.trace", d / "bad.trace"
     run("trace", "--engine", "reference", "--model", tiny_f32, "--tokens", TOKENS, "--decode", 2, "--positions",
-        "all", "--full", "blk.2,final_norm,logits", "--dump-logprobs", d / "ref.json", "--top-k", 5, "-o", ref)
+        "all", "--full", "blk.2,final_norm,logits", "--dump-logprobs", d / "ref.json", "--dump-ctx", 4096, "--top-k", 5,
+        "-o", ref)
     run("trace", "--engine", "torch", "-m", tiny_f32, "--follow", ref, "--full", "blk.2,final_norm,logits",
         "--top-k", 5, "-o", tor)
     run("trace", "--engine", "torch", "-m", tiny_f32, "--follow", ref, "--inject", "compress-ratios-u32",
@@ -49,9 +50,17 @@ def test_trace_writes_trace_vectors_and_logprob_dump(traces):
     assert t.header.full == ["blk.2", "final_norm", "logits"] and t.vectors["blk.2"].shape == (10, 4, 256)
     dump = json.loads((traces["dir"] / "ref.json").read_text())
     assert dump["prompt_tokens"] == 8 and len(dump["steps"]) == 3 and dump["top_k"] == 5
+    assert dump["ctx"] == 4096  # the ds4 run's --ctx as given, not a length made up from the run
     # ds4 semantics: step i's selected token is the one fed at position 8 + i
     assert [s["selected"]["id"] for s in dump["steps"][:2]] == t.header.tokens[8:10]
     assert dump["steps"][0]["selected"]["id"] == t.ckpt["argmax"][t.checkpoint_rows("final_norm")][7]
+
+
+def test_dump_logprobs_needs_its_ctx(traces, tmp_path):
+    res = run("trace", "--engine", "reference", "-m", traces["model"], "--tokens", "0,5", "--dump-logprobs",
+              tmp_path / "d.json", "-o", tmp_path / "t.trace", ok=False)
+    assert res.exit_code == 2 and "--dump-logprobs and --dump-ctx go together" in res.output
+    assert not (tmp_path / "d.json").exists()
 
 
 def test_trace_token_sources(traces, tmp_path):

@@ -153,5 +153,5 @@ def test_an_interrupted_trace_run_leaves_no_older_logprob_dump(tmp_path, tiny_f3
 
     monkeypatch.setattr(api, "save_trace", killed)
     CliRunner().invoke(cli, ["trace", "--engine", "reference", "-m", str(tiny_f32), "--tokens", "0,5",
-                             "--dump-logprobs", str(dump), "-o", str(tmp_path / "t.trace")])
+                             "--dump-logprobs", str(dump), "--dump-ctx", "4096", "-o", str(tmp_path / "t.trace")])
     assert not dump.exists() and not (tmp_path / "t.trace").exists()

@@ -98,13 +98,16 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @lcp_options
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(1, 100), help="Top logits per position.")
 @click.option("--dump-logprobs", type=click.Path(dir_okay=False), help="Also write a ds4 --dump-logprobs JSON.")
+@click.option("--dump-ctx", type=click.IntRange(1), default=None,
+              help="With --dump-logprobs: the `ctx` the dump records (the --ctx of the ds4 run it is compared "
+                   "with; `v4parity logprobs` refuses two dumps whose ctx differ).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Trace file (.trace text; .npz binary). Full vectors go to <stem>.vectors.npz.")
 @json_option()
 @json_errors
 def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, decode, chunk,
           no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
-          lcp_threads, top_k, dump_logprobs,
+          lcp_threads, top_k, dump_logprobs, dump_ctx,
           output, as_json) -> None:
     """Run an engine on a prompt and record every checkpoint (stats + fingerprints) to a trace.
 
@@ -119,6 +122,8 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     from parity.contract.engine import RunOptions
 
     output = _trace_path(output)
+    if (dump_logprobs is None) != (dump_ctx is None):
+        raise click.UsageError("--dump-logprobs and --dump-ctx go together (the dump records its run's ctx)")
     if follow:
         if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
             raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
@@ -157,7 +162,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     report = {"wrote": str(path), "checkpoint_records": len(t.ckpt), "positions": t.header.positions,
               "tokens": len(t.header.tokens), "n_prompt": t.header.n_prompt, "decode": t.header.decode}
     if dump_logprobs:
-        report["logprobs"] = _dump_logprobs(dump_logprobs, model, rows, t.header.n_prompt, top_k)
+        report["logprobs"] = _dump_logprobs(dump_logprobs, model, rows, t.header.n_prompt, top_k, dump_ctx)
     if as_json:
         echo_json(report)
         return
@@ -167,7 +172,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
         click.echo(f"wrote {dump_logprobs} ({report['logprobs']['steps']} step(s), top {top_k})")
 
 
-def _dump_logprobs(path: str, model: str, rows: list, n_prompt: int, top_k: int) -> dict:
+def _dump_logprobs(path: str, model: str, rows: list, n_prompt: int, top_k: int, ctx: int) -> dict:
     """ds4 semantics: step 0 = last prompt row, step i = the row after feeding step i-1's token."""
     import numpy as np
 
@@ -176,8 +181,8 @@ def _dump_logprobs(path: str, model: str, rows: list, n_prompt: int, top_k: int)
 
     logits = np.stack(rows).astype(np.float32)
     write_ds4_dump(path, logits=logits, selected=[ds4_argmax(r) for r in logits], prompt_tokens=n_prompt,
-                   ctx=n_prompt + len(logits) + 1, top_k=top_k, vocab_tokens=load_tokenizer(model).tokens)
-    return {"wrote": path, "steps": len(logits), "top_k": top_k}
+                   ctx=ctx, top_k=top_k, vocab_tokens=load_tokenizer(model).tokens)
+    return {"wrote": path, "steps": len(logits), "top_k": top_k, "ctx": ctx}
 
 
 @click.command(name="import")
