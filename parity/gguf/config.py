@@ -15,9 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
-from parity.contract.errors import MetadataError
+from parity.contract.errors import MetadataError, quote
 from parity.gguf.container import FLOAT_TYPES, INTEGER_TYPES, VT, Value
 
 ARCH = "deepseek4"
@@ -108,15 +106,6 @@ class ModelConfig:
 
 # ------------------------------------------------------------------------------------------------
 # Typed readers
-
-def quote(v: Any, limit: int = 60) -> str:
-    """repr(v) capped at `limit` characters (an error line never carries a whole array)."""
-    if isinstance(v, np.ndarray) and v.size > 8:
-        v = f"<{v.size} x {v.dtype}: {np.array2string(v.ravel()[:4], separator=', ')[:-1]}, ...]>"
-        return v if len(v) <= limit else v[: limit - 3] + "..."
-    s = repr(v)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
 
 class _Meta:
     """Typed access to one file's metadata; every error names key, expectation, finding and file."""

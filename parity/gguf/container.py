@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from parity.contract.errors import GGUFError
+from parity.contract.errors import GGUFError, quote
 from parity.contract.files import atomic_write
 
 MAGIC = b"GGUF"
@@ -249,18 +249,18 @@ class GGUFFile:
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
             if key in self.kv:
-                raise GGUFError(f"{self.path}: duplicate metadata key {_q(key)}")
-            self.kv[key] = cur.value(cur.scalar(VT.U32, f"type of {_q(key)}"), f"metadata {_q(key)}")
+                raise GGUFError(f"{self.path}: duplicate metadata key {quote(key)}")
+            self.kv[key] = cur.value(cur.scalar(VT.U32, f"type of {quote(key)}"), f"metadata {quote(key)}")
         self.alignment = self._alignment()
         infos = []
         for i in range(n_tensors):
             name = cur.string(f"tensor name #{i}")
-            n_dims = cur.scalar(VT.U32, f"n_dims of {_q(name)}")
+            n_dims = cur.scalar(VT.U32, f"n_dims of {quote(name)}")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{self.path}: tensor {_q(name)} has n_dims={n_dims} (allowed 1..{MAX_DIMS})")
-            ne = tuple(cur.scalar(VT.U64, f"ne of {_q(name)}") for _ in range(n_dims))
-            ggml_type = cur.scalar(VT.U32, f"type of {_q(name)}")
-            offset = cur.scalar(VT.U64, f"offset of {_q(name)}")
+                raise GGUFError(f"{self.path}: tensor {quote(name)} has n_dims={n_dims} (allowed 1..{MAX_DIMS})")
+            ne = tuple(cur.scalar(VT.U64, f"ne of {quote(name)}") for _ in range(n_dims))
+            ggml_type = cur.scalar(VT.U32, f"type of {quote(name)}")
+            offset = cur.scalar(VT.U64, f"offset of {quote(name)}")
             infos.append((name, ne, ggml_type, offset))
         self.data_start = -(-cur.pos // self.alignment) * self.alignment
         self.tensors: dict[str, TensorInfo] = {}
@@ -273,7 +273,7 @@ class GGUFFile:
         by_start = sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes))
         for prev, t in itertools.pairwise(by_start):
             if t.offset < prev.offset + prev.nbytes:
-                a, b = (f"{_q(x.name)} (bytes {x.offset}..{x.offset + x.nbytes})" for x in (prev, t))
+                a, b = (f"{quote(x.name)} (bytes {x.offset}..{x.offset + x.nbytes})" for x in (prev, t))
                 raise GGUFError(f"{self.path}: tensors {a} and {b} overlap")
 
     def _alignment(self) -> int:
@@ -281,30 +281,30 @@ class GGUFFile:
         if v is None:
             return DEFAULT_ALIGNMENT
         if v.type not in INTEGER_TYPES or not 1 <= v.value <= 1 << 20 or v.value & (v.value - 1):
-            raise GGUFError(f"{self.path}: general.alignment must be a power-of-two integer, got {_q(v.value)}")
+            raise GGUFError(f"{self.path}: general.alignment must be a power-of-two integer, got {quote(v.value)}")
         return int(v.value)
 
     def _check_tensor(self, name: str, ne: tuple, ggml_type: int, offset: int, size: int) -> TensorInfo:
         if name in self.tensors:
-            raise GGUFError(f"{self.path}: duplicate tensor {_q(name)}")
+            raise GGUFError(f"{self.path}: duplicate tensor {quote(name)}")
         try:
             qtype = GGMLQuantizationType(ggml_type)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {_q(name)} has unknown ggml type {ggml_type}") from None
+            raise GGUFError(f"{self.path}: tensor {quote(name)} has unknown ggml type {ggml_type}") from None
         if qtype not in GGML_QUANT_SIZES:
-            raise GGUFError(f"{self.path}: tensor {_q(name)} has unsupported ggml type {qtype.name}")
+            raise GGUFError(f"{self.path}: tensor {quote(name)} has unsupported ggml type {qtype.name}")
         if any(d < 1 or d > 1 << 40 for d in ne):
-            raise GGUFError(f"{self.path}: tensor {_q(name)} has an impossible dimension in ne={ne}")
+            raise GGUFError(f"{self.path}: tensor {quote(name)} has an impossible dimension in ne={ne}")
         if offset % self.alignment:
-            raise GGUFError(f"{self.path}: tensor {_q(name)} offset {offset} is not aligned to {self.alignment}")
+            raise GGUFError(f"{self.path}: tensor {quote(name)} offset {offset} is not aligned to {self.alignment}")
         try:
             nbytes = tensor_nbytes(ne, ggml_type)
         except GGUFError as e:
-            raise GGUFError(f"{self.path}: tensor {_q(name)}: {e}") from None
+            raise GGUFError(f"{self.path}: tensor {quote(name)}: {e}") from None
         start = self.data_start + offset
         if start + nbytes > size:
             raise GGUFError(
-                f"{self.path}: tensor {_q(name)} runs past the end of the file "
+                f"{self.path}: tensor {quote(name)} runs past the end of the file "
                 f"(bytes {start}..{start + nbytes}, file has {size})"
             )
         return TensorInfo(name, ne, ggml_type, start, nbytes)
@@ -317,12 +317,6 @@ class GGUFFile:
     def header_bytes(self) -> memoryview:
         """Header, metadata and tensor table (everything before the data section)."""
         return memoryview(self._map)[: self.data_start]
-
-
-def _q(v: Any, limit: int = 60) -> str:
-    """repr(v) capped at `limit` characters, for error messages."""
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------

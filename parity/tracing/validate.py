@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from parity.contract.checkpoints import FINAL_NORM, layers_of, trace_checkpoints
-from parity.contract.errors import TraceError
+from parity.contract.errors import TraceError, quote
 from parity.tracing.records import FORMAT_VERSION, SORT_KEYS, SUBLAYERS, TABLES, Table, TraceHeader
 from parity.tracing.stats import FP_DIM
 
@@ -55,7 +55,7 @@ def _check_field(key: str, v: Any, fail: Fail) -> None:
     if kind == "dict" and not isinstance(v, dict):
         raise fail(key, f"expected a JSON object, got {type(v).__name__}")
     if kind == "int" and not (_is_int(v) and lo <= v <= hi):
-        raise fail(key, f"expected an integer in [{lo}, {hi}], got {_short(v)}")
+        raise fail(key, f"expected an integer in [{lo}, {hi}], got {quote(v, 40)}")
     if kind in ("ints", "strs"):
         if not isinstance(v, list):
             raise fail(key, f"expected a list, got {type(v).__name__}")
@@ -63,12 +63,7 @@ def _check_field(key: str, v: Any, fail: Fail) -> None:
             raise fail(key, "expected a list of strings")
         if kind == "ints" and not all(_is_int(x) and lo <= x <= hi for x in v):
             bad = next(x for x in v if not (_is_int(x) and lo <= x <= hi))
-            raise fail(key, f"expected a list of integers in [{lo}, {hi}], found {_short(bad)}")
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
+            raise fail(key, f"expected a list of integers in [{lo}, {hi}], found {quote(bad, 40)}")
 
 
 def header_from_dict(d: Any, fail: Fail) -> TraceHeader:
@@ -80,7 +75,7 @@ def header_from_dict(d: Any, fail: Fail) -> TraceHeader:
         raise fail(missing[0], f"required header field(s) missing: {', '.join(missing)}")
     unknown = sorted(k for k in d if k not in HEADER_FIELDS)
     if unknown:
-        raise fail(str(unknown[0])[:40], f"unknown header field(s) {_short(unknown)}")
+        raise fail(str(unknown[0])[:40], f"unknown header field(s) {quote(unknown, 40)}")
     for key in HEADER_FIELDS:
         _check_field(key, d[key], fail)
     h = TraceHeader(**{n: d[n] for n in HEADER_FIELDS})
@@ -92,14 +87,14 @@ def check_model(m: Any, fail: Fail) -> None:
     """The model identity: file, size, header_sha256 and (identities written since data hashing) data_sha256."""
     if not isinstance(m, dict) or tuple(sorted(m)) not in (tuple(sorted(MODEL_KEYS)), tuple(sorted(MODEL_KEYS_DATA))):
         keys = sorted(m) if isinstance(m, dict) else type(m).__name__
-        raise fail("model", f"must hold exactly file, size and header_sha256 (and data_sha256), got {_short(keys)}")
+        raise fail("model", f"must hold exactly file, size and header_sha256 (and data_sha256), got {quote(keys, 40)}")
     if not isinstance(m["file"], str) or not m["file"] or m["file"] != m["file"].strip() or "\n" in m["file"]:
-        raise fail("model", f"file must be a non-empty one-line name, got {_short(m['file'])}")
+        raise fail("model", f"file must be a non-empty one-line name, got {quote(m['file'], 40)}")
     if not (_is_int(m["size"]) and 0 <= m["size"] < 2**63):
-        raise fail("model", f"size must be a non-negative integer, got {_short(m['size'])}")
+        raise fail("model", f"size must be a non-negative integer, got {quote(m['size'], 40)}")
     for key in ("header_sha256", "data_sha256"):
         if key in m and not (isinstance(m[key], str) and HEX_RE.fullmatch(m[key])):
-            raise fail("model", f"{key} must be 8..64 lowercase hex digits, got {_short(m[key])}")
+            raise fail("model", f"{key} must be 8..64 lowercase hex digits, got {quote(m[key], 40)}")
 
 
 def check_header(h: TraceHeader, fail: Fail) -> None:
@@ -108,27 +103,27 @@ def check_header(h: TraceHeader, fail: Fail) -> None:
     if not re.fullmatch(r"\S+", h.engine) or not v or v != v.strip() or "\n" in v or "\r" in v:
         raise fail("engine", "engine name must be one word and the version a non-empty, trimmed line")
     if not re.fullmatch(r"\S+", h.dtype):
-        raise fail("dtype", f"must be one word, got {_short(h.dtype)}")
+        raise fail("dtype", f"must be one word, got {quote(h.dtype, 40)}")
     check_model(h.model, fail)
     if h.n_prompt + h.decode != len(h.tokens):
         raise fail("tokens", f"{len(h.tokens)} token ids, but n_prompt {h.n_prompt} + decode {h.decode} "
                              f"= {h.n_prompt + h.decode}")
     if sum(h.chunks) != len(h.tokens) or any(c < 1 for c in h.chunks):
-        raise fail("chunks", f"chunk sizes {_short(h.chunks)} must be >= 1 and sum to the {len(h.tokens)} tokens")
+        raise fail("chunks", f"chunk sizes {quote(h.chunks, 40)} must be >= 1 and sum to the {len(h.tokens)} tokens")
     if not h.positions or h.positions != sorted(set(h.positions)) or h.positions[-1] >= len(h.tokens):
-        raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {_short(h.positions)}")
+        raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {quote(h.positions, 40)}")
     if not h.checkpoints:
         raise fail("checkpoints", "no checkpoints listed")
     bad = [c for c in h.checkpoints if not CHECKPOINT_RE.fullmatch(c)]
     if bad:
-        raise fail("checkpoints", f"unknown checkpoint name(s) {_short(bad)}; valid: embed, blk.N, blk.N.attn "
+        raise fail("checkpoints", f"unknown checkpoint name(s) {quote(bad, 40)}; valid: embed, blk.N, blk.N.attn "
                                   f"(N <= {MAX_LAYER}), final_norm")
     order = trace_checkpoints(layers_of(h.checkpoints))
     if h.checkpoints != [c for c in order if c in h.checkpoints]:
         raise fail("checkpoints", "must be listed once each in depth order: embed, blk.0.attn, blk.0, ..., final_norm")
     extra = [c for c in h.full if c not in h.checkpoints and c != "logits"]
     if extra or len(set(h.full)) != len(h.full):
-        raise fail("full", f"full vectors for checkpoint(s) {_short(extra or h.full)} that are not in 'checkpoints' "
+        raise fail("full", f"full vectors for checkpoint(s) {quote(extra or h.full, 40)} that are not in 'checkpoints' "
                            "or listed twice")
 
 
