@@ -134,7 +134,7 @@ def test_gate_pass_fail_junit_markdown(traces, tmp_path):
     ok = run("gate", "--golden", traces["ref"], "--candidate", traces["torch"], "--junit", junit, "--markdown", md)
     assert "PASSED" in ok.output and md.read_text().startswith("### v4parity gate: PASSED")
     suite = ET.parse(junit).getroot()
-    assert suite.get("tests") == "14" and suite.get("failures") == "0"
+    assert suite.get("tests") == "15" and suite.get("failures") == "0"  # 14 checkpoints + the side-file logits
     bad = run("gate", "--golden", traces["ref"], "--candidate", traces["bad"], "--junit", junit, ok=False)
     assert bad.exit_code == 1 and "FAILED" in bad.output and "would pass at rel_tol >=" in bad.output
     failed = [tc.get("name") for tc in ET.parse(junit).getroot() if tc.find("failure") is not None]

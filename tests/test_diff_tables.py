@@ -352,6 +352,13 @@ def test_side_file_logits_are_compared_and_can_drift():
     rel = np.linalg.norm(0.5 * a.vectors["logits"][1]) / np.linalg.norm(a.vectors["logits"][1])  # = 0.5
     assert r.logits["rel_l2"].tolist()[1] == pytest.approx(rel, rel=1e-6)
     assert r.to_dict()["logits"][1]["drift"] is True
+    from parity.compare.gate import markdown, run_gate
+
+    gate = run_gate(a, b)  # the gate fails where the diff drifts, on the logits too
+    logits = [c for c in gate.cases if c["checkpoint"] == "logits"]
+    assert not gate.passed and len(logits) == 1 and not logits[0]["passed"]
+    assert logits[0]["max_rel_l2"] == pytest.approx(rel, rel=1e-6) and "| logits | **FAIL** |" in markdown(gate)
+    assert run_gate(a, a).passed
 
 
 @pytest.mark.parametrize("field,value,reason", [

@@ -7,7 +7,8 @@ Tolerance file (JSON, or TOML with a .toml extension):
 Checkpoint keys are shell patterns (fnmatch); the first matching key in file order wins. Unknown
 keys, and a pattern that matches no compared checkpoint (a typo would silently leave the default), are
 an error. The result reports, per failing checkpoint, the smallest tolerance that would have passed, and
-renders as JUnit XML and a Markdown summary.
+renders as JUnit XML and a Markdown summary. The side files' full logits, when both traces carry them, are one
+more case (`logits`, rel-L2 only), as `diff` judges them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 
 from parity.compare.differ import DiffReport, Thresholds, diff_traces
+from parity.contract.checkpoints import LOGITS
 from parity.contract.errors import ParityError
 from parity.tracing.records import Trace
 
@@ -105,7 +107,7 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
     """Diff candidate against golden and judge every checkpoint by its own tolerance."""
     tol = load_tolerances(tolerances)
     report = diff_traces(golden, candidate, Thresholds(), force=force)
-    compared = report.table["checkpoint"].unique().tolist()
+    compared = report.table["checkpoint"].unique().tolist() + ([LOGITS] if len(report.logits) else [])
     unmatched = [pat for pat, _ in tol.checkpoints if not any(fnmatch.fnmatchcase(c, pat) for c in compared)]
     if unmatched:
         raise ParityError(f"tolerances: checkpoint pattern(s) {unmatched} match no compared checkpoint "
@@ -132,6 +134,15 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
                       "method": rows["method"].iloc[0], "max_rel_l2": float(np.nanmax(rel)),
                       "max_norm_dev": float(np.nanmax(dev)),
                       "rel_tol": th.rel_tol, "norm_tol": th.norm_tol})
+    if len(report.logits):  # the side files' full logits, judged by rel-L2 as `diff` judges them
+        th, rel = tol.for_checkpoint(LOGITS), report.logits["rel_l2"].to_numpy(dtype=np.float64)
+        problems = [] if report.logits["finite"].all() else ["non-finite values"]
+        if not np.all(rel <= th.rel_tol):
+            problems.append(f"rel-L2 {np.nanmax(rel):.3e} > {th.rel_tol:g} (would pass at rel_tol >= "
+                            f"{np.nanmax(rel):.3e})")
+        cases.append({"checkpoint": LOGITS, "passed": not problems, "problems": problems, "method": "full",
+                      "max_rel_l2": float(np.nanmax(rel)), "max_norm_dev": None, "rel_tol": th.rel_tol,
+                      "norm_tol": th.norm_tol})
     return GateResult(all(c["passed"] for c in cases), cases, report, *names)
 
 
@@ -163,7 +174,8 @@ def markdown(r: GateResult) -> str:
     lines += ["| checkpoint | status | method | max rel-L2 | rel_tol | max abs(RMS ratio - 1) | norm_tol |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {c['checkpoint']} | {'pass' if c['passed'] else '**FAIL**'} | {c['method']} | {c['max_rel_l2']:.3e} "
-              f"| {c['rel_tol']:g} | {c['max_norm_dev']:.3e} | {c['norm_tol']:g} |" for c in r.cases]
+              f"| {c['rel_tol']:g} | {'-' if c['max_norm_dev'] is None else format(c['max_norm_dev'], '.3e')} "
+              f"| {c['norm_tol']:g} |" for c in r.cases]
     for c in r.cases:
         lines += [f"- `{c['checkpoint']}`: {p}" for p in c["problems"]]
     return "\n".join(lines) + "\n"
