@@ -314,3 +314,16 @@ def test_runner_refusals_are_trace_errors(tiny_f32):
             chunk_schedule(n, chunk)
     with pytest.raises(TraceError, match="forced has 1 tokens, 2 decode steps requested"):
         run_sequence(FakeEngine(str(tiny_f32)), [1, 2], decode_steps=2, forced=[3])
+
+
+def test_positions_spec_is_parsed_strictly():
+    from parity.tracing.recorder import resolve_positions
+
+    assert resolve_positions("last", 5) == [4] and resolve_positions("all", 3) == [0, 1, 2]
+    assert resolve_positions("3, 1,3", 5) == [1, 3]
+    for spec in ("1,,2", "1,2,", "x"):
+        with pytest.raises(TraceError, match="comma list of ints"):
+            resolve_positions(spec, 5)
+    for spec, match in (("", "no positions"), ("5", r"out of range \[0, 5\)")):
+        with pytest.raises(TraceError, match=match):
+            resolve_positions(spec, 5)

@@ -22,8 +22,8 @@ def resolve_positions(spec: str | Sequence[int], n_total: int) -> list[int]:
             return [n_total - 1]
         if spec == "all":
             return list(range(n_total))
-        try:
-            spec = [int(p) for p in spec.split(",") if p.strip()]
+        try:  # every comma-separated item must be an int ("1,,2" is a typo, not [1, 2])
+            spec = [int(p) for p in spec.split(",")] if spec.strip() else []
         except ValueError:
             raise TraceError(f"--positions must be 'last', 'all' or a comma list of ints, got {spec!r}") from None
     out = sorted(set(int(p) for p in spec))
