@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gpu_engine.attention import LayerCache, new_layer_cache
+from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
 from gpu_engine.faults import FAULTS, Faults, compose
 from gpu_engine.hc import hc_head
@@ -87,8 +88,19 @@ def check_options(options: RunOptions, cache_mb: int) -> None:
         if getattr(options, name) != exact:
             raise ParityError(f"torch engine: {name}={getattr(options, name)} is not implemented "
                               f"(implemented: {exact})")
-    if options.engine_args:
-        raise ParityError(f"torch engine: takes no engine arguments (got {list(options.engine_args)})")
+    cpu_kernels(options)
+
+
+def cpu_kernels(options: RunOptions) -> str:
+    """The engine argument cpu_kernels=native|torch (default native): on the CPU, dequantize and multiply by the
+    compiled kernels of `gpu_engine.cpu_kernels`, or by torch ops only. Any other engine argument is refused."""
+    value = "native"
+    for arg in options.engine_args:
+        name, eq, value = arg.partition("=")
+        if name != "cpu_kernels" or not eq or value not in ("native", "torch"):
+            raise ParityError(f"torch engine: unknown engine argument {arg!r}; the one it takes is "
+                              f"cpu_kernels=native|torch")
+    return value
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,8 +134,15 @@ class TorchEngine:
         self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
-        self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type})"
-        self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb, ACT_QUANT[options.act_quant])
+        self.expert_threads = expert_threads or (min(usable_cpus(), MAX_EXPERT_THREADS)
+                                                 if self.device.type == "cpu" else 1)
+        self._pool = ThreadPoolExecutor(self.expert_threads) if self.expert_threads > 1 else None
+        run = thread_map(self._pool) if self._pool else map
+        native = self.device.type == "cpu" and cpu_kernels(options) == "native"
+        self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb, ACT_QUANT[options.act_quant],
+                               load_kernels() if native else None, run, self.expert_threads)
+        kernels = ", native CPU kernels" if native else ""
+        self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type}{kernels})"
         self.config = self.cfg = cfg = self.w.config
         self.identity = self.w.source.identity()
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
@@ -133,11 +152,7 @@ class TorchEngine:
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
-        self.expert_threads = expert_threads or (min(usable_cpus(), MAX_EXPERT_THREADS)
-                                                 if self.device.type == "cpu" else 1)
-        self._pool = ThreadPoolExecutor(self.expert_threads) if self.expert_threads > 1 else None
-        self.ops = replace(compose(self.switches, self._qat_ops()),
-                           expert_map=thread_map(self._pool) if self._pool else map)
+        self.ops = replace(compose(self.switches, self._qat_ops()), expert_map=run)
         self._announce()
 
     def _check_hash_tables(self) -> None:
@@ -261,13 +276,18 @@ class TorchEngine:
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:
         """Capability for benchmarks: the bytes staged on `device` and the float32 output allocated once (the engine
-        dequantizes into reused scratch buffers too); the callable dequantizes into it (the returned array on the CPU
-        is a view of that buffer, rewritten by the next call)."""
+        dequantizes into reused scratch buffers too); the callable dequantizes into it, on the CPU by the native
+        kernels as the engine does by default (the returned array on the CPU is a view of that buffer, rewritten by
+        the next call)."""
         dev = torch.device(device)
-        raw_t = torch.from_numpy(raw).to(dev)
+        raw_t = torch.from_numpy(np.ascontiguousarray(raw)).to(dev)
         out = torch.empty(math.prod(shape), dtype=torch.float32, device=dev)
+        kernels = load_kernels() if dev.type == "cpu" else None
 
         def run() -> np.ndarray:
+            if kernels is not None:
+                kernels.dequantize(raw_t, ggml_type, out)
+                return out.reshape(shape).numpy()
             y = dequantize(raw_t, ggml_type, out).reshape(shape)
             if dev.type == "cuda":
                 torch.cuda.synchronize()

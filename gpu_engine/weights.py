@@ -16,16 +16,19 @@ values: speed only.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
+from gpu_engine.cpu_kernels import Kernels
 from gpu_engine.dequant import CHUNK_VALUES, dequantize
 from parity.contract.errors import TensorError
 from parity.gguf.config import ModelConfig
@@ -33,6 +36,10 @@ from parity.gguf.inventory import expected_tensors
 from parity.gguf.weights import Weights
 
 SCRATCH_MAX_BYTES = 256 << 20  # larger matrices (e.g. a real-vocabulary output head) get fresh memory per use
+# products with at most this many activation rows use the CPU kernels' row-at-a-time matvec (no dequantized matrix);
+# more rows: the matrix is decoded a block at a time and multiplied by torch (sgemm reuses each weight across rows)
+MATVEC_MAX_ROWS = 16
+MapOp = Callable[..., Iterator]  # map(fn, items) -> results in item order (builtin map, or a thread pool's map)
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -45,8 +52,9 @@ class QTensor:
     """A GGUF tensor of numpy shape `shape` (reversed ne) held as raw blocks on the device."""
 
     def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device,
-                 file: str):
+                 file: str, kernels: Kernels | None = None):
         self.name, self.qtype, self.shape, self.file = name, Q(qtype), tuple(shape), file
+        self.kernels = kernels if device.type == "cpu" else None  # the CPU kernels, when the engine uses them
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         view = np.ascontiguousarray(raw).reshape(rows, -1)
         with warnings.catch_warnings():  # zero-copy view of the read-only mapping; never written to
@@ -54,9 +62,27 @@ class QTensor:
             self.raw = torch.from_numpy(view).to(device)
         self._checked: set[str] = set()  # parts already proven finite (checked once, on first use)
 
+    def _decode(self, raw: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """raw blocks -> flat float32 values (into `out` when given): the CPU kernels when set, else torch ops."""
+        if self.kernels is None:
+            return dequantize(raw, self.qtype, out).reshape(-1)
+        raw = raw.contiguous()
+        if out is None:
+            out = torch.empty(raw.numel() // self._block_bytes * self._block_values, dtype=torch.float32)
+        self.kernels.dequantize(raw, self.qtype, out)
+        return out
+
+    @property
+    def _block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.qtype][1]
+
+    @property
+    def _block_values(self) -> int:
+        return GGML_QUANT_SIZES[self.qtype][0]
+
     def _deq(self, raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str,
              out: torch.Tensor | None) -> torch.Tensor:
-        y = dequantize(raw, self.qtype, out).reshape(shape)
+        y = self._decode(raw, out).reshape(shape)
         if what not in self._checked:
             if not all_finite(y):
                 raise TensorError(f"{self.file}: tensor {what}: non-finite values after dequantization")
@@ -68,29 +94,53 @@ class QTensor:
         return self._deq(self.raw, self.shape, dtype, self.name, out)
 
     def expert_linear(self, e: int, x: torch.Tensor, scratch: Callable[[int], torch.Tensor | None]) -> torch.Tensor:
-        """y = x W_eᵀ for expert e of a 3-D expert tensor (E, out, in), W_e dequantized one block of rows at a time
-        into `scratch(n_values)` (on the CPU about CHUNK_VALUES per block, so each block's product reads it from
-        cache; one block elsewhere).  x [n, in] (matmul dtype) -> [n, out]"""
+        """y = x W_eᵀ for expert e of a 3-D expert tensor (E, out, in).  x [n, in] (matmul dtype) -> [n, out]
+        Few rows with the CPU kernels: `matvec` (one weight row decoded at a time). Otherwise W_e is dequantized one
+        block of rows at a time into `scratch(n_values)` (on the CPU about CHUNK_VALUES per block, so each block's
+        product reads it from cache; one block elsewhere)."""
         n_exp, n_out, n_in = self.shape
         raw = self.raw.view(n_exp, n_out, -1)[e]
-        step = max(1, min(n_out, CHUNK_VALUES // n_in)) if raw.device.type == "cpu" else n_out
         what = f"{self.name}[expert {e}]"
+        if self.uses_matvec(x):
+            return self.matvec(raw, x, what)
+        step = max(1, min(n_out, CHUNK_VALUES // n_in)) if raw.device.type == "cpu" else n_out
         y = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
         for r in range(0, n_out, step):
             rows = raw[r : r + step]
-            w = dequantize(rows, self.qtype, scratch(rows.shape[0] * n_in))
+            w = self._decode(rows, scratch(rows.shape[0] * n_in)).view(rows.shape[0], n_in)
             if what not in self._checked and not all_finite(w):
                 raise TensorError(f"{self.file}: tensor {what}: non-finite values after dequantization")
             y[:, r : r + step] = x @ w.to(x.dtype).T
         self._checked.add(what)
         return y
 
+    def uses_matvec(self, x: torch.Tensor) -> bool:
+        """Whether a product with activations x goes through the CPU kernels' matvec (few float32 rows)."""
+        return self.kernels is not None and x.dtype == torch.float32 and x.shape[0] <= MATVEC_MAX_ROWS
+
+    def matvec(self, raw: torch.Tensor, x: torch.Tensor, what: str, run: MapOp = map, parts: int = 1) -> torch.Tensor:
+        """y = x Wᵀ for W's raw rows [out, row_bytes], by the CPU kernels; the rows split into `parts` jobs for `run`.
+        A non-finite product is traced to the weights (dequantized and checked) before it is returned.
+        x [n, in] float32 -> [n, out]"""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
+        list(run(lambda r: self.kernels.matvec(raw, self.qtype, x, y, *r), row_ranges(raw.shape[0], parts)))
+        if not all_finite(y) and not all_finite(self._decode(raw, None)):
+            raise TensorError(f"{self.file}: tensor {what}: non-finite values after dequantization")
+        return y
+
     def rows(self, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Selected rows of a 2-D tensor.  idx [n] -> [n, in]"""
-        out = dequantize(self.raw[idx], self.qtype).reshape(idx.shape[0], self.shape[-1])
+        out = self._decode(self.raw[idx], None).reshape(idx.shape[0], self.shape[-1])
         if not all_finite(out):
             raise TensorError(f"{self.file}: tensor {self.name}: non-finite values in rows {idx.tolist()}")
         return out.to(dtype)
+
+
+def row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[0, rows) cut into `parts` contiguous (start, stop) ranges of near-equal size (empty ones dropped)."""
+    cuts = [rows * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 UNQUANTIZED = (Q.F32, Q.F16, Q.BF16)  # weight types whose matmuls never see rounded activations
@@ -102,8 +152,11 @@ class DeviceWeights:
     given, rounds the activations of every product whose weight is quantized (not F32/F16/BF16) first."""
 
     def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0,
-                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: Kernels | None = None,
+                 run: MapOp = map, threads: int = 1) -> None:
         self.source = Weights(path)
+        self.run, self.threads = run, threads  # how a dense matvec's row ranges are run
+        self.kernels = kernels if device.type == "cpu" else None
         self.act_quant = act_quant
         self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
         self._scratch_bufs: dict[str, torch.Tensor] = {}
@@ -122,7 +175,7 @@ class DeviceWeights:
                 self.vec[name] = torch.from_numpy(self.source.tensor(name).copy()).to(device=device, dtype=act)
             else:
                 self.q[name] = QTensor(name, self.source.raw(name), info.ggml_type, info.shape, device,
-                                       Path(path).name)
+                                       Path(path).name, kernels)
 
     def _check_inventory(self) -> None:
         names = set(self.source.names)
@@ -184,12 +237,21 @@ class DeviceWeights:
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """y = x Wᵀ.  x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
-        return (self._operand(x, name) @ self._whole(name, self.mm, scratch=True).T).to(self.act)
+        qt, operand = self._qtensor(name), self._operand(x, name)
+        if qt.uses_matvec(operand):
+            return qt.matvec(qt.raw, operand, name, self.run, self.threads).to(self.act)
+        return (operand @ self._whole(name, self.mm, scratch=True).T).to(self.act)
 
     def grouped_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """z_g = W[g] x_g per group, W [G·r, w] read as G blocks of r rows.  x [n, G, w] -> [n, G, r]"""
-        w = self._whole(name, self.mm, scratch=True).reshape(x.shape[1], -1, x.shape[2])
-        return torch.einsum("ngw,grw->ngr", self._operand(x, name), w).to(self.act)
+        qt, operand = self._qtensor(name), self._operand(x, name)
+        _, groups, width = operand.shape
+        if qt.uses_matvec(operand):
+            raw = qt.raw.view(groups, -1, qt.raw.shape[1])
+            z = self.run(lambda g: qt.matvec(raw[g], operand[:, g], name), range(groups))
+            return torch.stack(list(z), dim=1).to(self.act)
+        w = self._whole(name, self.mm, scratch=True).reshape(groups, -1, width)
+        return torch.einsum("ngw,grw->ngr", operand, w).to(self.act)
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int, weight: torch.Tensor | None = None) -> torch.Tensor:
         """y = (x · weight) W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one

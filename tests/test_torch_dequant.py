@@ -1,4 +1,5 @@
-"""Torch dequantizers vs `gguf.quants.dequantize` on the same bytes: bit-exact, incl. edge scales."""
+"""The torch engine's dequantizers (torch ops, and the compiled CPU kernels it uses on the CPU) vs
+`gguf.quants.dequantize` on the same bytes: bit-exact, incl. edge scales."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
+from gpu_engine import cpu_kernels
 from gpu_engine.dequant import dequantize
 from parity.contract.errors import TensorError
 from parity.gguf.quant_blocks import random_blocks
@@ -26,9 +28,22 @@ def _bits_equal(ours: torch.Tensor, ref: np.ndarray) -> None:
     np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
 
-def _check(blocks: np.ndarray, qtype: Q) -> None:
+def native(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """The CPU kernels' dequantizer, shaped like `dequantize`'s result."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    out = torch.full((raw.numel() // size * block,), float("nan"))
+    cpu_kernels.load().dequantize(raw.contiguous(), qtype, out)
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // size * block)
+
+
+@pytest.fixture(params=["torch", "native"])
+def deq(request):
+    return {"torch": dequantize, "native": native}[request.param]
+
+
+def _check(blocks: np.ndarray, qtype: Q, deq) -> None:
     ref = quants.dequantize(blocks, qtype)
-    _bits_equal(dequantize(torch.from_numpy(blocks.copy()), qtype), ref)
+    _bits_equal(deq(torch.from_numpy(blocks.copy()), qtype), ref)
 
 
 def _with_edge_scales(blocks: np.ndarray, offsets: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -40,44 +55,44 @@ def _with_edge_scales(blocks: np.ndarray, offsets: tuple[int, ...], rng: np.rand
 
 
 @pytest.mark.parametrize("qtype,offsets", [(Q.Q2_K, (80, 82)), (Q.Q4_K, (0, 2)), (Q.IQ2_XXS, (0,))])
-def test_k_and_i_quants_random_and_edge_blocks(qtype, offsets):
+def test_k_and_i_quants_random_and_edge_blocks(qtype, offsets, deq):
     rng = np.random.default_rng(1)
     blocks = random_blocks(qtype, (64, 1024), 0.02, rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    _check(blocks, qtype)
-    _check(_with_edge_scales(blocks, offsets, rng), qtype)
+    _check(blocks, qtype, deq)
+    _check(_with_edge_scales(blocks, offsets, rng), qtype, deq)
     # fully random bytes: every code value, every packed scale/min, every sign/grid index, any f16 scale
     size = GGML_QUANT_SIZES[qtype][1]
     noise = rng.integers(0, 256, size=(512, size), dtype=np.uint8)
     for off in offsets:  # keep scales finite (NaN/inf scales are not valid blocks)
         noise[:, off : off + 2] = rng.choice(EDGE_F16, size=512).view(np.uint8).reshape(-1, 2)
-    _check(noise, qtype)
+    _check(noise, qtype, deq)
 
 
-def test_q8_0_quantized_and_edge_blocks():
+def test_q8_0_quantized_and_edge_blocks(deq):
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((128, 256)) * np.array([1e-8, 1e-3, 1.0, 3e4])[rng.integers(0, 4, (128, 1))])
     x[0] = 0.0
     blocks = quants.quantize(x.astype(np.float32), Q.Q8_0).reshape(-1, 34)
-    _check(blocks, Q.Q8_0)
+    _check(blocks, Q.Q8_0, deq)
     codes = rng.integers(0, 256, size=(256, 34), dtype=np.uint8)
     codes[:, 2:] = np.arange(256, dtype=np.uint8).reshape(8, 32).repeat(32, axis=0)  # every int8 code
     codes[:, :2] = rng.choice(EDGE_F16, size=256).view(np.uint8).reshape(-1, 2)
-    _check(codes, Q.Q8_0)
+    _check(codes, Q.Q8_0, deq)
 
 
-def test_mxfp4_quantized_and_every_exponent_and_code():
+def test_mxfp4_quantized_and_every_exponent_and_code(deq):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((64, 256)).astype(np.float32) * 0.05
-    _check(quants.quantize(x, Q.MXFP4).reshape(-1, 17), Q.MXFP4)
+    _check(quants.quantize(x, Q.MXFP4).reshape(-1, 17), Q.MXFP4, deq)
     blocks = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
     blocks[:, 0] = np.arange(256, dtype=np.uint8)                  # every e8m0 exponent incl. 0, 1, 254, 255
     blocks[:16, 1:] = (np.arange(16, dtype=np.uint8) * 17)[:, None]  # every 4-bit code in both nibbles
     with np.errstate(over="ignore"):  # e = 255 times code 12 overflows to inf in both implementations
-        _check(blocks, Q.MXFP4)
+        _check(blocks, Q.MXFP4, deq)
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
-def test_float_types(qtype):
+def test_float_types(qtype, deq):
     rng = np.random.default_rng(4)
     x = rng.standard_normal(4096).astype(np.float32) * 100
     x[:4] = [0.0, -0.0, 1e-40, -65504.0]
@@ -90,7 +105,7 @@ def test_float_types(qtype):
     else:
         raw = x.view(np.uint8)
         ref = x
-    _bits_equal(dequantize(torch.from_numpy(raw.reshape(8, -1).copy()), qtype), ref.reshape(8, -1))
+    _bits_equal(deq(torch.from_numpy(raw.reshape(8, -1).copy()), qtype), ref.reshape(8, -1))
 
 
 def test_leading_shape_is_kept_and_bad_sizes_are_errors():

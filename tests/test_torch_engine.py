@@ -390,7 +390,8 @@ def test_unimplemented_numerics_options_are_refused(tiny_f32):
                        (RunOptions(rope_angles="recurrence"), "rope_angles=recurrence")):
         with pytest.raises(ParityError, match=f"torch engine: {what} is not implemented"):
             TorchEngine(str(tiny_f32), opts)
-    with pytest.raises(ParityError, match=r"torch engine: takes no engine arguments \(got \['lcp_flash=on'\]\)"):
+    with pytest.raises(ParityError, match=r"torch engine: unknown engine argument 'lcp_flash=on'; the one it takes "
+                                          r"is cpu_kernels=native\|torch"):
         TorchEngine(str(tiny_f32), RunOptions(engine_args=("lcp_flash=on",)))
 
 

@@ -1,0 +1,134 @@
+"""The torch engine's CPU kernels (`cpu_kernels.c`), compiled for this machine on first use and called via ctypes.
+
+Two operations over raw GGUF blocks: `dequantize` (bit-identical to gguf.quants) and `matvec`, a product with a few
+activation rows that decodes one weight row at a time into a cache-resident buffer instead of materialising the whole
+float32 matrix. The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
+-ffp-contract=off` into `$XDG_CACHE_HOME/v4parity` (default `~/.cache/v4parity`), named by a hash of the source, the
+flags, the compiler's version and the CPU's feature flags, so a changed source or machine gets its own build.
+ctypes releases the GIL during each call, so the engine's expert threads run the kernels concurrently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as Q
+
+from parity.contract.errors import ParityError, TensorError
+from parity.contract.files import atomic_write_bytes
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-psabi", "-shared", "-fPIC")
+TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4)  # what the C decoders handle
+
+
+class _Tables(ctypes.Structure):
+    _fields_ = [("f16", ctypes.c_void_p), ("iq2_signed", ctypes.c_void_p), ("mxfp4", ctypes.c_void_p),
+                ("e8m0_half", ctypes.c_void_p)]
+
+
+def _lookup_tables() -> dict[str, np.ndarray]:
+    """The decoders' tables, derived from gguf-py (never retyped): every half's float32 value (numpy's cast, as
+    gguf.quants), the IQ2_XXS grid times each sign pattern (int8, exact), the MXFP4 values, the E8M0 half scales."""
+    quants.IQ2_XXS.init_grid()
+    grid = np.asarray(quants.IQ2_XXS.grid, dtype=np.float32).reshape(256, 8)
+    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
+    signs = np.where((ksigns[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1))
+    signed = (grid[:, None, :] * signs[None, :, :]).reshape(32768, 8)
+    if not np.array_equal(signed.astype(np.int8).astype(np.float32), signed):
+        raise TensorError("IQ2_XXS grid from gguf-py is not int8-representable; the C decoder's table would be inexact")
+    return {
+        "f16": np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
+        "iq2_signed": np.ascontiguousarray(signed.astype(np.int8)),
+        "mxfp4": np.asarray(quants.MXFP4.kvalues, dtype=np.float32),
+        "e8m0_half": quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint8)).astype(np.float32),
+    }
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise ParityError(f"torch engine: the CPU kernels need a C compiler and {cc!r} is not on PATH (set CC, or "
+                          f"run with --engine-arg cpu_kernels=torch for the slower torch-ops path)")
+    return path
+
+
+def _cpu_flags() -> str:
+    """The CPU feature line of /proc/cpuinfo (part of the build's name: -march=native differs per CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(cc: str) -> Path:
+    """Path of the compiled library, building it first when this source / compiler / CPU has no build yet."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v4parity"
+    lib = cache / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cpu_kernels.so"
+        proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise ParityError(f"torch engine: compiling {SOURCE.name} with {cc} failed (exit {proc.returncode}):\n"
+                              f"{proc.stderr.strip()[-2000:]}\n(run with --engine-arg cpu_kernels=torch to skip them)")
+        atomic_write_bytes(lib, out.read_bytes())  # concurrent builders each rename a complete file into place
+    return lib
+
+
+class Kernels:
+    """The loaded library and its tables (kept alive here: the C side holds only their addresses)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self._arrays = _lookup_tables()
+        self._tables = _Tables(*(a.ctypes.data for a in self._arrays.values()))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.lib.v4p_dequantize.argtypes = [ctypes.POINTER(_Tables), ctypes.c_int, p, i64, p]
+        self.lib.v4p_matvec.argtypes = [ctypes.POINTER(_Tables), ctypes.c_int, p, i64, i64, i64, i64, p, i64, p, i64]
+        self.lib.v4p_dequantize.restype = self.lib.v4p_matvec.restype = ctypes.c_int
+
+    def dequantize(self, raw: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+        """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU."""
+        rc = self.lib.v4p_dequantize(self._tables, int(qtype), raw.data_ptr(), out.numel(), out.data_ptr())
+        _check(rc, qtype)
+
+    def matvec(self, raw: torch.Tensor, qtype: int, x: torch.Tensor, y: torch.Tensor, r0: int, r1: int) -> None:
+        """y[:, r0:r1] = x W[r0:r1]ᵀ, W decoded one row at a time.  raw uint8 [rows, row_bytes], x float32 [n, k]
+        contiguous, y float32 [n, rows] contiguous (all CPU)."""
+        rc = self.lib.v4p_matvec(self._tables, int(qtype), raw.data_ptr(), raw.shape[1], r0, r1, x.shape[1],
+                                 x.data_ptr(), x.shape[0], y.data_ptr(), y.shape[1])
+        _check(rc, qtype)
+
+
+def _check(rc: int, qtype: int) -> None:
+    if rc == -1:
+        supported = ", ".join(t.name for t in TYPES)
+        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported})")
+    if rc == -2:
+        raise MemoryError("CPU kernel: no memory for a row buffer")
+    if rc != 0:
+        raise ParityError(f"CPU kernel returned {rc}")
+
+
+@functools.cache
+def load() -> Kernels:
+    """The CPU kernels of this process, built on first use (a ParityError naming the compiler when that fails)."""
+    return Kernels(_build(_compiler()))

@@ -1,0 +1,118 @@
+"""The torch engine's compiled CPU kernels: `matvec` against an independent float64 product, row ranges, the
+torch-ops path they replace, and the refusals (the bit-exactness of their dequantizer is in test_torch_dequant)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as Q
+
+from gpu_engine import cpu_kernels
+from parity.contract.engine import RunOptions
+from parity.contract.errors import ParityError, TensorError
+from parity.gguf.quant_blocks import random_blocks
+from parity.tracing.runner import run_sequence
+
+U32 = np.finfo(np.float32).eps / 2  # unit roundoff of float32
+
+
+def matrix(qtype: Q, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks [rows, row_bytes] of a valid random matrix of the type."""
+    if qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.MXFP4):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        return x.view(np.uint8) if qtype == Q.F32 else (x.astype(np.float16).view(np.uint8) if qtype == Q.F16
+                                                         else quants.quantize(x, qtype))
+    return random_blocks(qtype, (rows, k), 0.05, rng)
+
+
+CASES = [(Q.F32, 40), (Q.F16, 72), (Q.BF16, 33), (Q.Q8_0, 96), (Q.MXFP4, 64), (Q.Q2_K, 512), (Q.Q4_K, 256),
+         (Q.IQ2_XXS, 768)]  # row lengths that are not multiples of 32 exercise the dot product's tail
+
+
+@pytest.mark.parametrize("qtype,k", CASES, ids=[c[0].name for c in CASES])
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_matvec_is_the_product_with_the_exactly_dequantized_matrix(qtype, k, n):
+    """y = x Wᵀ with W = gguf.quants.dequantize (float64 product as the truth): the error is within the classic
+    float32 summation bound k·u·Σ|w x| for every element, and every row range gives the same bits."""
+    kern = cpu_kernels.load()
+    rng = np.random.default_rng(int(qtype) * 100 + n)
+    raw = matrix(qtype, 37, k, rng)
+    w = quants.dequantize(raw, qtype).astype(np.float64).reshape(37, k)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    y = torch.full((n, 37), float("nan"))
+    kern.matvec(torch.from_numpy(raw), qtype, torch.from_numpy(x), y, 0, 37)
+    exact = x.astype(np.float64) @ w.T
+    bound = k * U32 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert (np.abs(y.numpy() - exact) <= bound).all()
+    assert np.abs(y.numpy() - exact).max() > 0  # a float32 sum, not a float64 one: the check above is not vacuous
+    parts = torch.full((n, 37), float("nan"))
+    for r0, r1 in ((0, 5), (5, 6), (6, 37)):
+        kern.matvec(torch.from_numpy(raw), qtype, torch.from_numpy(x), parts, r0, r1)
+    np.testing.assert_array_equal(parts.numpy().view(np.uint32), y.numpy().view(np.uint32))
+
+
+def test_matvec_writes_only_its_rows_and_refuses_unknown_types():
+    kern = cpu_kernels.load()
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(matrix(Q.Q8_0, 8, 64, rng))
+    x = torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))
+    y = torch.full((2, 8), float("nan"))
+    kern.matvec(raw, Q.Q8_0, x, y, 2, 5)
+    assert torch.isnan(y[:, [0, 1, 5, 6, 7]]).all() and torch.isfinite(y[:, 2:5]).all()
+    with pytest.raises(TensorError, match="Q4_0 has no CPU kernel"):
+        kern.matvec(raw, Q.Q4_0, x, y, 0, 8)
+    with pytest.raises(TensorError, match="Q5_K has no CPU kernel"):
+        kern.dequantize(raw, Q.Q5_K, torch.empty(8 * 64))
+
+
+def test_a_missing_or_failing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler-v4p")
+    with pytest.raises(ParityError, match="need a C compiler and 'no-such-compiler-v4p' is not on PATH"):
+        cpu_kernels._compiler()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(ParityError, match=r"compiling cpu_kernels.c with /bin/false failed \(exit 1\)"):
+        cpu_kernels._build("/bin/false")
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_kernels._build(cpu_kernels._compiler())
+    assert first.parent == tmp_path / "v4parity" and first.stat().st_mode & 0o777 == 0o644
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels._build(cpu_kernels._compiler()) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_native_and_torch_ops_paths_agree_within_the_parity_tolerance(tiny_realmix):
+    """The same run with the kernels (row-at-a-time matvec: a different float32 summation order) and with torch ops
+    only: every position's logits within rel L2 1e-5 of each other (test_torch_parity's tolerance to the reference),
+    the same routing and tokens; the engine names the path in its version."""
+    from gpu_engine.engine import TorchEngine
+
+    prompt = np.random.default_rng(3).integers(2, 290, 40)
+    engines = [TorchEngine(str(tiny_realmix), RunOptions(engine_args=(f"cpu_kernels={k}",)))
+               for k in ("native", "torch")]
+    assert "native CPU kernels" in engines[0].version and "native" not in engines[1].version
+    native, ops = (run_sequence(e, prompt, decode_steps=6, capture=True) for e in engines)
+    for a, b in zip(native, ops, strict=True):
+        rel = np.linalg.norm(a.logits - b.logits, axis=-1) / np.linalg.norm(b.logits, axis=-1)
+        assert rel.max() <= 1e-5
+        for ca, cb in zip(a.captures, b.captures, strict=True):
+            np.testing.assert_array_equal(ca["expert_ids"], cb["expert_ids"])
+    assert [r.tokens.tolist() for r in native] == [r.tokens.tolist() for r in ops]
+
+
+def test_engine_argument_is_validated(tiny_f32):
+    from gpu_engine.engine import TorchEngine
+
+    with pytest.raises(ParityError, match=r"unknown engine argument 'cpu_kernels=fast'"):
+        TorchEngine(str(tiny_f32), RunOptions(engine_args=("cpu_kernels=fast",)))
+
+
+def test_block_sizes_match_gguf():
+    """The C decoders' types are exactly the ones the engine may hand them (and every block size is ggml's)."""
+    assert {int(t) for t in cpu_kernels.TYPES} == {0, 1, 8, 10, 12, 16, 30, 39}
+    assert all(GGML_QUANT_SIZES[t][0] in (1, 32, 256) for t in cpu_kernels.TYPES)
