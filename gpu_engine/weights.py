@@ -10,8 +10,11 @@ while the budget (`cache_mb`; 0 = none) has room, first come first kept: the eng
 where an evicting LRU smaller than the working set would never hit. Matrices not kept are dequantized into reused
 scratch buffers, one per tensor kind; routed experts (each selected expert once per call, grouped by expert) are
 dequantized a block of rows at a time, each block multiplied while it is in cache (`QTensor.expert_linear`).
+On the CPU the compiled kernels (`gpu_engine.cpu_kernels`, unless the engine runs with cpu_kernels=torch) do the
+decoding, and products with at most MATVEC_MAX_ROWS activation rows are their row-at-a-time `matvec` (no
+dequantized matrix at all; its float32 sums run in a fixed order that differs from sgemm's).
 `matrix` returns a whole matrix the caller may keep (the cached one, or fresh memory). All hold exact dequantized
-values: speed only.
+values.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from parity.gguf.weights import Weights
 SCRATCH_MAX_BYTES = 256 << 20  # larger matrices (e.g. a real-vocabulary output head) get fresh memory per use
 # products with at most this many activation rows use the CPU kernels' row-at-a-time matvec (no dequantized matrix);
 # more rows: the matrix is decoded a block at a time and multiplied by torch (sgemm reuses each weight across rows)
-MATVEC_MAX_ROWS = 16
+MATVEC_MAX_ROWS = 32
 MapOp = Callable[..., Iterator]  # map(fn, items) -> results in item order (builtin map, or a thread pool's map)
 
 

@@ -74,6 +74,7 @@ class ReferenceEngine:
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
         self.workers = Workers(usable_cpus() if threads is None else threads)
+        self.threads = self.workers.n  # how many worker threads it runs (the bench reports it)
         self.store = WeightStore(self.weights, self.dtype, options.cache_gb, options.act_quant)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
                                  f16_round if options.kv_cache == "f16" else None)

@@ -396,8 +396,9 @@ def test_unimplemented_numerics_options_are_refused(tiny_f32):
 
 
 def test_expert_threads_change_speed_only(tiny_realmix):
-    """Routed experts run concurrently on a thread pool; the contributions are still added in ascending expert id,
-    so any thread count gives the same bits (1 intra-op thread, as the suite runs)."""
+    """Routed experts run concurrently on a thread pool (and a few-row dense product's rows are split over it); the
+    contributions are still added in ascending expert id and every row is one fixed-order dot product, so any thread
+    count gives the same bits (1 intra-op thread, as the suite runs; decode steps take the row-split path)."""
     prompt = np.random.default_rng(14).integers(2, 290, 30)
     runs = [run_sequence(TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=t), prompt, decode_steps=3,
                          capture=True) for t in (1, 3)]

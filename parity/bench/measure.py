@@ -27,11 +27,10 @@ from parity.contract.errors import ParityError
 
 BENCH_VERSION = 1            # part of the cached file names: bump when synth_real's output changes
 DEQUANT_VALUES = 1 << 23     # 8 M values per type = one 2048 x 4096 routed expert
-# prompt length -> runs per engine (the median of the runs is reported); the scaling lengths run once. The torch
-# engine on CPU gets the two main lengths only: it is dequantization-bound there, and `make bench` must fit 15 min.
+# prompt length -> runs per engine (the median of the runs is reported); the scaling lengths run once.
 PLANS = {
     "reference": {"lengths": {24: 3, 128: 2, 512: 1}, "decode_steps": 2, "trace_reps": 2},
-    "torch-cpu": {"lengths": {24: 2, 128: 1}, "decode_steps": 2, "trace_reps": 0},
+    "torch-cpu": {"lengths": {24: 3, 128: 2, 512: 1}, "decode_steps": 2, "trace_reps": 0},
     "torch-cuda": {"lengths": {24: 3, 128: 3, 256: 1, 512: 1, 1024: 1}, "decode_steps": 3, "trace_reps": 3},
     "quick": {"lengths": {8: 2, 16: 2}, "decode_steps": 2, "trace_reps": 2},
 }
@@ -176,13 +175,16 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one engine through `load_engine` and run the measurements the spec asks for."""
-    from parity.contract.engine import RunOptions, load_engine
+    from parity.contract.engine import RunOptions, engine_class, load_engine
 
     options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"], fp8_kv=spec["qat_sims"],
                          fp4_indexer=spec["qat_sims"])
     with MemoryWatch() as mem:
         t = time.perf_counter()
-        engine = load_engine(spec["engine"], spec["model"], options)
+        if spec.get("threads"):  # the reference's worker-thread count (its constructor argument)
+            engine = engine_class(spec["engine"])(spec["model"], options, threads=spec["threads"])
+        else:
+            engine = load_engine(spec["engine"], spec["model"], options)
         load_s = time.perf_counter() - t
         timed = TimedEngine(engine)
         runs = [time_prefill_decode(timed, int(n), int(reps), spec["decode_steps"])
@@ -197,7 +199,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_anon_gb": mem.peak_anon / 2**30, "peak_rss_gb": mem.peak_total / 2**30,
         "model_file_gb": Path(spec["model"]).stat().st_size / 2**30,
         "cache": engine.cache_stats() if isinstance(engine, CacheStats) else None,
-        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "threads": getattr(engine, "threads", None),
     }
 
 
@@ -493,6 +495,12 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
         spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu", "lengths": {n: 1},
                 "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb, "qat_sims": True}
         workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
+        if not quick:
+            log("reference on the 2-layer file with 1 worker thread (the thread-scaling point) ...")
+            spec = {"engine": "reference", "model": str(models["2layer"]), "device": "cpu", "lengths": {n: 3},
+                    "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": RunOptions.cache_gb,
+                    "qat_sims": True, "threads": 1}
+            workers["reference_1thread"] = spawn_worker(spec, 1, timeout)
     report["engines"] = workers
     if peers:
         report["tiny_engines"] = bench_tiny(cache_dir, ("reference", "torch", *peers), torch_threads, log)
@@ -558,6 +566,21 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(measure, 1 thread, N threads, speed-up) of the reference, per layer (layer 0 CSA / layer 1 HCA)."""
+    eng = report["engines"]
+    one, many = eng.get("reference_1thread"), eng.get("reference")
+    if not one or not many:
+        return []
+    n = one["runs"][0]["prompt"]
+    rows = []
+    for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
+        a, b = _per_layer(one, n, key), _per_layer(many, n, key)
+        rows.append((what, " / ".join(f"{x:.3f} s" for x in a), " / ".join(f"{x:.3f} s" for x in b),
+                     " / ".join(f"{x / y:.2f}x" for x, y in zip(a, b, strict=True))))
+    return rows
+
+
 def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
     """Per prompt length: per-layer prefill and decode seconds of each engine ('a / b' over the layers)."""
     eng = report["engines"]
@@ -586,15 +609,22 @@ def render_markdown(report: dict[str, Any]) -> str:
               "|---|---|---|---|---|"]
     for n, cells in scaling_rows(report):
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    threads = thread_rows(report)
+    if threads:
+        n = report["engines"]["reference"]["threads"]
+        lines += ["", f"Reference thread scaling, 1 -> {n} worker threads (per layer, layer 0 CSA / layer 1 HCA; "
+                  "bit-identical results):", "", f"| measure | 1 thread | {n} threads | speed-up |",
+                  "|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in threads]
     lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "
               "(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants):", "",
-              "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact "
+              "| torch / reference |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["dequant"]:
         yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
         lines.append(f"| {r['type']} | {r['gguf_mvs']:.0f} | {r['reference_mvs']:.0f} | {r['reference_speedup']:.1f}x"
                      f" | {yes(r['reference_exact'])} | {r['torch_mvs']:.0f} | {r['torch_speedup']:.1f}x"
-                     f" | {yes(r['torch_exact'])} |")
+                     f" | {yes(r['torch_exact'])} | {r['torch_mvs'] / r['reference_mvs']:.1f}x |")
     if report.get("tiny_engines"):
         lines += ["", "Every engine on the tiny F32 model (6 layers, dim 256, QAT simulations off), seconds per layer "
                   "= whole forward / L, prefill of 24 tokens and one decode step (median); speed vs the reference:",

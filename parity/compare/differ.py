@@ -219,11 +219,11 @@ def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], t
     parts = [_checkpoint_metrics(a, b, name, positions, ra[i], rb[i], full[i], th) for i, name in enumerate(names)]
     layers = [checkpoint_layer(name) for name in names]
     return pd.DataFrame({
-        "checkpoint": [name for name in names for _ in range(n)],
+        "checkpoint": np.repeat(np.array(names, dtype=object), n),
         "depth": np.repeat([checkpoint_depth(name, n_layers) for name in names], n),
         "layer": np.repeat([-1 if layer is None else layer for layer in layers], n).astype(np.int64),
         "pos": np.tile(np.asarray(positions, np.int64), len(names)),
-        "method": [("full" if f else "fp") for f in full for _ in range(n)],
+        "method": np.repeat(np.array(["full" if f else "fp" for f in full], dtype=object), n),
         **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]},
     })
 
@@ -231,7 +231,8 @@ def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], t
 def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra: np.ndarray, rb: np.ndarray,
                         full: bool, th: Thresholds) -> dict[str, np.ndarray]:
     """The metric columns of one checkpoint (rows ra of a.ckpt against rb of b.ckpt, one per position)."""
-    ca, cb = a.ckpt.cols, b.ckpt.cols
+    ca, cb = _selected(a.ckpt.cols, ra), _selected(b.ckpt.cols, rb)
+    ra = rb = slice(None)
     if full:
         va, vb = a.vectors[name][_indices(a, positions)], b.vectors[name][_indices(b, positions)]
         max_abs = metrics.max_abs(va, vb)
@@ -261,6 +262,14 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra:
             "sqnr_db": metrics.sqnr_from_rel_l2(rel), "max_abs": max_abs, "stream_ratio_min": smin,
             "stream_ratio_max": smax, "finite": finite, "exact": exact, "drift": drift,
             "argmax_a": ca["argmax"][ra], "argmax_b": cb["argmax"][rb]}
+
+
+def _selected(cols: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Every column at `rows`: views when the rows are one ascending run (a trace's usual layout), else copies."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+        run = slice(int(rows[0]), int(rows[-1]) + 1)
+        return {k: v[run] for k, v in cols.items()}
+    return {k: v[rows] for k, v in cols.items()}
 
 
 def _indices(t: Trace, positions: list[int]) -> np.ndarray:
