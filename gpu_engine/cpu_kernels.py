@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
 from parity.contract.errors import ParityError, TensorError
@@ -108,25 +109,46 @@ class Kernels:
 
     def dequantize(self, raw: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
         """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU."""
-        rc = self.lib.v4p_dequantize(self._tables, int(qtype), raw.data_ptr(), out.numel(), out.data_ptr())
-        _check(rc, qtype)
+        block, size = _block(qtype)
+        _require(raw, torch.uint8, "raw blocks")
+        _require(out, torch.float32, "output")
+        if raw.numel() % size or out.numel() != raw.numel() // size * block:
+            raise TensorError(f"{Q(qtype).name}: {raw.numel()} bytes do not hold the {out.numel()} output values")
+        _check(self.lib.v4p_dequantize(self._tables, int(qtype), raw.data_ptr(), out.numel(), out.data_ptr()), qtype)
 
     def matvec(self, raw: torch.Tensor, qtype: int, x: torch.Tensor, y: torch.Tensor, r0: int, r1: int) -> None:
         """y[:, r0:r1] = x W[r0:r1]ᵀ, W decoded one row at a time.  raw uint8 [rows, row_bytes], x float32 [n, k]
-        contiguous, y float32 [n, rows] contiguous (all CPU)."""
-        rc = self.lib.v4p_matvec(self._tables, int(qtype), raw.data_ptr(), raw.shape[1], r0, r1, x.shape[1],
-                                 x.data_ptr(), x.shape[0], y.data_ptr(), y.shape[1])
-        _check(rc, qtype)
+        contiguous, y float32 [n, rows] contiguous (all CPU); shapes are checked (the C side trusts them)."""
+        block, size = _block(qtype)
+        for t, dtype, what in ((raw, torch.uint8, "raw blocks"), (x, torch.float32, "x"), (y, torch.float32, "y")):
+            _require(t, dtype, what)
+        (rows, row_bytes), (n, k) = raw.shape, x.shape
+        if row_bytes * block != k * size or y.shape != (n, rows) or not 0 <= r0 <= r1 <= rows:
+            raise TensorError(f"{Q(qtype).name} matvec: W {tuple(raw.shape)} bytes, x {tuple(x.shape)}, "
+                              f"y {tuple(y.shape)}, rows [{r0}, {r1}) do not fit together")
+        _check(self.lib.v4p_matvec(self._tables, int(qtype), raw.data_ptr(), row_bytes, r0, r1, k, x.data_ptr(), n,
+                                   y.data_ptr(), rows), qtype)
+
+
+def _block(qtype: int) -> tuple[int, int]:
+    """(values, bytes) per block of a type the C decoders handle; a TensorError naming any other type."""
+    if qtype not in TYPES:
+        supported = ", ".join(t.name for t in TYPES)
+        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported})")
+    return GGML_QUANT_SIZES[Q(qtype)]
+
+
+def _require(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise TensorError(f"CPU kernel: {what} must be a contiguous {dtype} CPU tensor, got {t.dtype} on "
+                          f"{t.device} (contiguous: {t.is_contiguous()})")
 
 
 def _check(rc: int, qtype: int) -> None:
-    if rc == -1:
-        supported = ", ".join(t.name for t in TYPES)
-        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported})")
     if rc == -2:
         raise MemoryError("CPU kernel: no memory for a row buffer")
     if rc != 0:
-        raise ParityError(f"CPU kernel returned {rc}")
+        raise ParityError(f"CPU kernel for {Q(qtype).name} returned {rc}")
 
 
 @functools.cache

@@ -68,6 +68,24 @@ def test_matvec_writes_only_its_rows_and_refuses_unknown_types():
         kern.dequantize(raw, Q.Q5_K, torch.empty(8 * 64))
 
 
+def test_shapes_dtypes_and_layouts_are_checked_before_the_c_code_runs():
+    kern = cpu_kernels.load()
+    rng = np.random.default_rng(1)
+    raw = torch.from_numpy(matrix(Q.Q8_0, 8, 64, rng))
+    x = torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))
+    y = torch.empty(2, 8)
+    with pytest.raises(TensorError, match=r"Q8_0 matvec: W \(8, 68\) bytes, x \(2, 32\)"):
+        kern.matvec(raw, Q.Q8_0, x[:, :32].contiguous(), y, 0, 8)
+    with pytest.raises(TensorError, match=r"rows \[0, 9\) do not fit"):
+        kern.matvec(raw, Q.Q8_0, x, y, 0, 9)
+    with pytest.raises(TensorError, match="x must be a contiguous torch.float32 CPU tensor"):
+        kern.matvec(raw, Q.Q8_0, torch.cat([x, x], dim=1)[:, ::2], y, 0, 8)
+    with pytest.raises(TensorError, match="y must be a contiguous torch.float32"):
+        kern.matvec(raw, Q.Q8_0, x, y.double(), 0, 8)
+    with pytest.raises(TensorError, match="544 bytes do not hold the 500 output values"):
+        kern.dequantize(raw, Q.Q8_0, torch.empty(500))
+
+
 def test_a_missing_or_failing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-compiler-v4p")
     with pytest.raises(ParityError, match="need a C compiler and 'no-such-compiler-v4p' is not on PATH"):
