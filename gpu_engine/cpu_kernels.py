@@ -25,6 +25,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
+from gpu_engine.dequant import IQ2XXS_SIGNED_I8, MXFP4_VALUES
 from parity.contract.errors import ParityError, TensorError
 from parity.contract.files import atomic_write_bytes
 
@@ -40,18 +41,11 @@ class _Tables(ctypes.Structure):
 
 def _lookup_tables() -> dict[str, np.ndarray]:
     """The decoders' tables, derived from gguf-py (never retyped): every half's float32 value (numpy's cast, as
-    gguf.quants), the IQ2_XXS grid times each sign pattern (int8, exact), the MXFP4 values, the E8M0 half scales."""
-    quants.IQ2_XXS.init_grid()
-    grid = np.asarray(quants.IQ2_XXS.grid, dtype=np.float32).reshape(256, 8)
-    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
-    signs = np.where((ksigns[:, None] >> np.arange(8)) & 1, np.float32(-1), np.float32(1))
-    signed = (grid[:, None, :] * signs[None, :, :]).reshape(32768, 8)
-    if not np.array_equal(signed.astype(np.int8).astype(np.float32), signed):
-        raise TensorError("IQ2_XXS grid from gguf-py is not int8-representable; the C decoder's table would be inexact")
+    gguf.quants), the IQ2_XXS signed grid and the MXFP4 values (the torch dequantizers' own), the E8M0 half scales."""
     return {
         "f16": np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
-        "iq2_signed": np.ascontiguousarray(signed.astype(np.int8)),
-        "mxfp4": np.asarray(quants.MXFP4.kvalues, dtype=np.float32),
+        "iq2_signed": np.ascontiguousarray(IQ2XXS_SIGNED_I8),
+        "mxfp4": np.ascontiguousarray(MXFP4_VALUES),
         "e8m0_half": quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint8)).astype(np.float32),
     }
 

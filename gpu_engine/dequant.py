@@ -30,17 +30,17 @@ _IQ2XXS_SIGNS = np.where((_KSIGNS[:, None] >> np.arange(8)) & 1, np.float32(-1),
 # signed grid: row g * 128 + k = grid[g] * signs[k] (exact: a product with +-1), one gather per 8 values
 _IQ2XXS_SIGNED = np.ascontiguousarray((_IQ2XXS_GRID[:, None, :] * _IQ2XXS_SIGNS[None, :, :]).reshape(32768, 8))
 # the signed grid holds small integers (+-8, 25, 43): as int8 one row is 8 bytes, gathered as one int64 (256 KiB table)
-_IQ2XXS_SIGNED_I8 = _IQ2XXS_SIGNED.astype(np.int8)
-if not np.array_equal(_IQ2XXS_SIGNED_I8.astype(np.float32), _IQ2XXS_SIGNED):
+IQ2XXS_SIGNED_I8 = _IQ2XXS_SIGNED.astype(np.int8)
+if not np.array_equal(IQ2XXS_SIGNED_I8.astype(np.float32), _IQ2XXS_SIGNED):
     raise TensorError("IQ2_XXS grid from gguf-py is not int8-representable; the packed table would be inexact")
-_MXFP4_VALUES = np.array(quants.MXFP4.kvalues, dtype=np.float32)
+MXFP4_VALUES = np.array(quants.MXFP4.kvalues, dtype=np.float32)
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _table(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     if key not in _TABLES:
-        src = {"signed_grid_i8": _IQ2XXS_SIGNED_I8.view(np.int64).reshape(-1), "mxfp4": _MXFP4_VALUES}[name]
+        src = {"signed_grid_i8": IQ2XXS_SIGNED_I8.view(np.int64).reshape(-1), "mxfp4": MXFP4_VALUES}[name]
         _TABLES[key] = torch.from_numpy(src).to(device)
     return _TABLES[key]
 
