@@ -9,13 +9,11 @@ approximate bfloat16 path also returns float32).
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,6 +34,7 @@ from gpu_engine.ops import (
     rope_frequencies,
 )
 from gpu_engine.weights import UNQUANTIZED, DeviceWeights
+from parity.contract.cpus import usable_cpus
 from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes, check_tokens
 from parity.contract.errors import ParityError
 
@@ -51,16 +50,6 @@ APPROXIMATIONS = {"dtype=bfloat16": "bf16 matmul operands, fp32 state",
 
 
 MAX_EXPERT_THREADS = 8  # more threads than a decode step's 6 experts gain nothing
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, bounded by a cgroup v2 CPU quota when one is set."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-    except (OSError, ValueError):  # no cgroup v2 CPU controller here: the affinity mask is the limit
-        return n
-    return n if quota == "max" else max(1, min(n, int(quota) // int(period)))
 
 
 def thread_map(pool: ThreadPoolExecutor) -> Callable[..., Iterator]:

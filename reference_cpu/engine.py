@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from parity.contract.cpus import usable_cpus
 from parity.contract.engine import LayerOutput, RunOptions, check_qat_shapes, check_tokens
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
@@ -26,7 +27,7 @@ from reference_cpu.norms import rms_norm
 from reference_cpu.numerics import f16_round
 from reference_cpu.rope import RopeSpec, RopeTable
 from reference_cpu.state import SequenceState
-from reference_cpu.threads import Workers, usable_cpus
+from reference_cpu.threads import Workers
 from reference_cpu.weights_cache import WeightStore
 
 VERSION = "0.1.0"
@@ -60,7 +61,7 @@ class ReferenceEngine:
     """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `options.cache_gb`.
 
     `threads`: worker threads for independent experts, queries and output groups (None: the CPUs this process may
-    use, `threads.usable_cpus`); results are bit-identical for any count.
+    use, `parity.contract.cpus.usable_cpus`); results are bit-identical for any count.
     """
 
     name = "reference"

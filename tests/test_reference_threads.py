@@ -7,11 +7,12 @@ import os
 import numpy as np
 import pytest
 
+from parity.contract.cpus import cgroup_cpu_limit, parse_quota, usable_cpus
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
 from parity.tracing.runner import run_sequence
 from reference_cpu.engine import ReferenceEngine
-from reference_cpu.threads import Workers, cgroup_cpu_limit, parse_quota, usable_cpus
+from reference_cpu.threads import Workers
 
 PROMPT = np.random.default_rng(17).integers(2, 290, 37)
 

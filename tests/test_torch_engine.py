@@ -407,7 +407,8 @@ def test_expert_threads_change_speed_only(tiny_realmix):
         for ca, cb in zip(a.captures, b.captures, strict=True):
             np.testing.assert_array_equal(ca["routed_out"], cb["routed_out"])
     assert TorchEngine(str(tiny_realmix), RunOptions(), expert_threads=1).expert_threads == 1
-    from gpu_engine.engine import MAX_EXPERT_THREADS, usable_cpus
+    from gpu_engine.engine import MAX_EXPERT_THREADS
+    from parity.contract.cpus import usable_cpus
 
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))  # the affinity mask bounds it (a quota may lower it)
     assert TorchEngine(str(tiny_realmix), RunOptions()).expert_threads == min(usable_cpus(), MAX_EXPERT_THREADS)
