@@ -54,8 +54,9 @@ def _compiler() -> str:
     cc = os.environ.get("CC") or "cc"
     path = shutil.which(cc)
     if path is None:
-        raise ParityError(f"torch engine: the CPU kernels need a C compiler and {cc!r} is not on PATH (set CC, or use "
-                          f"RunOptions(engine_args=('cpu_kernels=torch',)) for the slower torch-ops path)")
+        raise ParityError(f"torch engine: the CPU kernels need a C compiler and {cc!r} is not on PATH (set CC, or pass "
+                          f"--engine-arg cpu_kernels=torch / RunOptions(engine_args=('cpu_kernels=torch',)) for the "
+                          f"slower torch-ops path)")
     return path
 
 
@@ -83,8 +84,8 @@ def _build(cc: str) -> Path:
         proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise ParityError(f"torch engine: compiling {SOURCE.name} with {cc} failed (exit {proc.returncode}):\n"
-                              f"{proc.stderr.strip()[-2000:]}\n(RunOptions(engine_args=('cpu_kernels=torch',)) "
-                              f"runs without them)")
+                              f"{proc.stderr.strip()[-2000:]}\n(--engine-arg cpu_kernels=torch, "
+                              f"RunOptions(engine_args=('cpu_kernels=torch',)), runs without them)")
         atomic_write_bytes(lib, out.read_bytes())  # concurrent builders each rename a complete file into place
     return lib
 

@@ -134,3 +134,20 @@ def test_block_sizes_match_gguf():
     """The C decoders' types are exactly the ones the engine may hand them (and every block size is ggml's)."""
     assert {int(t) for t in cpu_kernels.TYPES} == {0, 1, 8, 10, 12, 16, 30, 39}
     assert all(GGML_QUANT_SIZES[t][0] in (1, 32, 256) for t in cpu_kernels.TYPES)
+
+
+def test_trace_passes_engine_args_and_records_them(tiny_realmix, tmp_path):
+    """`v4parity trace --engine-arg cpu_kernels=torch`: the header records it (and the engine's version says which
+    path ran); an argument the engine does not take is refused, naming it (the console script turns it into exit 2)."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+    from parity.tracing.io import read_trace
+
+    base = ["trace", "--engine", "torch", "-m", str(tiny_realmix), "--tokens", "0,5,7", "--decode", "1"]
+    r = CliRunner().invoke(cli, [*base, "--engine-arg", "cpu_kernels=torch", "-o", str(tmp_path / "t.trace")])
+    assert r.exit_code == 0, r.output
+    header = read_trace(tmp_path / "t.trace").header
+    assert header.flags["engine_args"] == ["cpu_kernels=torch"] and "native" not in header.engine_version
+    r = CliRunner().invoke(cli, [*base, "--engine-arg", "threads=3", "-o", str(tmp_path / "u.trace")])
+    assert isinstance(r.exception, ParityError) and "unknown engine argument 'threads=3'" in str(r.exception)

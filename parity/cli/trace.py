@@ -96,6 +96,9 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @inject_option()
 @numerics_options
 @lcp_options
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="NAME=VALUE",
+              help="An engine-specific setting (repeatable), validated by the engine; e.g. torch: "
+                   "cpu_kernels=torch (torch ops instead of the compiled CPU kernels).")
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(1, 100), help="Top logits per position.")
 @click.option("--dump-logprobs", type=click.Path(dir_okay=False), help="Also write a ds4 --dump-logprobs JSON.")
 @click.option("--dump-ctx", type=click.IntRange(1), default=None,
@@ -107,7 +110,7 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @json_errors
 def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, decode, chunk,
           no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
-          lcp_threads, top_k, dump_logprobs, dump_ctx,
+          lcp_threads, engine_arg, top_k, dump_logprobs, dump_ctx,
           output, as_json) -> None:
     """Run an engine on a prompt and record every checkpoint (stats + fingerprints) to a trace.
 
@@ -139,9 +142,10 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
         run = {"tokens": ids, "decode": decode, "forced": None, "chunk": chunk,
                "positions": positions if positions is not None else default_positions(len(ids), decode)}
     ids, decode = run["tokens"], run["decode"]
+    lcp = lcp_run_options(engine, lcp_kv, lcp_flash_attn, lcp_threads)
     options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
                          inject=tuple(inject), act_quant=act_quant, kv_cache=kv_cache, rope_angles=rope_angles,
-                         **lcp_run_options(engine, lcp_kv, lcp_flash_attn, lcp_threads))
+                         **{**lcp, "engine_args": (*lcp.get("engine_args", ()), *engine_arg)})
     rows = []
     total = api.n_chunks(len(ids), decode, run["chunk"])
     stage = f"trace {engine}: {len(ids)} tokens + {decode} decode"
