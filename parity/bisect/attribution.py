@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope, gate
+from parity.bisect.envelope import Envelope
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, block, block_attn
 from parity.contract.engine import Engine, LayerOutput
@@ -78,8 +78,8 @@ def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free
         mism = np.flatnonzero(vis != vis_ref)
         rows.append(LayerAttribution(
             layer=l, local=float(loc.max()), local_attn=float(loc_attn.max()), free=free, floor=floor,
-            local_excess=float(gate(loc.max(), floor, env.k, env.eps)),
-            free_excess=float(gate(free, floor, env.k, env.eps)), worst_position=int(loc.argmax()),
+            local_excess=float(env.excess(loc.max(), floor)),
+            free_excess=float(env.excess(free, floor)), worst_position=int(loc.argmax()),
             row_mismatch=int(mism[0]) if len(mism) else None))
     return rows
 

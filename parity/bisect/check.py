@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
-from parity.bisect.envelope import Envelope, gate
+from parity.bisect.envelope import Envelope
 from parity.bisect.hypotheses import (
     Fit,
     VariantTester,
@@ -259,12 +259,12 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
                   free: dict[str, np.ndarray], env: Envelope, st: _Stages, say: Progress) -> None:
     """No layer departs locally: a free-running excess is amplified sub-envelope drift; name its QAT flip."""
     out = [n for n in trace.header.checkpoints if n in free
-           and float(gate(free[n].max(), env.floor(n), env.k, env.eps)) > 1]
+           and float(env.excess_at(n, free[n].max())) > 1]
     if not out:
         return
     first = next((checkpoint_layer(n) for n in out if checkpoint_layer(n) is not None), None)
-    worst = max(out, key=lambda n: float(gate(free[n].max(), env.floor(n), env.k, env.eps)))
-    ex = float(gate(free[worst].max(), env.floor(worst), env.k, env.eps))
+    worst = max(out, key=lambda n: float(env.excess_at(n, free[n].max())))
+    ex = float(env.excess_at(worst, free[worst].max()))
     base = (f"free-running excess {ex:.3g} at {worst} with every layer inside the envelope on the candidate's own "
             "inputs: amplified sub-envelope drift")
     if cand is None or first is None:
@@ -382,10 +382,10 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
         floor = env.floor(n)
         fe = free.get(n)
         f = None if fe is None else float(fe.max())
-        fx = None if fe is None else float(gate(f, floor, env.k, env.eps))
+        fx = None if fe is None else float(env.excess(f, floor))
         lr = by_layer.get(checkpoint_layer(n)) if checkpoint_layer(n) is not None else None
         lo = None if lr is None else (lr.local_attn if n.endswith(".attn") else lr.local)
-        lx = None if lo is None else float(gate(lo, floor, env.k, env.eps))
+        lx = None if lo is None else float(env.excess(lo, floor))
         pos = None
         if fe is not None and fx is not None and fx > 1:
             pos = int(positions[int(np.argmax(fe > env.limit(floor)))])

@@ -97,6 +97,14 @@ class Envelope:
         """The largest error inside the envelope over `floor`: k * floor + eps (the denominator of `gate`)."""
         return self.k * floor + self.eps
 
+    def excess(self, err: np.ndarray | float, floor: float) -> np.ndarray:
+        """`gate` with this envelope's k and eps: err / (k * floor + eps); > 1 is outside."""
+        return gate(err, floor, self.k, self.eps)
+
+    def excess_at(self, name: str, err: np.ndarray | float) -> np.ndarray:
+        """The excess of an error at checkpoint `name` over its floor."""
+        return self.excess(err, self.floor(name))
+
     def margin_tol(self, layer: int) -> float:
         """A routing flip at a reference router margin <= this is noise: k * measured key drift + MARGIN_EPS."""
         if str(layer) not in self.router_margin:
@@ -332,7 +340,7 @@ def judge_diff(table: Any, env: Envelope) -> EnvelopeJudgement:
     for name, t in table.groupby("checkpoint", sort=False):
         rel = t["rel_l2"].to_numpy(np.float64)
         floor = env.floor(name)
-        excess = np.where(np.isfinite(rel), gate(np.nan_to_num(rel), floor, env.k, env.eps), np.inf)
+        excess = np.where(np.isfinite(rel), env.excess(np.nan_to_num(rel), floor), np.inf)
         i = int(np.argmax(excess))
         verdict = "DRIFT" if excess[i] > 1 else "NOISE" if t["drift"].any() else "OK"
         rows.append(EnvelopeCheck(str(name), int(t["pos"].iloc[i]), float(rel[i]), floor, float(excess[i]), verdict))

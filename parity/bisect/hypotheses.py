@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
-from parity.bisect.envelope import Envelope, gate
+from parity.bisect.envelope import Envelope
 from parity.bisect.search import FLIP_FRACTION, compare_subops
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import block, block_attn
@@ -133,9 +133,9 @@ def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, env: Envelope) ->
     struct = structural_difference(trace, outs, layer, env)
     if struct is not None:
         first.append(struct[1])
-    excess = max((float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()), default=0.0)
+    excess = max((float(env.excess_at(n, e.max())) for n, e in errs.items()), default=0.0)
     pick = (lambda n: float(errs[n].max()) if n in errs else None)  # noqa: E731
-    pos_excess = np.max([gate(e, env.floor(n), env.k, env.eps) for n, e in errs.items()], axis=0)
+    pos_excess = np.max([env.excess_at(n, e) for n, e in errs.items()], axis=0)
     pos_err = np.max(list(errs.values()), axis=0)
     return Fit(pick(block_attn(layer)), pick(block(layer)), excess, min(first) if first else None,
                struct[0] if struct else None, pos_excess, pos_err)

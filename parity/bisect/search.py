@@ -32,7 +32,7 @@ from parity.bisect.attribution import (
     routing,
     teacher_forced,
 )
-from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors, gate
+from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors
 from parity.bisect.trajectory import Trajectory, trajectory
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
@@ -125,7 +125,7 @@ def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: di
         say(f"splice: candidate layers < {k}, reference from {k}")
         errs, mismatch = splice_output(free, ref_engine, k, ref)
         below = {n: free_errs[n] for l in range(k) for n in (block_attn(l), block(l))}
-        ex = max(float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in (errs | below).items())
+        ex = max(float(env.excess_at(n, e.max())) for n, e in (errs | below).items())
         return SpliceProbe(k, ex, ex <= 1 and mismatch is None, mismatch)
 
     probes = [probe(L)]
@@ -204,13 +204,13 @@ class _Judge:
             i = real[0]
             what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
                     f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
-            return SubopResult(name, "defect", float(err[i]), floor, float(gate(err[i], floor, self.env.k,
-                               self.env.eps)), int(pos[i]), f"{name}: {what} at position {pos[i]}")
+            return SubopResult(name, "defect", float(err[i]), floor, float(self.env.excess(err[i], floor)),
+                               int(pos[i]), f"{name}: {what} at position {pos[i]}")
         status = "noise" if (flips or (err > tol).any()) else "ok"
         detail = (f"{len(flips)} isolated {QUANT_FORMAT[name]} code flip(s) in {name} from position {self.taint}"
                   if flips else
                   f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")
-        return SubopResult(name, status, worst, floor, float(gate(worst, floor, self.env.k, self.env.eps)),
+        return SubopResult(name, status, worst, floor, float(self.env.excess(worst, floor)),
                            None, detail)
 
     def rows(self, name: str, ref_outs: Sequence[LayerOutput], cand_outs: Sequence[LayerOutput]) -> SubopResult:
@@ -468,7 +468,7 @@ def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: 
     say(f"{cand.name}: same tokens (teacher-forced)")
     free = run_sequence(cand, prompt, decode, chunk=chunk, forced=tokens[P:], on_chunk=counting(f"{cand.name} run"))
     errs = checkpoint_errors(ref, free)
-    excess = {n: float(gate(e.max(), env.floor(n), env.k, env.eps)) for n, e in errs.items()}
+    excess = {n: float(env.excess_at(n, e.max())) for n, e in errs.items()}
     logits = [np.concatenate([c.logits for c in run]) for run in (ref, free)]
     return FreeStage(ref, free, tokens, errs, excess, trajectory(*logits, errs, P, L, env),
                      first_visibility_mismatch(ref, [c.diags for c in free], range(L)), routing(ref, free, env))

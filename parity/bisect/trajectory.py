@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope, gate
+from parity.bisect.envelope import Envelope
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.checkpoints import block
 from parity.tracing.stats import top_k
@@ -91,5 +91,5 @@ def trajectory(ref_logits: np.ndarray, cand_logits: np.ndarray, free_errors: dic
     ref_logits, cand_logits: [T, V]; free_errors: checkpoint -> per-position rel-L2 [T]."""
     first = n_prompt - 1
     steps = classify_steps(ref_logits[first:], cand_logits[first:], first, env)
-    cols = [gate(free_errors[block(l)][first:], env.floor(block(l)), env.k, env.eps) for l in range(n_layers)]
+    cols = [env.excess_at(block(l), free_errors[block(l)][first:]) for l in range(n_layers)]
     return Trajectory(steps, np.stack(cols, axis=1))
