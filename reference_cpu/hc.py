@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference_cpu.linear import Weight, linear
+from reference_cpu.linear import Matrix, Weight, linear
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
@@ -30,10 +30,14 @@ def hc_init(e: np.ndarray, hc_mult: int) -> np.ndarray:
 def hc_mixes(X: np.ndarray, fn: Weight, norm_eps: float) -> np.ndarray:
     """m = r · (Φ x̄), r = 1/sqrt(mean(x̄²) + ε_rms) over the flattened carrier (§8.1 step 1).
 
-    X [n, H, D], fn Φ [M, H*D] -> [n, M]. r is applied after the matmul, as in the official code.
+    X [n, H, D], fn Φ [M, H*D] -> [n, M]. r is applied after the matmul, as in the official code. An engine that
+    rounds the matmul input rounds the normalised carrier, Φ round(r x̄) (llama.cpp normalises first; measured:
+    its hc_attn_pre then agrees to 8e-8 instead of 7e-5 with F16 Φ).
     """
     flat = X.reshape(X.shape[0], -1)
     r = 1.0 / np.sqrt(np.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    if isinstance(fn, Matrix) and fn.round_input is not None:
+        return linear(flat * r, fn)
     return linear(flat, fn) * r
 
 

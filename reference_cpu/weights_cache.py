@@ -13,7 +13,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from parity.contract.errors import TensorError
 from parity.gguf.weights import Weights
@@ -72,17 +71,13 @@ class WeightStore:
         self.cache = LRUCache(int(cache_gb * 2**30))
         self.act_quant = act_quant
 
-    def quantized(self, name: str) -> bool:
-        """Whether tensor `name` is stored in a block-quantized GGUF type (not F32 / F16 / BF16 / integer)."""
-        return GGML_QUANT_SIZES[GGMLQuantizationType(self.weights.info(name).ggml_type)][0] > 1
-
     def matrix(self, name: str) -> Matrix:
         """A 2-D matmul weight with the input rounding its type gets under `act_quant`."""
-        return Matrix(self.dense(name), input_rounding(self.act_quant, self.quantized(name)))
+        return Matrix(self.dense(name), input_rounding(self.act_quant, self.weights.info(name).ggml_type))
 
     def expert_matrix(self, name: str, e: int) -> Matrix:
         """Expert e's slice of a 3-D expert tensor as a matmul weight (see `matrix`)."""
-        return Matrix(self.expert(name, e), input_rounding(self.act_quant, self.quantized(name)))
+        return Matrix(self.expert(name, e), input_rounding(self.act_quant, self.weights.info(name).ggml_type))
 
     def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
         # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary

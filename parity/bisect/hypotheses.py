@@ -37,6 +37,7 @@ NUMERICS: dict[str, dict[str, str]] = {
     "act-quant-q8_0": {"act_quant": "q8_0"},     # llama.cpp CPU: activations to Q8_0 before quantized matmuls
     "act-bf16": {"act_quant": "bf16"},
     "act-f16": {"act_quant": "f16"},
+    "act-quant-llamacpp": {"act_quant": "llamacpp"},  # llama.cpp CPU by weight type: Q8_K / Q8_0 / f16 / bf16
     "kv-f16": {"kv_cache": "f16"},
     "rope-angle-recurrence": {"rope_angles": "recurrence"},   # ggml: theta_i = theta_{i-1} * B^(-2/r)
 }
@@ -203,7 +204,8 @@ class VariantTester:
         tried.sort(key=lambda t: t[0])
         for _, best in tried[:2]:
             for _, other in tried:
-                if other.name == best.name or set(other.parts or (other.name,)) & set(best.parts or (best.name,)):
+                if (other.name == best.name or set(other.parts or (other.name,)) & set(best.parts or (best.name,))
+                        or set(other.changes) & set(best.changes)):  # two values of one option do not stack
                     continue
                 pair = best.plus(other)
                 f = self._fit(pair, layer)

@@ -62,7 +62,7 @@ class RunOptions:
 
 # Approximate-numerics options: the first value of each is the exact path.
 NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
-    "act_quant": ("none", "q8_0", "bf16", "f16"),
+    "act_quant": ("none", "q8_0", "bf16", "f16", "llamacpp"),
     "kv_cache": ("f32", "f16"),
     "rope_angles": ("exact", "recurrence"),
 }
