@@ -438,3 +438,14 @@ def test_every_differing_diagnostic_is_printed(case):
     console = " ".join(" ".join(lines).split())  # undo the 100-column wrapping
     assert PRINTED[case] in console, console
     assert PRINTED[case] in " ".join(to_markdown(r).split())
+
+
+def test_a_table_only_one_trace_recorded_is_named_not_silently_skipped():
+    a, b = toy_trace(0), toy_trace(0)
+    empty = make_table("moe", {k: np.asarray(v)[:0] for k, v in b.moe.cols.items()},
+                       {"E": b.moe["ids"].shape[1]})
+    b = Trace(b.header, b.ckpt, b.hc, empty, b.attn)
+    report = api.diff(a, b)
+    assert report.warnings == ["routing (expert ids, weights, margins): only A (toy) recorded them, so they are not "
+                               "compared"]
+    assert api.diff(a, a).warnings == []

@@ -174,6 +174,7 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
         problems.append(f"compared only positions < {cut}: from there on the runs were fed different tokens")
     if not names or not positions:
         raise PreflightError("the traces share no (checkpoint, position) to compare")
+    problems += one_sided_tables(a, b)
     with ThreadPoolExecutor(2) as pool:  # independent tables; their numpy work releases the GIL
         layers_job = pool.submit(_layer_diags, a, b, positions)
         table = _metrics_table(a, b, names, positions, th, a.n_layers)
@@ -187,6 +188,21 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
                       if a.header.flags.get(k) != b.header.flags.get(k)},
     )
+
+
+DIAGNOSTIC_TABLES = {"hc": "HC gates (pre / post / comb)", "moe": "routing (expert ids, weights, margins)",
+                     "attn": "attention diagnostics (visible compressed rows, indexer selection)"}
+
+
+def one_sided_tables(a: Trace, b: Trace) -> list[str]:
+    """A note per diagnostics table that only one trace recorded (it is not compared: `_layer_diags`)."""
+    notes = []
+    for table, what in DIAGNOSTIC_TABLES.items():
+        na, nb = len(getattr(a, table)), len(getattr(b, table))
+        if bool(na) != bool(nb):
+            side, t = ("A", a) if na else ("B", b)
+            notes.append(f"{what}: only {side} ({t.header.engine}) recorded them, so they are not compared")
+    return notes
 
 
 def _side(t: Trace) -> dict[str, Any]:
@@ -342,7 +358,8 @@ def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
 
     Rows are joined on their keys ((layer, sub, pos) / (layer, pos), positions in `positions`; a key listed twice
     counts its last row); `unmatched` counts rows only one side holds (a table one trace did not record at all is
-    not compared: importers of engines that dump no diagnostics leave them empty). NaN never equals anything: a NaN
+    not compared: importers of engines that dump no diagnostics leave them empty; the report's warnings name it,
+    `one_sided_tables`). NaN never equals anything: a NaN
     on either side is an infinite difference (hc_max_abs, weight_max_abs); a router margin of NaN means "not
     recorded" (hash layers, imports) and margins are compared where both sides recorded one.
     hc_max_abs = max |b - a| over pre/post/comb; expert_flips = rows whose expert-id sets differ;
