@@ -278,8 +278,19 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
                                        and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
 
 
+def _concurrent_mvs(make: Callable[[], Callable[[], Any]], n_values: int, threads: int, reps: int) -> float:
+    """M values/s of `threads` dequantizers running at once (each its own callable and output), median of reps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = [make() for _ in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        seconds, _ = _median_of(lambda: list(pool.map(lambda f: f(), runs)), reps)
+    return threads * n_values / seconds / 1e6
+
+
 def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str) -> dict[str, Any]:
-    """One type: median seconds of gguf.quants and of each engine's dequantizer capability on the same bytes."""
+    """One type: median seconds of gguf.quants and of each engine's dequantizer capability on the same bytes, and
+    the combined throughput of two of each engine's dequantizers running at once on two threads."""
     from gguf import quants
 
     from parity.contract.engine import engine_class
@@ -291,10 +302,14 @@ def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str)
     torch_run = engine_class("torch").dequantizer(raw, qtype, shape, device)
     t_ref, got = _median_of(ref_run, reps)
     t_torch, got_t = _median_of(torch_run, reps)
+    make = {engine: (lambda engine=engine, dev=dev: engine_class(engine).dequantizer(raw, qtype, shape, dev))
+            for engine, dev in (("reference", "cpu"), ("torch", device))}
     return {
         "type": name, "values": n_values, "gguf_mvs": n_values / t_gguf / 1e6, "reference_mvs": n_values / t_ref / 1e6,
         "torch_mvs": n_values / t_torch / 1e6, "reference_speedup": t_gguf / t_ref, "torch_speedup": t_gguf / t_torch,
         "reference_exact": _same_bits(got, want), "torch_exact": _same_bits(got_t, want),
+        **({f"{engine}_mvs_2t": _concurrent_mvs(m, n_values, 2, reps) for engine, m in make.items()}
+           if device == "cpu" else {}),
     }
 
 
@@ -625,6 +640,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['type']} | {r['gguf_mvs']:.0f} | {r['reference_mvs']:.0f} | {r['reference_speedup']:.1f}x"
                      f" | {yes(r['reference_exact'])} | {r['torch_mvs']:.0f} | {r['torch_speedup']:.1f}x"
                      f" | {yes(r['torch_exact'])} | {r['torch_mvs'] / r['reference_mvs']:.1f}x |")
+    if all("reference_mvs_2t" in r for r in report["dequant"]):
+        lines += ["", "The same dequantizers, two at once on two threads (each its own matrix and output; M values/s "
+                  "of both together; torch / reference at 2 threads):", "",
+                  "| type | reference 1 -> 2 threads | torch 1 -> 2 threads | torch / reference |", "|---|---|---|---|"]
+        lines += [f"| {r['type']} | {r['reference_mvs']:.0f} -> {r['reference_mvs_2t']:.0f} | {r['torch_mvs']:.0f} -> "
+                  f"{r['torch_mvs_2t']:.0f} | {r['torch_mvs_2t'] / r['reference_mvs_2t']:.1f}x |"
+                  for r in report["dequant"]]
     if report.get("tiny_engines"):
         lines += ["", "Every engine on the tiny F32 model (6 layers, dim 256, QAT simulations off), seconds per layer "
                   "= whole forward / L, prefill of 24 tokens and one decode step (median); speed vs the reference:",
