@@ -140,11 +140,12 @@ def test_tables_from_a_hand_made_report() -> None:
         "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
                     "load_avg_start": [0.5, 0, 0]},
         "device": "cpu", "wall_s": 100.0, "trace_diff": {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716},
-        "engines": {"reference": _worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]),
-                    "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem},
+        "engines": {"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "threads": 2},
+                    "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem,
+                    "reference_1thread": _worker("reference", [4, 128], [12.0, 9.0], [1.0, 0.6])},
         "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
                      "torch_mvs": 50.0, "reference_speedup": 6.0, "torch_speedup": 0.5, "reference_exact": True,
-                     "torch_exact": False}],
+                     "torch_exact": False, "reference_mvs_2t": 900.0, "torch_mvs_2t": 90.0}],
     }
     rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
     assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x")
@@ -154,8 +155,12 @@ def test_tables_from_a_hand_made_report() -> None:
     assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 %"
     assert rows["diff of two .npz traces, 45 checkpoints x 4096 positions"][0] == "0.72 s"
     assert rows["reference 1 layer, 1.00 GiB cache: prefill 24 / decode"][:2] == ("3.000 s", "0.500 s")
+    assert bench.thread_rows(report) == [("prefill 24 tok", "12.000 s / 9.000 s", "8.000 s / 6.000 s", "1.50x / 1.50x"),
+                                         ("decode @ctx 24", "1.000 s / 0.600 s", "0.800 s / 0.600 s", "1.25x / 1.00x")]
     md = bench.render_markdown(report)
-    assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO |" in md
+    assert "| Q2_K | 100 | 600 | 6.0x | yes | 50 | 0.5x | NO | 0.1x |" in md
+    assert "| Q2_K | 600 -> 900 | 50 -> 90 | 0.1x |" in md
+    assert "| measure | 1 thread | 2 threads | speed-up |" in md
     assert "| 24 | 8.000 / 6.000 | 0.800 / 0.600 | 2.000 / 1.500 | 0.200 / 0.300 |" in md
     assert "Test CPU, 2 cores" in md
 
