@@ -256,8 +256,7 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra:
     else:
         va, vb = ca["fp"][ra], cb["fp"][rb]
         max_abs, exact_vec = np.full(len(positions), np.nan), np.ones(len(positions), bool)
-    rel = metrics.rel_l2(va, vb)
-    cos = metrics.cosine(va, vb)
+    rel, cos = metrics.rel_l2_and_cosine(va, vb)
     with np.errstate(divide="ignore", invalid="ignore"):
         norm_ratio = cb["rms"][rb].astype(np.float64) / ca["rms"][ra]
         stream = cb["l2s"][rb].astype(np.float64) / ca["l2s"][ra]

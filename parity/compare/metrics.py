@@ -24,16 +24,41 @@ def l2(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ni,ni->n", r, r))
 
 
+def _pair(a: np.ndarray, b: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Both arrays as float64 rows, of one shape (a ParityError naming the metric otherwise)."""
+    ra, rb = _rows(a), _rows(b)
+    if ra.shape != rb.shape:
+        raise ParityError(f"{what} of different shapes: reference {np.shape(a)} vs candidate {np.shape(b)}")
+    return ra, rb
+
+
+def _rel_l2_rows(ra: np.ndarray, rb: np.ndarray, norm_a: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(rb).all(axis=1)
+    num = l2(np.where(np.isfinite(rb), rb, 0.0) - ra)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(~finite, np.inf, np.where(num == 0, 0.0, num / norm_a))
+
+
+def _cosine_rows(ra: np.ndarray, rb: np.ndarray, norm_a: np.ndarray) -> np.ndarray:
+    den = norm_a * l2(rb)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = np.einsum("ni,ni->n", ra, rb) / den
+    same = np.all(ra == rb, axis=1) & (den > 0)
+    return np.where(same, 1.0, np.clip(c, -1.0, 1.0))
+
+
 def rel_l2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """||b - a|| / ||a|| per row: 0 when the rows are equal, inf when only a is zero and on any non-finite value
     in b (a NaN never compares as a small error). The one relative L2 of the project.  [n, ...] x 2 -> [n]"""
-    ra, rb = _rows(a), _rows(b)
-    if ra.shape != rb.shape:
-        raise ParityError(f"rel-L2 of different shapes: reference {np.shape(a)} vs candidate {np.shape(b)}")
-    finite = np.isfinite(rb).all(axis=1)
-    num, den = l2(np.where(np.isfinite(rb), rb, 0.0) - ra), l2(ra)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(~finite, np.inf, np.where(num == 0, 0.0, num / den))
+    ra, rb = _pair(a, b, "rel-L2")
+    return _rel_l2_rows(ra, rb, l2(ra))
+
+
+def rel_l2_and_cosine(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rel_l2(a, b), cosine(a, b)) from one float64 conversion of each array (the differ's hot path)."""
+    ra, rb = _pair(a, b, "rel-L2")
+    norm_a = l2(ra)
+    return _rel_l2_rows(ra, rb, norm_a), _cosine_rows(ra, rb, norm_a)
 
 
 def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -49,11 +74,7 @@ def sqnr_db(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """<a, b> / (||a|| ||b||) per row, clipped to [-1, 1] (1 for identical rows, nan if either is zero)."""
     ra, rb = _rows(a), _rows(b)
-    den = l2(ra) * l2(rb)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        c = np.einsum("ni,ni->n", ra, rb) / den
-    same = np.all(ra == rb, axis=1) & (den > 0)
-    return np.where(same, 1.0, np.clip(c, -1.0, 1.0))
+    return _cosine_rows(ra, rb, l2(ra))
 
 
 def max_abs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
