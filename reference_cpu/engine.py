@@ -127,8 +127,10 @@ class ReferenceEngine:
 
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:
-        """Capability for benchmarks: a callable dequantizing `raw` on the CPU (the only device it has)."""
+        """Capability for benchmarks: a callable dequantizing `raw` on the CPU (the only device it has), with the
+        allocator tuning the engine applies at load (`allocator.keep_freed_memory`)."""
         if device != "cpu":
             raise ParityError(f"reference engine: dequantizer runs on the CPU only, not {device!r}")
+        keep_freed_memory()
         flat = raw.reshape(-1)
         return lambda: dequantize(flat, ggml_type, shape)
