@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+
+from parity.compare.jsonvalues import json_safe
 
 if TYPE_CHECKING:
     from parity.bisect.check import CheckReport, CheckRow
@@ -82,19 +83,9 @@ def to_markdown(report: CheckReport) -> str:
     return "\n".join(out) + "\n"
 
 
-def _plain(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
 def to_json(report: CheckReport) -> dict[str, Any]:
     """The JSON document: verdict, culprit {layer, subop, position, decode_step}, causes, table."""
-    return _plain({"verdict": report.verdict,
+    return json_safe({"verdict": report.verdict,
                    "culprit": asdict(report.culprit) if report.culprit else None,
                    "causes": [asdict(c) for c in report.causes],
                    "table": [asdict(r) for r in report.table]})

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from parity.cli.common import device_option, echo_json, json_errors, json_option
+from parity.compare.jsonvalues import json_safe
 from parity.contract.files import atomic_write_text
 
 ENGINES = ("reference", "torch")
@@ -76,7 +77,7 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
                        log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "bench.json", json.dumps(report, indent=2))
+    atomic_write_text(out / "bench.json", json.dumps(json_safe(report), indent=2, allow_nan=False))
     table = render_markdown(report)
     atomic_write_text(out / "bench.md", table)
     if as_json:

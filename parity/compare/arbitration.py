@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.compare.differ import json_value
+from parity.compare.jsonvalues import json_safe
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import LOGITS, trace_checkpoints
 from parity.tracing.runner import ChunkResult, all_tokens, stack
@@ -46,7 +46,7 @@ class Arbitration:
                 "first_split": self.first_split, "odd_ones_out": list(self.odd_ones_out),
                 "greedy_disagreements": self.greedy_disagreements,
                 "checkpoints": [{"name": c.name, "tolerance": c.tolerance, "clusters": [list(g) for g in c.clusters],
-                                 "pairs": {k: json_value(v) for k, v in c.pairs.items()}} for c in self.checkpoints]}
+                                 "pairs": {k: json_safe(v) for k, v in c.pairs.items()}} for c in self.checkpoints]}
 
 
 def clusters(engines: Sequence[str], agree: Callable[[str, str], bool]) -> tuple[tuple[str, ...], ...]:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from parity.compare import metrics
+from parity.compare.jsonvalues import json_safe
 from parity.contract.checkpoints import FINAL_NORM, LOGITS, checkpoint_depth, checkpoint_layer
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.weights import same_model
@@ -135,24 +136,12 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         def records(df: pd.DataFrame) -> list[dict]:
-            return [{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+            return [{k: json_safe(v, nan=None) for k, v in row.items()} for row in df.to_dict(orient="records")]
 
         return {"a": self.a, "b": self.b, "thresholds": {**asdict(self.thresholds), "cos_tol": self.thresholds.cos_tol},
                 "warnings": self.warnings, "flags_differ": self.flags_differ, "agree": bool(self),
                 "exact": self.exact, "first_drift": self.first_drift, "checkpoints": records(self.summary),
                 "positions": records(self.table), "layers": records(self.layers), "logits": records(self.logits)}
-
-
-def json_value(v: Any) -> Any:
-    """A scalar for strict JSON: numpy -> Python, NaN -> null, +-inf -> "inf" / "-inf"."""
-    if isinstance(v, (np.bool_, bool)):
-        return bool(v)
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (float, np.floating)):
-        v = float(v)
-        return None if np.isnan(v) else (str(v) if np.isinf(v) else v)
-    return v
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,8 +314,8 @@ def _logits_drift(logits: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None
     row = d.loc[d["rel_l2"].astype(float).fillna(np.inf).idxmax()]
     reason = "non-finite values" if not row["finite"] else f"rel-L2 {row['rel_l2']:.3g} > {th.rel_tol:g}"
     return {"checkpoint": LOGITS, "layer": None, "first_pos": int(d["pos"].iloc[0]), "worst_pos": int(row["pos"]),
-            "positions": d["pos"].tolist(), "method": "full", "rel_l2": json_value(row["rel_l2"]),
-            "norm_ratio": None, "cosine": json_value(row["cosine"]), "reason": reason}
+            "positions": d["pos"].tolist(), "method": "full", "rel_l2": json_safe(row["rel_l2"], nan=None),
+            "norm_ratio": None, "cosine": json_safe(row["cosine"], nan=None), "reason": reason}
 
 
 def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
@@ -341,8 +330,9 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
               f"RMS ratio {row['norm_ratio']:.6g} outside 1 +- {th.norm_tol:g}")
     return {"checkpoint": row["checkpoint"], "layer": None if row["layer"] < 0 else int(row["layer"]),
             "first_pos": int(at["pos"].iloc[0]), "worst_pos": int(row["pos"]), "positions": at["pos"].tolist(),
-            "method": row["method"], "rel_l2": json_value(row["rel_l2"]), "norm_ratio": json_value(row["norm_ratio"]),
-            "cosine": json_value(row["cosine"]), "reason": reason}
+            "method": row["method"], "rel_l2": json_safe(row["rel_l2"], nan=None),
+            "norm_ratio": json_safe(row["norm_ratio"], nan=None), "cosine": json_safe(row["cosine"], nan=None),
+            "reason": reason}
 
 
 LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "order_mismatch",

@@ -18,7 +18,8 @@ import click
 import numpy as np
 import pandas as pd
 
-from parity.compare.differ import DiffReport, json_value
+from parity.compare.differ import DiffReport
+from parity.compare.jsonvalues import json_safe
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def checkpoint_rows(r: DiffReport) -> list[CheckpointRow]:
 
 def worst_rows(r: DiffReport) -> list[dict]:
     """`checkpoint_rows` as JSON-ready dicts, with each row's status."""
-    return [{**{k: json_value(v) for k, v in asdict(row).items()}, "status": row.status}
+    return [{**{k: json_safe(v, nan=None) for k, v in asdict(row).items()}, "status": row.status}
             for row in checkpoint_rows(r)]
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from parity.compare.jsonvalues import json_safe
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.errors import ParityError
 from parity.logprobs.io import LogprobRun, Step, Tok
@@ -168,18 +169,6 @@ class Comparison:
                  first_non_match_step=self.first_non_match_step(), ds4_test=self.ds4_test(),
                  incomplete=self.incomplete, summary=self.summary_line())
         return json_safe(d)
-
-
-def json_safe(x: object) -> object:
-    """Nested dicts / lists for strict JSON with non-finite floats spelled "inf" / "-inf" / "nan" (logprob
-    reports keep NaN visible as a string; the diff report writes it as null, see compare.differ.json_value)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else "-inf" if x < 0 else "nan"
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def _xlogy(x: float, y: float) -> float:

@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
+from parity.compare.jsonvalues import json_safe
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_bytes
-from parity.logprobs.compare import json_safe
 
 CONFIG, RESULTS = "config.json", "results.jsonl"
 
