@@ -34,7 +34,8 @@ def _probe(mode: str) -> dict:
 def test_freed_memory_is_reused_instead_of_faulted_again():
     plain, tuned = _probe("plain"), _probe("tuned")
     assert tuned["applied"] and not plain["applied"]
-    # measured (transparent huge pages on): plain 544 faults for the first array and 544 for the second (a fresh
-    # mmap each time); tuned 530, then 0
-    assert plain["first"] > 100 and plain["second"] >= plain["first"] // 2, plain
-    assert tuned["first"] > 100 and tuned["second"] <= tuned["first"] // 20, tuned
+    # measured: plain 544 faults for the first array and 544 for the second (a fresh mmap each time), tuned 530
+    # then 0; with every 2 MiB transparent huge page available, plain 33 and 33. At least 16 faults (one per 4 MiB)
+    # show that the first array was faulted in at all, so the comparison is not vacuous
+    assert plain["first"] >= 16 and plain["second"] >= plain["first"] // 2, plain
+    assert tuned["first"] >= 16 and tuned["second"] <= tuned["first"] // 8, tuned
