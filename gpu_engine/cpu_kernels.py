@@ -60,34 +60,38 @@ def _compiler() -> str:
     return path
 
 
-def _cpu_flags() -> str:
-    """The CPU feature line of /proc/cpuinfo (part of the build's name: -march=native differs per CPU)."""
+def _cpu_flags() -> str | None:
+    """The CPU feature line of /proc/cpuinfo (part of the build's name: -march=native differs per CPU); None where
+    there is none to read."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return os.uname().machine
+        return None
+    return next((line for line in lines if line.startswith(("flags", "Features"))), None)
 
 
 def _build(cc: str) -> Path:
-    """Path of the compiled library, building it first when this source / compiler / CPU has no build yet."""
+    """Path of the compiled library, building it first when this source / compiler / CPU has no build yet. Where
+    the CPU's features cannot be read, a build for this process only (never a cached one another CPU might load)."""
+    flags = _cpu_flags()
+    if flags is None:
+        return _compile(cc, Path(tempfile.mkdtemp(prefix="v4parity-kernels-")) / "cpu_kernels.so")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v4parity"
-    lib = cache / f"cpu_kernels-{key}.so"
-    if lib.exists():
-        return lib
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cpu_kernels.so"
-        proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise ParityError(f"torch engine: compiling {SOURCE.name} with {cc} failed (exit {proc.returncode}):\n"
-                              f"{proc.stderr.strip()[-2000:]}\n(--engine-arg cpu_kernels=torch, "
-                              f"RunOptions(engine_args=('cpu_kernels=torch',)), runs without them)")
-        atomic_write_bytes(lib, out.read_bytes())  # concurrent builders each rename a complete file into place
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, flags]).encode()).hexdigest()[:16]
+    lib = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v4parity" / f"cpu_kernels-{key}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory() as tmp:  # concurrent builders each rename a complete file into place
+            atomic_write_bytes(lib, _compile(cc, Path(tmp) / "cpu_kernels.so").read_bytes())
     return lib
+
+
+def _compile(cc: str, out: Path) -> Path:
+    proc = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise ParityError(f"torch engine: compiling {SOURCE.name} with {cc} failed (exit {proc.returncode}):\n"
+                          f"{proc.stderr.strip()[-2000:]}\n(--engine-arg cpu_kernels=torch, "
+                          f"RunOptions(engine_args=('cpu_kernels=torch',)), runs without them)")
+    return out
 
 
 class Kernels:

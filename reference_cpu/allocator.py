@@ -11,7 +11,6 @@ and decode 0.59 -> 0.33 s with one layer's cache share; peak anonymous memory 0.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 M_TRIM_THRESHOLD = -1   # glibc <malloc.h>: heap top kept below this many free bytes
@@ -22,8 +21,7 @@ NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 @functools.cache
 def keep_freed_memory() -> bool:
     """Switch glibc malloc to reusing freed memory (once per process); False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+    libc = ctypes.CDLL(None)  # the symbols this process already has, its C library's among them
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
         return False
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))

@@ -42,12 +42,23 @@ def check_options(options: RunOptions, cfg: ModelConfig) -> None:
                           "faults live in the torch engine")
     if options.dtype not in DTYPES:
         raise ParityError(f"reference dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
-    if options.engine_args:
-        raise ParityError(f"the reference engine takes no engine arguments (got {list(options.engine_args)})")
+    arg_threads(options)
     if options.device != "cpu":
         raise ParityError(f"the reference engine (NumPy) runs on the CPU; device {options.device!r} is the torch "
                           "engine's option")
     check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "reference engine")
+
+
+def arg_threads(options: RunOptions) -> int | None:
+    """The engine argument threads=N (N >= 1), or None when not given; any other engine argument is refused."""
+    threads = None
+    for arg in options.engine_args:
+        name, eq, value = arg.partition("=")
+        if name != "threads" or not eq or not value.isdigit() or int(value) < 1:
+            raise ParityError(f"the reference engine: unknown engine argument {arg!r}; the one it takes is "
+                              f"threads=N (N >= 1)")
+        threads = int(value)
+    return threads
 
 
 def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
@@ -61,8 +72,9 @@ def layer_rope_spec(cfg: ModelConfig, layer: int) -> RopeSpec:
 class ReferenceEngine:
     """Exact-to-the-definition NumPy engine; weights memory-mapped and dequantized lazily under `options.cache_gb`.
 
-    `threads`: worker threads for independent experts, queries and output groups (None: the CPUs this process may
-    use, `parity.contract.cpus.usable_cpus`); results are bit-identical for any count.
+    `threads` (or the engine argument threads=N): worker threads for independent experts, queries and output groups
+    (neither given: the CPUs this process may use, `parity.contract.cpus.usable_cpus`); results are bit-identical
+    for any count.
     """
 
     name = "reference"
@@ -76,8 +88,11 @@ class ReferenceEngine:
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
         self.version = f"reference_cpu {VERSION} (numpy {np.__version__})"
-        self.workers = Workers(usable_cpus() if threads is None else threads)
-        self.threads = self.workers.n  # how many worker threads it runs (the bench reports it)
+        given = arg_threads(options)
+        if threads is not None and given is not None and threads != given:
+            raise ParityError(f"the reference engine: threads={threads} contradicts the engine argument "
+                              f"threads={given}")
+        self.workers = Workers(threads or given or usable_cpus())
         self.store = WeightStore(self.weights, self.dtype, options.cache_gb, options.act_quant)
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
                                  f16_round if options.kv_cache == "f16" else None)

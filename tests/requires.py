@@ -20,12 +20,15 @@ def require(module: str) -> ModuleType:
     return importlib.import_module(module) if in_ci() else pytest.importorskip(module)
 
 
+def require_that(available: bool, what: str) -> None:
+    """A test needs `what`: when it is not available, a failure in CI and a skip elsewhere."""
+    if not available:
+        (pytest.fail if in_ci() else pytest.skip)(f"{what}: required in CI, not available here")
+
+
 def require_program(name: str, package: str) -> str:
     """The path of the program `name` (from the Debian package `package`); missing: a failure in CI, a skip
     elsewhere."""
     path = shutil.which(name)
-    if path is None:
-        if in_ci():
-            pytest.fail(f"{name} (Debian package {package!r}) is required in CI")
-        pytest.skip(f"{name} not installed")
+    require_that(path is not None, f"{name} (Debian package {package!r})")
     return path

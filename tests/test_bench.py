@@ -140,7 +140,7 @@ def test_tables_from_a_hand_made_report() -> None:
         "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
                     "load_avg_start": [0.5, 0, 0]},
         "device": "cpu", "wall_s": 100.0, "trace_diff": {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716},
-        "engines": {"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "threads": 2},
+        "engines": {"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "usable_cpus": 2},
                     "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem,
                     "reference_1thread": _worker("reference", [4, 128], [12.0, 9.0], [1.0, 0.6])},
         "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,

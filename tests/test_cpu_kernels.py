@@ -106,8 +106,8 @@ def test_a_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
 
 def test_native_and_torch_ops_paths_agree_within_the_parity_tolerance(tiny_realmix):
     """The same run with the kernels (row-at-a-time matvec: a different float32 summation order) and with torch ops
-    only: every position's logits within rel L2 1e-5 of each other (test_torch_parity's tolerance to the reference),
-    the same routing and tokens; the engine names the path in its version."""
+    only: every position's logits within rel L2 2e-6 of each other (float32 summation order only; the parity
+    tolerance to the reference is 1e-5), the same routing and tokens; the engine names the path in its version."""
     from gpu_engine.engine import TorchEngine
 
     prompt = np.random.default_rng(3).integers(2, 290, 40)
@@ -117,7 +117,7 @@ def test_native_and_torch_ops_paths_agree_within_the_parity_tolerance(tiny_realm
     native, ops = (run_sequence(e, prompt, decode_steps=6, capture=True) for e in engines)
     for a, b in zip(native, ops, strict=True):
         rel = np.linalg.norm(a.logits - b.logits, axis=-1) / np.linalg.norm(b.logits, axis=-1)
-        assert rel.max() <= 1e-5
+        assert rel.max() <= 2e-6  # measured: at most 8.8e-7 (prefill and 6 decode steps)
         for ca, cb in zip(a.captures, b.captures, strict=True):
             np.testing.assert_array_equal(ca["expert_ids"], cb["expert_ids"])
     assert [r.tokens.tolist() for r in native] == [r.tokens.tolist() for r in ops]
@@ -151,3 +151,10 @@ def test_trace_passes_engine_args_and_records_them(tiny_realmix, tmp_path):
     assert header.flags["engine_args"] == ["cpu_kernels=torch"] and "native" not in header.engine_version
     r = CliRunner().invoke(cli, [*base, "--engine-arg", "threads=3", "-o", str(tmp_path / "u.trace")])
     assert isinstance(r.exception, ParityError) and "unknown engine argument 'threads=3'" in str(r.exception)
+
+
+def test_a_cpu_whose_features_cannot_be_read_gets_an_uncached_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: None)
+    lib = cpu_kernels._build(cpu_kernels._compiler())
+    assert lib.exists() and tmp_path not in lib.parents and not list(tmp_path.rglob("*.so"))

@@ -263,8 +263,11 @@ def test_options_are_refused_with_clear_errors(tiny_f32):
         ReferenceEngine(str(tiny_f32), RunOptions(inject=("sink-dropped",)))
     with pytest.raises(ParityError, match="dtype"):
         ReferenceEngine(str(tiny_f32), RunOptions(dtype="bfloat16"))
-    with pytest.raises(ParityError, match=r"no engine arguments \(got \['lcp_flash=on'\]\)"):
-        ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("lcp_flash=on",)))
+    for arg in ("lcp_flash=on", "threads=0", "threads=two", "threads"):
+        with pytest.raises(ParityError, match=f"unknown engine argument '{arg}'; the one it takes is threads=N"):
+            ReferenceEngine(str(tiny_f32), RunOptions(engine_args=(arg,)))
+    with pytest.raises(ParityError, match="threads=2 contradicts the engine argument threads=3"):
+        ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=3",)), threads=2)
     with pytest.raises(ParityError, match="runs on the CPU; device 'auto'"):
         ReferenceEngine(str(tiny_f32), RunOptions(device="auto"))
     cfg = ReferenceEngine(str(tiny_f32), RunOptions()).config

@@ -37,6 +37,13 @@ def test_results_are_bit_identical_for_1_2_and_3_threads(layout, tiny_f32, tiny_
     assert runs[1] == runs[2] == runs[3]
 
 
+def test_the_thread_count_is_also_an_engine_argument(tiny_f32):
+    """RunOptions(engine_args=("threads=N",)) (what `trace --engine-arg threads=N` and the bench pass) sets the pool."""
+    assert ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=3",))).workers.n == 3
+    assert ReferenceEngine(str(tiny_f32), RunOptions(), threads=2).workers.n == 2
+    assert ReferenceEngine(str(tiny_f32), RunOptions()).workers.n == usable_cpus()
+
+
 def test_workers_split_and_order():
     w = Workers(3)
     pieces = w.split(10)

@@ -175,16 +175,14 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one engine through `load_engine` and run the measurements the spec asks for."""
-    from parity.contract.engine import RunOptions, engine_class, load_engine
+    from parity.contract.cpus import usable_cpus
+    from parity.contract.engine import RunOptions, load_engine
 
     options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"], fp8_kv=spec["qat_sims"],
-                         fp4_indexer=spec["qat_sims"])
+                         fp4_indexer=spec["qat_sims"], engine_args=tuple(spec.get("engine_args", ())))
     with MemoryWatch() as mem:
         t = time.perf_counter()
-        if spec.get("threads"):  # the reference's worker-thread count (its constructor argument)
-            engine = engine_class(spec["engine"])(spec["model"], options, threads=spec["threads"])
-        else:
-            engine = load_engine(spec["engine"], spec["model"], options)
+        engine = load_engine(spec["engine"], spec["model"], options)
         load_s = time.perf_counter() - t
         timed = TimedEngine(engine)
         runs = [time_prefill_decode(timed, int(n), int(reps), spec["decode_steps"])
@@ -199,7 +197,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_anon_gb": mem.peak_anon / 2**30, "peak_rss_gb": mem.peak_total / 2**30,
         "model_file_gb": Path(spec["model"]).stat().st_size / 2**30,
         "cache": engine.cache_stats() if isinstance(engine, CacheStats) else None,
-        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "threads": getattr(engine, "threads", None),
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "usable_cpus": usable_cpus(),
     }
 
 
@@ -514,7 +512,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
             log("reference on the 2-layer file with 1 worker thread (the thread-scaling point) ...")
             spec = {"engine": "reference", "model": str(models["2layer"]), "device": "cpu", "lengths": {n: 3},
                     "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": RunOptions.cache_gb,
-                    "qat_sims": True, "threads": 1}
+                    "qat_sims": True, "engine_args": ["threads=1"]}
             workers["reference_1thread"] = spawn_worker(spec, 1, timeout)
     report["engines"] = workers
     if peers:
@@ -626,9 +624,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     threads = thread_rows(report)
     if threads:
-        n = report["engines"]["reference"]["threads"]
-        lines += ["", f"Reference thread scaling, 1 -> {n} worker threads (per layer, layer 0 CSA / layer 1 HCA; "
-                  "bit-identical results):", "", f"| measure | 1 thread | {n} threads | speed-up |",
+        n = report["engines"]["reference"]["usable_cpus"]  # the reference's default thread count
+        lines += ["", f"Reference thread scaling, 1 -> {n} worker threads (the default: one per usable CPU; per "
+                  "layer, layer 0 CSA / layer 1 HCA; bit-identical results):", "",
+                  f"| measure | 1 thread | {n} threads | speed-up |",
                   "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in threads]
     lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "

@@ -64,13 +64,15 @@ fp8_opt = click.option("--no-fp8-kv", is_flag=True, help="Both engines: skip the
 fp4_opt = click.option("--no-fp4-indexer", is_flag=True, help="Both engines: skip the FP4 indexer simulation.")
 
 
+def numerics_opts(fn):
+    """--dtype, --device, --no-fp8-kv, --no-fp4-indexer: how the candidate (and, for the QAT flags, both) run."""
+    return dtype_opt(device_opt(fp8_opt(fp4_opt(fn))))
+
+
 @click.command()
 @model_opt
 @engine_opt
-@dtype_opt
-@device_opt
-@fp8_opt
-@fp4_opt
+@numerics_opts
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Envelope file (default traces/<model stem>.envelope.json); a section per dtype is added.")
 @json_option()
@@ -111,10 +113,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
               help="Greedy decode steps after the prompt (decode-only defects show up here).  [default: 4]")
 @click.option("--chunk", type=click.IntRange(1), default=None, help="Prefill chunk size (default: one chunk).")
 @inject_option()
-@dtype_opt
-@device_opt
-@fp8_opt
-@fp4_opt
+@numerics_opts
 @click.option("--envelope", "envelope_path", type=click.Path(dir_okay=False), default=None,
               help="Envelope file (default traces/<model stem>.envelope.json when present, else measured now).")
 @click.option("--routing-replay", is_flag=True,
