@@ -2,7 +2,12 @@
 
 Two operations over raw GGUF blocks: `dequantize` (bit-identical to gguf.quants) and `matvec`, a product with a few
 activation rows that decodes one weight row at a time into a cache-resident buffer instead of materialising the whole
-float32 matrix. The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
+float32 matrix. The C decoders cover F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS and MXFP4 (`TYPES`). Every other type
+the torch dequantizers know (`gpu_engine.dequant.DEQUANT`: Q4_0 ... IQ4_XS, TQ1_0, TQ2_0) is decoded by those torch
+ops into float32 instead: `Kernels.dequantize` calls them explicitly (same bits, slower), and `matvec` refuses such a
+type, so the engine gives those tensors no kernels (`gpu_engine.weights.QTensor`) and multiplies their decoded rows
+with torch (sgemm's summation order, not the fixed order of `matvec`). A type neither knows is a TensorError. The
+shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
 -ffp-contract=off` into `$XDG_CACHE_HOME/v4parity` (default `~/.cache/v4parity`), named by a hash of the source, the
 flags, the compiler's version and the CPU's feature flags, so a changed source or machine gets its own build.
 ctypes releases the GIL during each call, so the engine's expert threads run the kernels concurrently.
@@ -25,13 +30,15 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from gpu_engine.dequant import IQ2XXS_SIGNED_I8, MXFP4_VALUES
+from gpu_engine.dequant import DEQUANT, IQ2XXS_SIGNED_I8, MXFP4_VALUES
+from gpu_engine.dequant import dequantize as torch_dequantize
 from parity.contract.errors import ParityError, TensorError
 from parity.contract.files import atomic_write_bytes
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-psabi", "-shared", "-fPIC")
 TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4)  # what the C decoders handle
+TORCH_TYPES = tuple(t for t in DEQUANT if t not in TYPES)  # decoded by the torch ops into float32 by `dequantize`
 
 
 class _Tables(ctypes.Structure):
@@ -107,7 +114,13 @@ class Kernels:
         self.lib.v4p_dequantize.restype = self.lib.v4p_matvec.restype = ctypes.c_int
 
     def dequantize(self, raw: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-        """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU."""
+        """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU.
+        A type of `TORCH_TYPES` is decoded by the torch dequantizer (bit-identical, slower), never silently skipped."""
+        if qtype in TORCH_TYPES:
+            _require(raw, torch.uint8, "raw blocks")
+            _require(out, torch.float32, "output")
+            torch_dequantize(raw.reshape(-1), qtype, out.reshape(-1))
+            return
         block, size = _block(qtype)
         _require(raw, torch.uint8, "raw blocks")
         _require(out, torch.float32, "output")
@@ -133,7 +146,9 @@ def _block(qtype: int) -> tuple[int, int]:
     """(values, bytes) per block of a type the C decoders handle; a TensorError naming any other type."""
     if qtype not in TYPES:
         supported = ", ".join(t.name for t in TYPES)
-        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported})")
+        torch_only = (f"; {Q(qtype).name} is decoded by the torch dequantizer instead (Kernels.dequantize), its "
+                      f"products by torch" if qtype in TORCH_TYPES else "")
+        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported}){torch_only}")
     return GGML_QUANT_SIZES[Q(qtype)]
 
 

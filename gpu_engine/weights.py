@@ -12,7 +12,9 @@ scratch buffers, one per tensor kind; routed experts (each selected expert once 
 dequantized a block of rows at a time, each block multiplied while it is in cache (`QTensor.expert_linear`).
 On the CPU the compiled kernels (`gpu_engine.cpu_kernels`, unless the engine runs with cpu_kernels=torch) do the
 decoding, and products with at most MATVEC_MAX_ROWS activation rows are their row-at-a-time `matvec` (no
-dequantized matrix at all; its float32 sums run in a fixed order that differs from sgemm's).
+dequantized matrix at all; its float32 sums run in a fixed order that differs from sgemm's). Tensors of a type the C
+decoders lack (`cpu_kernels.TORCH_TYPES`, e.g. Q5_0 / Q6_K / IQ4_XS) get no kernels: torch ops decode them to float32
+and torch multiplies, as with cpu_kernels=torch. A tensor of a type no dequantizer knows is refused at load.
 `matrix` returns a whole matrix the caller may keep (the cached one, or fresh memory). All hold exact dequantized
 values.
 """
@@ -31,8 +33,9 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
+from gpu_engine.cpu_kernels import TYPES as KERNEL_TYPES
 from gpu_engine.cpu_kernels import Kernels
-from gpu_engine.dequant import CHUNK_VALUES, dequantize
+from gpu_engine.dequant import CHUNK_VALUES, DEQUANT, dequantize
 from parity.contract.errors import TensorError
 from parity.gguf.config import ModelConfig
 from parity.gguf.inventory import expected_tensors
@@ -57,7 +60,11 @@ class QTensor:
     def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, ...], device: torch.device,
                  file: str, kernels: Kernels | None = None):
         self.name, self.qtype, self.shape, self.file = name, Q(qtype), tuple(shape), file
-        self.kernels = kernels if device.type == "cpu" else None  # the CPU kernels, when the engine uses them
+        if self.qtype not in DEQUANT:
+            raise TensorError(f"{file}: tensor {name}: ggml type {self.qtype.name} has no dequantizer (supported: "
+                              f"{', '.join(t.name for t in DEQUANT)})")
+        # the CPU kernels, when the engine uses them and they decode this type (else torch ops decode it to float32)
+        self.kernels = kernels if device.type == "cpu" and self.qtype in KERNEL_TYPES else None
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         view = np.ascontiguousarray(raw).reshape(rows, -1)
         with warnings.catch_warnings():  # zero-copy view of the read-only mapping; never written to

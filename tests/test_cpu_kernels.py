@@ -11,6 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
 from gpu_engine import cpu_kernels
+from gpu_engine.dequant import DEQUANT
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError, TensorError
 from parity.gguf.quant_blocks import random_blocks
@@ -64,8 +65,29 @@ def test_matvec_writes_only_its_rows_and_refuses_unknown_types():
     assert torch.isnan(y[:, [0, 1, 5, 6, 7]]).all() and torch.isfinite(y[:, 2:5]).all()
     with pytest.raises(TensorError, match="Q4_0 has no CPU kernel"):
         kern.matvec(raw, Q.Q4_0, x, y, 0, 8)
-    with pytest.raises(TensorError, match="Q5_K has no CPU kernel"):
-        kern.dequantize(raw, Q.Q5_K, torch.empty(8 * 64))
+    with pytest.raises(TensorError, match="Q8_1 has no CPU kernel"):
+        kern.dequantize(raw, Q.Q8_1, torch.empty(8 * 64))
+
+
+def test_types_without_a_c_decoder_are_decoded_by_the_torch_ops_and_multiplied_by_torch():
+    """A Q5_0 matrix: `Kernels.dequantize` gives gguf's bits through the torch decoder; the engine's QTensor takes no
+    kernels for it (no matvec: dense decode + torch product); a type no dequantizer knows is refused at load,
+    naming the file, the tensor and the type."""
+    from gpu_engine.weights import QTensor
+
+    kern = cpu_kernels.load()
+    rng = np.random.default_rng(7)
+    raw = quants.quantize(rng.standard_normal((8, 128)).astype(np.float32), Q.Q5_0)
+    want = quants.dequantize(raw, Q.Q5_0)
+    out = torch.full((8 * 128,), float("nan"))
+    kern.dequantize(torch.from_numpy(raw.copy()), Q.Q5_0, out)
+    np.testing.assert_array_equal(out.numpy().view(np.uint32), want.reshape(-1).view(np.uint32))
+    t = QTensor("blk.0.ffn_down_shexp.weight", raw, Q.Q5_0, (8, 128), torch.device("cpu"), "m.gguf", kern)
+    x = torch.from_numpy(rng.standard_normal((2, 128)).astype(np.float32))
+    assert t.kernels is None and not t.uses_matvec(x)
+    np.testing.assert_array_equal(t.dense(torch.float32).numpy().view(np.uint32), want.view(np.uint32))
+    with pytest.raises(TensorError, match="m.gguf: tensor blk.0.x.weight: ggml type Q8_1 has no dequantizer"):
+        QTensor("blk.0.x.weight", np.zeros((8, 144), np.uint8), Q.Q8_1, (8, 128), torch.device("cpu"), "m.gguf", kern)
 
 
 def test_shapes_dtypes_and_layouts_are_checked_before_the_c_code_runs():
@@ -134,6 +156,8 @@ def test_block_sizes_match_gguf():
     """The C decoders' types are exactly the ones the engine may hand them (and every block size is ggml's)."""
     assert {int(t) for t in cpu_kernels.TYPES} == {0, 1, 8, 10, 12, 16, 30, 39}
     assert all(GGML_QUANT_SIZES[t][0] in (1, 32, 256) for t in cpu_kernels.TYPES)
+    assert set(cpu_kernels.TYPES) | set(cpu_kernels.TORCH_TYPES) == set(DEQUANT)  # every other type: torch ops
+    assert not set(cpu_kernels.TYPES) & set(cpu_kernels.TORCH_TYPES)
 
 
 def test_trace_passes_engine_args_and_records_them(tiny_realmix, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from gguf import quants
@@ -15,12 +17,37 @@ from reference_cpu import dequant as dq
 # 1, -1.5, largest finite, -largest finite, +inf, -inf, quiet NaN
 EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0xBE00, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00],
                     dtype=np.uint16)
-# byte offsets of the f16 scales inside one block, per type
-F16_FIELDS = {Q.Q8_0: (0,), Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,)}
-BLOCK_TYPES = (Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4)
+# f32 edge scales (Q8_K's d): 0, -0, smallest subnormal, smallest normal, 1, largest finite, +inf, -inf, NaN
+EDGE_F32 = np.array([0x00000000, 0x80000000, 0x00000001, 0x00800000, 0x3F800000, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                     0x7FC00000], dtype=np.uint32)
+# E8M0 exponents (MXFP4): 2^-128 (subnormal half), 2^-127, 2^-126, around 1, 2^125, 2^126, 255
+EDGE_E8M0 = np.array([0, 1, 2, 126, 127, 128, 253, 254, 255], dtype=np.uint8)
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+@dataclass(frozen=True)
+class Case:
+    """How to find a block type's scale fields: byte offsets of its f16 scales (`f16`), of an f32 scale (`f32`), of an
+    E8M0 exponent byte (`e8m0`), and IQ1_M's f16 split over the top nibbles of four 16-bit words (`f16_nibbles`)."""
+
+    f16: tuple[int, ...] = ()
+    f32: tuple[int, ...] = ()
+    e8m0: tuple[int, ...] = ()
+    f16_nibbles: int | None = None
+
+
+# every block type, with the byte offsets of its scale fields inside one block
+CASES = {
+    Q.Q4_0: Case(f16=(0,)), Q.Q4_1: Case(f16=(0, 2)), Q.Q5_0: Case(f16=(0,)), Q.Q5_1: Case(f16=(0, 2)),
+    Q.Q8_0: Case(f16=(0,)), Q.Q2_K: Case(f16=(80, 82)), Q.Q3_K: Case(f16=(108,)), Q.Q4_K: Case(f16=(0, 2)),
+    Q.Q5_K: Case(f16=(0, 2)), Q.Q6_K: Case(f16=(208,)), Q.Q8_K: Case(f32=(0,)), Q.IQ1_S: Case(f16=(0,)),
+    Q.IQ1_M: Case(f16_nibbles=48), Q.IQ2_XXS: Case(f16=(0,)), Q.IQ2_XS: Case(f16=(0,)), Q.IQ2_S: Case(f16=(0,)),
+    Q.IQ3_XXS: Case(f16=(0,)), Q.IQ3_S: Case(f16=(0,)), Q.IQ4_NL: Case(f16=(0,)), Q.IQ4_XS: Case(f16=(0,)),
+    Q.TQ1_0: Case(f16=(52,)), Q.TQ2_0: Case(f16=(64,)), Q.MXFP4: Case(e8m0=(0,)),
+}
+BLOCK_TYPES = tuple(CASES)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal float32 bit patterns, except that any NaN equals any NaN (payloads are not specified)."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     if a.shape != b.shape:
@@ -29,27 +56,51 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
 
 
-def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, edge: bool) -> np.ndarray:
-    """Uniformly random block bytes (every byte pattern is a valid block), optionally with edge scales."""
+def _pick(values: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    return values[rng.integers(0, len(values), n)]
+
+
+def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator, edge: bool) -> np.ndarray:
+    """Uniformly random block bytes (every byte pattern is a valid block of these types), optionally with every
+    scale field of each block set to an edge value (0, subnormals, max finite, inf, NaN).  -> [n_blocks, size] uint8"""
     _, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    if edge:
-        for at in F16_FIELDS.get(qtype, ()):
-            pick = EDGE_F16[rng.integers(0, len(EDGE_F16), n_blocks)]
-            blocks[:, at : at + 2] = pick.view(np.uint8).reshape(n_blocks, 2)
-        if qtype == Q.MXFP4:
-            blocks[:, 0] = np.array([0, 1, 2, 126, 127, 128, 253, 254, 255], np.uint8)[rng.integers(0, 9, n_blocks)]
+    if not edge:
+        return blocks
+    case = CASES[qtype]
+    for at in case.f16:
+        blocks[:, at : at + 2] = _pick(EDGE_F16, n_blocks, rng).view(np.uint8).reshape(n_blocks, 2)
+    for at in case.f32:
+        blocks[:, at : at + 4] = _pick(EDGE_F32, n_blocks, rng).view(np.uint8).reshape(n_blocks, 4)
+    for at in case.e8m0:
+        blocks[:, at] = _pick(EDGE_E8M0, n_blocks, rng)
+    if case.f16_nibbles is not None:  # nibble k of the f16 is the top nibble of 16-bit word k
+        at = case.f16_nibbles
+        words = blocks[:, at : at + 8].copy().view("<u2")
+        bits = _pick(EDGE_F16, n_blocks, rng)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[:, at : at + 8] = words.view(np.uint8)
     return blocks
 
 
-def _gguf(blocks: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+def reference(blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """The independent second implementation: gguf.quants.dequantize; for Q8_K (which gguf-py cannot dequantize)
+    ggml's `dequantize_row_q8_K`, x = d·q with the f32 d, written out here.  [n, size] uint8 -> [n, block] float32"""
     with np.errstate(all="ignore"):
-        return quants.dequantize(blocks.reshape(*shape[:-1], -1), qtype).astype(np.float32, copy=False)
+        if qtype == Q.Q8_K:
+            return blocks[:, 4:260].view(np.int8).astype(np.float32) * blocks[:, :4].copy().view("<f4")
+        return quants.dequantize(blocks, qtype).astype(np.float32, copy=False)
 
 
 def _ours(blocks: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
     with np.errstate(all="ignore"):
         return dq.dequantize(blocks.reshape(-1), qtype, shape)
+
+
+def test_every_block_type_has_a_case() -> None:
+    """The declared cases cover exactly the types the dequantizer handles (floats are tested separately)."""
+    assert set(dq.KERNELS) - {Q.F32, Q.F16, Q.BF16} == set(CASES)
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
@@ -59,8 +110,8 @@ def test_bit_exact_vs_gguf(qtype: Q, edge: bool) -> None:
     block, _ = GGML_QUANT_SIZES[qtype]
     n_blocks = 3 * 1024
     shape = (n_blocks * block // 512, 512)
-    blocks = _random_blocks(qtype, n_blocks, rng, edge)
-    assert _same_bits(_ours(blocks, qtype, shape), _gguf(blocks, qtype, shape))
+    blocks = random_blocks(qtype, n_blocks, rng, edge)
+    assert same_bits(_ours(blocks, qtype, shape), reference(blocks, qtype).reshape(shape))
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
@@ -70,9 +121,17 @@ def test_bit_exact_across_chunk_boundaries_and_3d_shapes(qtype: Q) -> None:
     block, _ = GGML_QUANT_SIZES[qtype]
     per_row = 1024 // block
     rows = dq.CHUNK_VALUES // 1024 + 3
-    blocks = _random_blocks(qtype, 2 * rows * per_row, rng, edge=False)
+    blocks = random_blocks(qtype, 2 * rows * per_row, rng, edge=False)
     shape = (2, rows, 1024)
-    assert _same_bits(_ours(blocks, qtype, shape), _gguf(blocks, qtype, shape))
+    assert same_bits(_ours(blocks, qtype, shape), reference(blocks, qtype).reshape(shape))
+
+
+def test_reference_for_q8_k_is_d_times_q() -> None:
+    """The Q8_K reference of these tests on a hand block: d = 0.5 (f32), q = -128 .. 127."""
+    q = np.arange(-128, 128, dtype=np.int8)
+    block = np.concatenate([np.array([0.5], "<f4").view(np.uint8), q.view(np.uint8), np.zeros(32, np.uint8)])
+    assert np.array_equal(reference(block.reshape(1, -1), Q.Q8_K)[0], q.astype(np.float32) * 0.5)
+    assert np.array_equal(dq.dequantize(block, Q.Q8_K, (256,)), q.astype(np.float32) * 0.5)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
@@ -82,7 +141,7 @@ def test_plain_float_types_bit_exact(qtype: Q) -> None:
     raw = rng.integers(0, 256, size=64 * 96 * width, dtype=np.uint8)  # every bit pattern incl. inf/NaN/subnormal
     ours = _ours(raw, qtype, (64, 96))
     assert ours.dtype == np.float32
-    assert _same_bits(ours, _gguf(raw, qtype, (64, 96 * width)).reshape(64, 96))
+    assert same_bits(ours, quants.dequantize(raw.reshape(64, -1), qtype).astype(np.float32))
 
 
 def test_i32_passthrough() -> None:
@@ -170,7 +229,7 @@ def test_tables_match_ggml_facts() -> None:
         (33, Q.Q8_0, (32,), "needs 34 bytes"),
         (34, Q.Q8_0, (16,), "not a multiple of the block size"),
         (84, Q.Q2_K, (2, 128), "not a multiple of the block size"),
-        (8, Q.Q5_0, (32,), "no dequantizer for ggml type Q5_0"),
+        (36, Q.Q8_1, (32,), "no dequantizer for ggml type Q8_1"),
         (8, 99, (2,), "unknown ggml type 99"),
         (11, Q.I32, (3,), "needs 12 bytes"),
     ],
