@@ -10,8 +10,14 @@ the engines they model do, and returned in the input's dtype.
   magnitude (the first such), s = -127/m, q = min(127, round-half-even(s·x)), x' = q·d with the float32 d = 1/s
   (ggml's `quantize_row_q8_K_ref`, which its x86 build calls).
 - bf16 / f16: round to nearest even of that type.
-- llamacpp: what llama.cpp's CPU backend does before each matmul, chosen by the weight's type (its `vec_dot_type`):
-  Q8_K before Q2_K / Q4_K / IQ2_XXS, Q8_0 before Q8_0 / MXFP4, f16 before F16, bf16 before BF16, nothing before F32.
+- Q8_1 (before Q4_1 / Q5_1 weights): the values of Q8_0 (d = amax/127 stored as f16, q = round(x·127/amax), the
+  same x86 SIMD rounding) plus a stored f16 sum s = d·Σq, which the Q4_1 / Q5_1 dot products use for the weight's
+  min term. Modelled as the value round trip x' = q·f16(d) only: the rounding of s is not modelled.
+- llamacpp: what llama.cpp's CPU backend does before each matmul, chosen by the weight's type (its `vec_dot_type` in
+  ggml-cpu's `type_traits_cpu`): Q8_0 before Q4_0 / Q5_0 / Q8_0 / IQ4_NL / MXFP4; Q8_1 before Q4_1 / Q5_1; Q8_K
+  before Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S / IQ4_XS and
+  TQ1_0 / TQ2_0; f16 before F16, bf16 before BF16, nothing before F32 (Q8_K weights have no vec_dot in ggml-cpu and
+  are refused, as is every type not listed).
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
     return (q * d16).reshape(x.shape).astype(x.dtype)
 
 
+def q8_1_roundtrip(x: np.ndarray) -> np.ndarray:
+    """The values of llama.cpp's Q8_1 activations: x' = q·f16(d), exactly as Q8_0 (`q8_0_roundtrip`; blocks of 32,
+    d = amax/127). The block's stored sum s = f16(d·Σq), which Q4_1 / Q5_1 dot products multiply by the weight's min,
+    is not modelled (it differs from Σx' by its own f16 rounding).  x [..., k], k a multiple of 32 -> [..., k]"""
+    return q8_0_roundtrip(x)
+
+
 def q8_k_roundtrip(x: np.ndarray) -> np.ndarray:
     """x' = q·d per block of 256: m = the first value of largest |x|, s = -127/m, q = min(127, rint(s·x)), d = 1/s
     (float32; 0 for an all-zero block).  x [..., k] with k a multiple of 256 -> [..., k] in x's dtype."""
@@ -73,9 +86,14 @@ def f16_round(x: np.ndarray) -> np.ndarray:
 ROUNDINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"q8_0": q8_0_roundtrip, "bf16": bf16_round,
                                                             "f16": f16_round}
 # llama.cpp's CPU backend: the activation type of a matmul with each weight type (None: the float32 input as is)
+# (ggml-cpu's `type_traits_cpu[type].vec_dot_type`; Q8_K itself has no vec_dot there and is not listed)
+_Q8_0_BEFORE = (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.MXFP4)
+_Q8_1_BEFORE = (Q.Q4_1, Q.Q5_1)
+_Q8_K_BEFORE = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS,
+                Q.IQ3_S, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0)
 LLAMACPP_ROUNDING: dict[Q, Callable[[np.ndarray], np.ndarray] | None] = {
-    Q.Q2_K: q8_k_roundtrip, Q.Q4_K: q8_k_roundtrip, Q.IQ2_XXS: q8_k_roundtrip, Q.Q8_0: q8_0_roundtrip,
-    Q.MXFP4: q8_0_roundtrip, Q.F16: f16_round, Q.BF16: bf16_round, Q.F32: None}
+    **dict.fromkeys(_Q8_0_BEFORE, q8_0_roundtrip), **dict.fromkeys(_Q8_1_BEFORE, q8_1_roundtrip),
+    **dict.fromkeys(_Q8_K_BEFORE, q8_k_roundtrip), Q.F16: f16_round, Q.BF16: bf16_round, Q.F32: None}
 UNQUANTIZED = (Q.F32, Q.F16, Q.BF16)
 
 

@@ -20,7 +20,15 @@ from parity.contract.engine import RunOptions, load_engine
 from parity.contract.errors import ParityError
 from parity.tracing.runner import run_sequence, stack
 from reference_cpu.linear import Matrix
-from reference_cpu.numerics import bf16_round, f16_round, input_rounding, q8_0_roundtrip, q8_k_roundtrip
+from reference_cpu.numerics import (
+    LLAMACPP_ROUNDING,
+    bf16_round,
+    f16_round,
+    input_rounding,
+    q8_0_roundtrip,
+    q8_1_roundtrip,
+    q8_k_roundtrip,
+)
 from reference_cpu.rope import RopeSpec, RopeTable, recurrence_angles, rope_angles
 
 F32 = np.float32
@@ -114,14 +122,44 @@ def test_input_rounding_rules():
     assert input_rounding("none", Q.Q8_0) is None
     assert input_rounding("q8_0", Q.F16) is None and input_rounding("q8_0", Q.IQ2_XXS) is q8_0_roundtrip
     assert input_rounding("bf16", Q.F32) is bf16_round and input_rounding("f16", Q.Q2_K) is f16_round
-    # llamacpp: ggml-cpu's vec_dot_type of each weight type
-    llamacpp = {Q.Q2_K: q8_k_roundtrip, Q.Q4_K: q8_k_roundtrip, Q.IQ2_XXS: q8_k_roundtrip, Q.Q8_0: q8_0_roundtrip,
-                Q.MXFP4: q8_0_roundtrip, Q.F16: f16_round, Q.BF16: bf16_round, Q.F32: None}
-    assert {t: input_rounding("llamacpp", t) for t in llamacpp} == llamacpp
-    with pytest.raises(ParityError, match="act_quant=llamacpp: no model of llama.cpp's activations before a Q5_K"):
-        input_rounding("llamacpp", Q.Q5_K)
     with pytest.raises(ParityError, match="act_quant"):
         input_rounding("q4_0", Q.Q8_0)
+
+
+# llamacpp: ggml-cpu's `type_traits_cpu[type].vec_dot_type` of each weight type, written out type by type
+VEC_DOT_TYPE = {
+    Q.Q4_0: "q8_0", Q.Q5_0: "q8_0", Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0", Q.MXFP4: "q8_0",
+    Q.Q4_1: "q8_1", Q.Q5_1: "q8_1",
+    Q.Q2_K: "q8_k", Q.Q3_K: "q8_k", Q.Q4_K: "q8_k", Q.Q5_K: "q8_k", Q.Q6_K: "q8_k", Q.IQ1_S: "q8_k",
+    Q.IQ1_M: "q8_k", Q.IQ2_XXS: "q8_k", Q.IQ2_XS: "q8_k", Q.IQ2_S: "q8_k", Q.IQ3_XXS: "q8_k", Q.IQ3_S: "q8_k",
+    Q.IQ4_XS: "q8_k", Q.TQ1_0: "q8_k", Q.TQ2_0: "q8_k",
+    Q.F16: "f16", Q.BF16: "bf16", Q.F32: None,
+}
+ROUNDING_OF = {"q8_0": q8_0_roundtrip, "q8_1": q8_1_roundtrip, "q8_k": q8_k_roundtrip, "f16": f16_round,
+               "bf16": bf16_round, None: None}
+
+
+@pytest.mark.parametrize("weight", tuple(VEC_DOT_TYPE), ids=lambda q: q.name)
+def test_llamacpp_rounding_of_every_weight_type(weight):
+    assert input_rounding("llamacpp", weight) is ROUNDING_OF[VEC_DOT_TYPE[weight]]
+
+
+def test_llamacpp_rounding_table_is_exactly_the_documented_types():
+    """Every type with a dequantizer but Q8_K (no vec_dot in ggml-cpu) has a documented rounding; others are refused,
+    naming the type."""
+    from reference_cpu.dequant import KERNELS
+
+    assert set(LLAMACPP_ROUNDING) == set(VEC_DOT_TYPE) == set(KERNELS) - {Q.Q8_K}
+    for weight in (Q.Q8_K, Q.Q8_1, Q.I32):
+        with pytest.raises(ParityError, match=f"act_quant=llamacpp: no model of llama.cpp's activations before a "
+                                              f"{weight.name} weight"):
+            input_rounding("llamacpp", weight)
+
+
+def test_q8_1_values_are_q8_0s():
+    """Q8_1's value round trip is Q8_0's (its f16 sum s is not modelled)."""
+    x = np.random.default_rng(9).standard_normal((3, 64)).astype(F32)
+    np.testing.assert_array_equal(q8_1_roundtrip(x), q8_0_roundtrip(x))
 
 
 # ----------------------------------------------------------------------------------- RoPE recurrence
