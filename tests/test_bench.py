@@ -180,6 +180,20 @@ def test_bench_quick_end_to_end(tmp_path) -> None:
     assert set(report["engines"]) == {"reference", "torch", "reference_1layer_memory"}
 
 
+def test_dequant_rows_cover_every_type_with_a_gguf_baseline() -> None:
+    """The dequantizer table has a row per type (the release's mix and every type added since, Q8_K excepted:
+    gguf.quants cannot dequantize it); each is measured on the same bytes by gguf.quants and both engines, exact."""
+    sources = bench.dequant_sources(None, 1 << 13, np.random.default_rng(0))
+    assert set(sources) == {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", *bench.NEW_TYPES}
+    assert all(sources[name][0] == Q[name] for name in sources)
+    rows = {r["type"]: r for r in bench.measure_dequant(None, "cpu", 1 << 13, 1)}
+    assert set(rows) == set(sources)
+    for name in bench.NEW_TYPES:
+        r = rows[name]
+        assert r["values"] == 1 << 13 and r["gguf_mvs"] > 0 and r["reference_mvs"] > 0 and r["torch_mvs"] > 0
+        assert r["reference_exact"] and r["torch_exact"], name
+
+
 def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
     """Synthetic real-size traces are well-formed: diff finds the drift planted from checkpoint blk.2.attn on."""
     td = bench.time_trace_diff(4, 16, reps=1, tmp=tmp_path)

@@ -221,10 +221,37 @@ def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: floa
 # Dequantizer throughput: reference (NumPy) vs torch engine vs gguf.quants, same bytes
 
 
+# the types added after the release's mix (Q8_K is left out: gguf.quants cannot dequantize it, so it has no baseline)
+NEW_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+             "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
+# byte offsets of each new type's f16 scales inside a block (IQ1_M: its f16 is the top nibbles of 4 words at 48)
+_F16_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q3_K": (108,), "Q5_K": (0, 2),
+               "Q6_K": (208,), "IQ1_S": (0,), "IQ1_M": (), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+               "IQ3_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
+_SCALE_BITS = 0x1400  # f16 0.0010: finite, realistic block scales
+
+
+def _random_scaled_blocks(qtype: Any, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random code bytes (every pattern is a valid block of these types) with the f16 scales set to 0.001.
+    -> [n_blocks, block bytes] uint8"""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    blocks = rng.integers(0, 256, size=(n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in _F16_SCALES[qtype.name]:
+        blocks[:, at : at + 2] = np.array([_SCALE_BITS], "<u2").view(np.uint8)
+    if qtype.name == "IQ1_M":
+        words = blocks[:, 48:56].copy().view("<u2")
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((_SCALE_BITS >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    return blocks
+
+
 def dequant_sources(model: Path | None, n_values: int, rng: np.random.Generator) -> dict[str, tuple[int, np.ndarray]]:
     """type name -> (ggml type, raw bytes [rows, row_bytes]) of n_values values; real tensors where the
     model file has that type (expert 0 of gate/down, attention q_b rows), random valid blocks otherwise."""
     from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as Q
 
     from parity.gguf.quant_blocks import random_blocks
@@ -244,6 +271,10 @@ def dequant_sources(model: Path | None, n_values: int, rng: np.random.Generator)
         "IQ2_XXS": (Q.IQ2_XXS, random_blocks(Q.IQ2_XXS, (rows, width), 0.02, rng)),
         "MXFP4": (Q.MXFP4, mx.reshape(rows, -1)),
     }
+    for name in NEW_TYPES:
+        qtype = Q[name]
+        block, _ = GGML_QUANT_SIZES[qtype]
+        out[name] = (qtype, _random_scaled_blocks(qtype, rows * width // block, rng).reshape(rows, -1))
     if model is not None:
         from parity.gguf.weights import Weights
 
