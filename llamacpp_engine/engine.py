@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from llamacpp_engine import quantize as _quantize
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
 from parity.contract.engine import LayerOutput, RunOptions, check_tokens
@@ -116,6 +117,15 @@ class LlamaState:
 
 class LlamaCppEngine:
     name = "llamacpp"
+    # capabilities of the class (no model loaded): llama.cpp's own quantizer (parity.gguf.llamacpp.Quantizer)
+    # and the ggml types it reads (parity.gguf.support.TypeReader)
+    file_types = staticmethod(_quantize.file_types)
+    quantize = staticmethod(_quantize.quantize)
+
+    @staticmethod
+    def readable_types() -> frozenset[int]:
+        """Every ggml type the ggml library under llama-cpp-python knows."""
+        return frozenset(_quantize.ggml_types())
 
     def __init__(self, model_path: str, options: RunOptions) -> None:
         check_options(options)

@@ -356,6 +356,35 @@ def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str |
     return {"path": path, "n_tensors": len(arrays) - 4, "tokens": arrays["input_ids"].tolist(), "flags": meta["flags"]}
 
 
+def llamacpp_quantizer() -> Any:
+    """The registered `llamacpp` engine class as a `parity.gguf.llamacpp.Quantizer` (llama.cpp's own quantizer)."""
+    from parity.contract.engine import engine_class
+    from parity.contract.errors import ParityError
+    from parity.gguf.llamacpp import Quantizer
+
+    cls = engine_class("llamacpp")
+    if not isinstance(cls, Quantizer):
+        raise ParityError("the registered llamacpp engine offers no quantize capability")
+    return cls
+
+
+def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_type: str, *,
+                      threads: int | None = None) -> dict[str, Any]:
+    """Quantize `model` to `out` with llama.cpp's own quantizer (`llama_model_quantize`, default parameters) at
+    llama.cpp file type `file_type` (`Q4_K_M`, `MXFP4_MOE`, ...; `llamacpp_quantizer().file_types()` lists
+    them). Returns {path, file_type, ftype, seconds, bytes, type_mix, problems} (problems: the written file's
+    contract problems, `parity.gguf.inventory.validate`)."""
+    from parity.gguf.inventory import type_mix, validate
+    from parity.gguf.weights import Weights
+
+    info = llamacpp_quantizer().quantize(str(model), str(out), file_type, threads)
+    w = Weights(info["path"])
+    tensors = w.tensor_infos()
+    return {"path": Path(info["path"]), "file_type": info["file_type"], "ftype": info["ftype"],
+            "seconds": info["seconds"], "bytes": Path(info["path"]).stat().st_size, "type_mix": type_mix(tensors),
+            "problems": list(validate(tensors, w.config).problems)}
+
+
 def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence[str], *, decode: int = 0,
               chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
               envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None) -> Any:

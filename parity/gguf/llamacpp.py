@@ -15,7 +15,7 @@ Full table with shapes and caveats: docs/peers.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -212,3 +212,17 @@ class Capturer(Protocol):
     def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:
         """Every mapped tensor by capture key, tokens on axis 0 (cache views: the rows emitted by the end), plus
         input_ids, output_positions, chunks and n_prompt."""
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    """Capability of an engine class that runs llama.cpp: llama.cpp's own quantizer (`llama_model_quantize`),
+    no model loaded. Both are static methods of the registered class."""
+
+    @staticmethod
+    def file_types() -> dict[str, int]:
+        """llama.cpp's quantization file types (`Q4_K_M`, `MXFP4_MOE`, ...) -> `llama_ftype` value."""
+
+    @staticmethod
+    def quantize(src: str, dst: str, file_type: str, threads: int | None = None) -> dict[str, Any]:
+        """Write `dst`, `src` quantized by llama.cpp at `file_type` -> {path, file_type, ftype, seconds, log}."""
