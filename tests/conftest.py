@@ -39,3 +39,24 @@ def tiny_realmix(model_dir):
 @pytest.fixture(scope="session")
 def tiny_mxfp4(model_dir):
     return _model(model_dir, "mxfp4")
+
+
+@pytest.fixture(scope="session")
+def llamacpp_quantized(tiny_f32, model_dir):
+    """`get(file_type)` -> the tiny f32 model quantized by llama.cpp's own quantizer at that llama.cpp file type
+    (`Q4_K_M`, `MXFP4_MOE`, ...), written once per session into the model dir. Without llama_cpp: a skip
+    outside CI, a failure in CI (tests/requires.py)."""
+    from requires import require
+
+    require("llama_cpp")
+    from parity import api
+
+    def get(file_type: str):
+        path = model_dir / f"tiny-lcp-{file_type.lower()}.gguf"
+        if not path.exists():
+            part = path.with_name(path.name + ".part")
+            api.quantize_llamacpp(tiny_f32, part, file_type, threads=2)
+            part.replace(path)   # a run cut short leaves no half-written model behind
+        return path
+
+    return get

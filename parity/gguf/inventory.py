@@ -146,3 +146,13 @@ def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationR
         if name not in specs:
             problems.append(f"unexpected tensor {name}")
     return ValidationReport(tuple(problems))
+
+
+def type_mix(tensors: Mapping[str, TensorInfo]) -> list[dict[str, int | str]]:
+    """The file's ggml types: [{type, id, count, bytes}], most bytes first (ties by type id)."""
+    mix: dict[int, dict[str, int | str]] = {}
+    for info in tensors.values():
+        row = mix.setdefault(info.ggml_type, {"type": info.type_name, "id": info.ggml_type, "count": 0, "bytes": 0})
+        row["count"] = int(row["count"]) + 1
+        row["bytes"] = int(row["bytes"]) + info.nbytes
+    return sorted(mix.values(), key=lambda r: (-int(r["bytes"]), int(r["id"])))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from parity.gguf.inventory import validate
+from parity.gguf.inventory import type_mix, validate
+from parity.gguf.support import ENGINES, support
 from parity.gguf.weights import Weights
 
 
@@ -12,15 +14,19 @@ def layer_kind(ratio: int) -> str:
     return {0: "SWA"}.get(ratio, "CSA" if ratio == 4 else f"HCA/{ratio}")
 
 
-def inspect_model(path: str) -> dict[str, Any]:
-    """Everything `v4parity inspect` shows, as plain data."""
+def inspect_model(path: str, engines: Sequence[str] = ENGINES) -> dict[str, Any]:
+    """Everything `v4parity inspect` shows, as plain data: config, schedule, tensors, the type mix (count and
+    bytes per ggml type), whether each engine in `engines` reads every type (`parity.gguf.support`), and the
+    contract validation."""
     w = Weights(path)
     cfg = w.config
+    infos = w.tensor_infos()
+    mix = type_mix(infos)
     tensors = [
         {"name": n, "shape": list(w.info(n).shape), "type": w.info(n).type_name, "bytes": w.info(n).nbytes}
         for n in w.names
     ]
-    problems = list(validate(w.tensor_infos(), cfg).problems)
+    problems = list(validate(infos, cfg).problems)
     return {
         "file": w.identity(),
         "config": cfg.to_dict() | {"derived": cfg.derived},
@@ -32,6 +38,8 @@ def inspect_model(path: str) -> dict[str, Any]:
         ],
         "tensors": tensors,
         "total_bytes": sum(t["bytes"] for t in tensors),
+        "type_mix": mix,
+        "engines": support([int(r["id"]) for r in mix], engines),
         "validation": {"ok": not problems, "problems": problems},
     }
 
@@ -65,6 +73,15 @@ def print_inspection(report: dict[str, Any], tensors: bool = True) -> None:
     for r in report["tensors"]:
         tt.add_row(r["name"], "x".join(map(str, r["shape"])), r["type"], f"{r['bytes']:,}")
     con.print(tt if tensors else f"{tt.title} (--tensors lists them)")
+    m = Table(title="type mix")
+    for col in ("type", "tensors", "bytes", "share"):
+        m.add_column(col, justify="left" if col == "type" else "right")
+    total = max(report["total_bytes"], 1)
+    for r in report["type_mix"]:
+        m.add_row(r["type"], str(r["count"]), f"{r['bytes']:,}", f"{100 * r['bytes'] / total:.1f} %")
+    con.print(m)
+    for e in report["engines"]:
+        con.print(engine_line(e))
     v = report["validation"]
     if v["ok"]:
         con.print("[green]validation: OK[/] (all expected tensors present with allowed shapes and types)")
@@ -72,3 +89,13 @@ def print_inspection(report: dict[str, Any], tensors: bool = True) -> None:
         con.print(f"[red]validation: {len(v['problems'])} problem(s)[/]")
         for p in v["problems"]:
             con.print(f"  - {p}")
+
+
+def engine_line(e: dict[str, Any]) -> str:
+    """One engine's verdict on the file's types, for the console (rich markup)."""
+    if not e["available"]:
+        return f"[yellow]{e['engine']}: cannot tell[/] ({e['error']})"
+    missing = [t for t, ok in e["reads"].items() if not ok]
+    if not missing:
+        return f"[green]{e['engine']}: reads every type[/] ({e['how']})"
+    return f"[red]{e['engine']}: does not read {', '.join(missing)}[/] ({e['how']})"
