@@ -35,7 +35,15 @@ from gpu_engine.ops import (
 )
 from gpu_engine.weights import UNQUANTIZED, DeviceWeights
 from parity.contract.cpus import usable_cpus
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_expert_ids, check_qat_shapes, check_tokens
+from parity.contract.engine import (
+    LayerDiag,
+    LayerOutput,
+    RunOptions,
+    check_expert_ids,
+    check_qat_shapes,
+    check_tokens,
+    refuse_roundoff,
+)
 from parity.contract.errors import ParityError
 
 __version__ = "0.1.0"
@@ -68,6 +76,7 @@ def check_options(options: RunOptions, cache_mb: int) -> None:
     """Refuse what the torch engine cannot honour, naming the option (no silent fallback to the exact path)."""
     if options.dtype not in DTYPES:
         raise ParityError(f"torch engine: unknown dtype {options.dtype!r}; expected {', '.join(DTYPES)}")
+    refuse_roundoff(options, "torch engine")
     if cache_mb < 0:
         raise ParityError(f"torch engine: cache_mb must be >= 0, got {cache_mb}")
     if options.act_quant not in ACT_QUANT:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hf_engine.model import build
-from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_tokens
+from parity.contract.engine import LayerDiag, LayerOutput, RunOptions, check_tokens, refuse_roundoff
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import Weights
@@ -33,6 +33,7 @@ def check_options(options: RunOptions) -> None:
     if options.fp8_kv or options.fp4_indexer:
         raise ParityError("hf: transformers' DeepseekV4 does not implement the FP8 KV / FP4 indexer QAT round trips; "
                           "run with --no-fp8-kv --no-fp4-indexer")
+    refuse_roundoff(options, "hf")
     if options.inject:
         raise ParityError(f"hf: the hf engine injects no faults (got {list(options.inject)})")
     if options.expert_override is not None:

@@ -25,7 +25,7 @@ import numpy as np
 from llamacpp_engine import quantize as _quantize
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
-from parity.contract.engine import LayerOutput, RunOptions, check_tokens
+from parity.contract.engine import LayerOutput, RunOptions, check_tokens, refuse_roundoff
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
 from parity.gguf.llamacpp import (
@@ -82,6 +82,7 @@ def check_options(options: RunOptions) -> None:
     if options.fp8_kv or options.fp4_indexer:
         raise ParityError("llamacpp: llama.cpp does not implement the FP8 KV / FP4 indexer QAT round trips; run "
                           "with --no-fp8-kv --no-fp4-indexer (the reference then omits them too)")
+    refuse_roundoff(options, "llamacpp")
     if options.inject:
         raise ParityError(f"llamacpp: llama.cpp cannot inject faults (got {list(options.inject)})")
     if options.device != "cpu":

@@ -9,8 +9,10 @@ Any chunk size at any start position runs through the same caches (prefill, chun
 
 from __future__ import annotations
 
-import sys
+import copy
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -23,10 +25,11 @@ from reference_cpu.allocator import keep_freed_memory
 from reference_cpu.dequant import dequantize
 from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.linear import linear
-from reference_cpu.model import Numerics, block_forward
+from reference_cpu.model import Numerics, Tap, block_forward
 from reference_cpu.norms import rms_norm
 from reference_cpu.numerics import f16_round
 from reference_cpu.rope import RopeSpec, RopeTable
+from reference_cpu.roundoff import jitter
 from reference_cpu.state import SequenceState
 from reference_cpu.threads import Workers
 from reference_cpu.weights_cache import WeightStore
@@ -98,8 +101,7 @@ class ReferenceEngine:
                                  f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
                      for l in range(self.config.n_layers)]
-        if options.approximations():
-            print(f"reference engine: APPROXIMATE {', '.join(options.approximations())}", file=sys.stderr)
+        self.jitter = None if options.roundoff_seed is None else partial(jitter, seed=options.roundoff_seed)
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype)
@@ -112,6 +114,22 @@ class ReferenceEngine:
     def forward_layer(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
                       start_pos: int, capture: bool = False) -> LayerOutput:
         """Layer `layer` on positions start_pos..start_pos+n-1 through `state` (any n >= 1)."""
+        return self._layer(state, layer, carrier, tokens, start_pos, Tap({} if capture else None))
+
+    def roundoff_twin(self, seed: int) -> ReferenceEngine:
+        """Capability `RoundoffTwins`: this engine with roundoff_seed=seed, sharing weights, caches and threads."""
+        twin = copy.copy(self)
+        twin.options = replace(self.options, roundoff_seed=int(seed))
+        twin.jitter = partial(jitter, seed=int(seed))
+        return twin
+
+    def forward_ops(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
+                    start_pos: int, given: dict[str, np.ndarray]) -> LayerOutput:
+        """Capability `OpForcing`: every sub-op on the candidate's value of its inputs (`given`), captured."""
+        return self._layer(state, layer, carrier, tokens, start_pos, Tap({}, given))
+
+    def _layer(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray, start_pos: int,
+               tap: Tap) -> LayerOutput:
         cfg = self.config
         if not 0 <= layer < cfg.n_layers:
             raise ParityError(f"layer {layer} out of range [0, {cfg.n_layers})")
@@ -124,8 +142,10 @@ class ReferenceEngine:
             raise ParityError(f"layer {layer}: {len(tokens)} tokens for a carrier of {n} positions")
         if not np.isfinite(carrier).all():
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
+        if self.jitter is not None:
+            tap.jitter = lambda y, name, k: self.jitter(y, name=f"{layer}:{name}", k=k)
         return block_forward(self.store, cfg, layer, state.layers[layer], carrier.astype(self.dtype, copy=False),
-                             tokens, int(start_pos), self.rope[layer], self.numerics, capture, self.workers)
+                             tokens, int(start_pos), self.rope[layer], self.numerics, tap, self.workers)
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """carrier [n, H, D] -> (final_norm [n, D], logits [n, V]): HC head, output_norm, output (§8.3)."""

@@ -3,15 +3,17 @@
     u, pre, post, C = HC_pre(X);  a = Attention(attn_norm(u));  Y  = HC_post(a, X, post, C)
     v, pre', post', C' = HC_pre(Y);  f = MoE(ffn_norm(v), tokens);  X' = HC_post(f, Y, post', C')
 
-Weights come from a `WeightStore`; caches from the layer's `LayerState`. When `cap` is a dict, every
-sub-op output named in `parity.contract.checkpoints.SUBOPS` is stored in it.
+Weights come from a `WeightStore`; caches from the layer's `LayerState`. Every sub-op output named in
+`parity.contract.checkpoints.SUBOPS` passes through a `Tap`: stored when captures are asked for, replaced by the
+candidate's value in op-level teacher forcing (`Tap.given`: each op then runs on the candidate's own input to
+it), perturbed in a Monte-Carlo round-off twin (`Tap.jitter`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,6 +54,47 @@ class Numerics:
     kv_round: Callable[[np.ndarray], np.ndarray] | None
 
 
+@dataclass
+class Tap:
+    """Where one layer call's sub-op outputs go and what replaces them.
+
+    capture: dict filled with every sub-op output (None: no captures); given: the candidate's values by capture
+    name (and `hc_attn.post`, `hc_attn.comb`, `hc_ffn.post`, `hc_ffn.comb` for its HC mixes), consumed downstream
+    instead of the reference's own; jitter(y, name, k): a round-off twin's perturbation (None: exact).
+    """
+
+    capture: dict | None = None
+    given: Mapping[str, np.ndarray] = field(default_factory=dict)
+    jitter: Callable[[np.ndarray, str, int], np.ndarray] | None = None
+
+    def out(self, name: str, y: np.ndarray, k: int = 1) -> np.ndarray:
+        """The op's own output y (jittered with reduction length k in a twin) is captured; downstream gets the
+        candidate's value when given (jittered by one ulp in a twin: the next op's own rounding of it)."""
+        if self.jitter is not None:
+            y = self.jitter(y, name, k)
+        if self.capture is not None:
+            self.capture[name] = y
+        if name not in self.given:
+            return y
+        return self.given[name] if self.jitter is None else self.jitter(self.given[name], name + "<", 1)
+
+    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Emitted rows so far: the candidate's when given with the same count (else the reference's own, a
+        structural difference the caller's comparison reports)."""
+        if self.capture is not None:
+            self.capture[name] = rows
+        got = self.given.get(name)
+        return got if got is not None and got.shape == rows.shape else rows
+
+    def mix(self, which: str, post: np.ndarray, comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The HC post/comb mixes hc_post uses: the candidate's when given."""
+        return self.given.get(which + ".post", post), self.given.get(which + ".comb", comb)
+
+    def own(self, name: str, y: np.ndarray) -> np.ndarray:
+        """The reference's own output of sub-op `name` (what `out` captured), else y."""
+        return self.capture[name] if self.capture is not None and name in self.capture else y
+
+
 def stored(rows: np.ndarray, num: Numerics) -> np.ndarray:
     """Rows as the KV store holds them: unchanged, or rounded by `num.kv_round`.  [r, d] -> [r, d]."""
     return rows if num.kv_round is None else num.kv_round(rows)
@@ -72,22 +115,24 @@ def run_compressor(state: CompressorState, x: np.ndarray, pos: np.ndarray, store
 
 
 def project_qkv(store: WeightStore, cfg: ModelConfig, p: str, x: np.ndarray, pos: np.ndarray, rope: RopeTable,
-                num: Numerics) -> tuple[np.ndarray, ...]:
+                num: Numerics, tap: Tap) -> tuple[np.ndarray, ...]:
     """qr, q (before RoPE), kv latent, q after RoPE, k = the stored raw KV row (RoPE, FP8 sim, store rounding).
 
     x [n, D], pos [n] -> qr [n, R_q], q / q_rot [n, n_heads, hd], kv / k [n, hd] (spec attention §2-§3, §6.1).
     """
     qr, q = q_path(x, store.matrix(p + "attn_q_a.weight"), store.dense(p + "attn_q_a_norm.weight"),
                    store.matrix(p + "attn_q_b.weight"), cfg.n_heads, cfg.norm_eps)
-    kv = kv_latent(x, store.matrix(p + "attn_kv.weight"), store.dense(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
+    q = tap.out("q_path", q, cfg.dim)
+    kv = tap.out("kv_latent", kv_latent(x, store.matrix(p + "attn_kv.weight"),
+                                        store.dense(p + "attn_kv_a_norm.weight"), cfg.norm_eps), cfg.dim)
     k = apply_rope(kv, pos, rope)
     if num.fp8_kv:
         k = fp8_sim_nope(k, cfg.nope_dim)
-    return qr, q, kv, apply_rope(q, pos, rope), stored(k, num)
+    return qr, q, kv, tap.out("rope_q", apply_rope(q, pos, rope), 2), tap.out("rope_kv", stored(k, num), 2)
 
 
 def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray,
-                        qr: np.ndarray, pos: np.ndarray, rope: RopeTable, num: Numerics,
+                        qr: np.ndarray, pos: np.ndarray, rope: RopeTable, num: Numerics, tap: Tap,
                         workers: Workers) -> np.ndarray | None:
     """Emit this chunk's compressed rows (main and indexer) and, on CSA layers, the indexer's selection (§7-§8).
 
@@ -98,7 +143,9 @@ def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: La
         norm = store.dense(p + "attn_compressor_norm.weight")
         run_compressor(st.comp, x, pos, store, p + "attn_compressor",
                        lambda r, jp: main_row_post(r, jp, norm, eps, rope, num.fp8_kv, cfg.nope_dim), num)
+        st.comp.rows = tap.rows("comp_rows", st.comp.rows)
     if not cfg.has_indexer(layer):
+        tap.rows("index_rows", np.zeros((0, cfg.index_head_dim), x.dtype))
         return None
     norm_i = store.dense(p + "indexer_compressor_norm.weight")
     run_compressor(st.index, x, pos, store, p + "indexer_compressor",
@@ -106,35 +153,39 @@ def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: La
     q_idx = indexer_queries(qr, store.matrix(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
                             num.fp4_indexer)
     w_idx = indexer_weights(x, store.matrix(p + "indexer.proj.weight"), cfg.index_head_dim)
-    return select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk, workers)
+    st.index.rows = tap.rows("index_rows", st.index.rows)
+    return tap.out("index_sel", select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk,
+                                            workers))
 
 
 def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray, pos: np.ndarray,
-              rope: RopeTable, num: Numerics, cap: dict | None,
+              rope: RopeTable, num: Numerics, tap: Tap,
               workers: Workers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """a = Attention(x) for n new positions through the layer's caches (spec attention §11-§12, §16).
 
     x [n, D] (attn_norm output), pos [n] -> a [n, D], n_comp_visible int [n], index_sel int [n, top_k] (-1 pad).
     """
     p, m, n = f"blk.{layer}.", cfg.ratio(layer), len(pos)
-    qr, q, kv, q_rot, k = project_qkv(store, cfg, p, x, pos, rope, num)
-    sel = compress_and_select(store, cfg, layer, st, x, qr, pos, rope, num, workers)
+    # the row arrays are never written in place (each emission concatenates a new array): captures need no copies
+    qr, _q, _kv, q_rot, k = project_qkv(store, cfg, p, x, pos, rope, num, tap)
+    if m == 0:
+        tap.rows("comp_rows", np.zeros((0, cfg.head_dim), x.dtype))
+    sel = compress_and_select(store, cfg, layer, st, x, qr, pos, rope, num, tap, workers)
     raw = np.concatenate([st.raw, k])
     comp = st.comp.rows if m > 0 else np.zeros((0, cfg.head_dim), x.dtype)
-    o = attend(q_rot, pos, raw, int(pos[0]) - len(st.raw), cfg.window_size, comp, m, sel,
-               store.dense(p + "attn_sinks.weight"), 1.0 / math.sqrt(cfg.head_dim), workers)
-    a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.matrix(p + "attn_output_a.weight"),
-                       store.matrix(p + "attn_output_b.weight"), cfg.o_groups, workers)
+    o = tap.out("attn_heads", attend(q_rot, pos, raw, int(pos[0]) - len(st.raw), cfg.window_size, comp, m, sel,
+                                     store.dense(p + "attn_sinks.weight"), 1.0 / math.sqrt(cfg.head_dim), workers),
+                cfg.window_size + cfg.index_topk)
+    a = tap.out("attn_out", grouped_output(apply_rope(o, pos, rope, inverse=True),
+                                           store.matrix(p + "attn_output_a.weight"),
+                                           store.matrix(p + "attn_output_b.weight"), cfg.o_groups, workers),
+                cfg.n_heads * cfg.head_dim // cfg.o_groups)
     st.raw = raw[max(0, len(raw) - (cfg.window_size - 1)) :]
     st.next_pos += n
     n_vis = (pos + 1) // m if m > 0 else np.zeros(n, np.int64)
     index_sel = sel if sel is not None else np.full((n, cfg.index_topk), -1, np.int64)
-    if cap is not None:
-        # the row arrays are never written in place (each emission concatenates a new array): no copies needed
-        cap.update(q_path=q, kv_latent=kv, rope_q=q_rot, rope_kv=k, comp_rows=comp,
-                   index_rows=(st.index.rows if st.index is not None
-                               else np.zeros((0, cfg.index_head_dim), x.dtype)),
-                   index_sel=index_sel, attn_heads=o, attn_out=a)
+    if sel is None:
+        tap.out("index_sel", index_sel)
     return a, n_vis.astype(np.int64), index_sel
 
 
@@ -153,7 +204,7 @@ def expert_id_table(ids: np.ndarray, n: int, cfg: ModelConfig, layer: int, sourc
 
 
 def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens: np.ndarray, start_pos: int,
-        num: Numerics, cap: dict | None, workers: Workers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        num: Numerics, tap: Tap, workers: Workers) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """f = Σ_k w_k Expert_{id_k}(x) + Shared(x) (spec residual-ffn §9).
 
     x [n, D] (ffn_norm output), tokens [n] -> f [n, D], ids int [n, K] (selection order), weights [n, K],
@@ -171,52 +222,61 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
         ids, margin = select_topk(scores + store.dense(p + "exp_probs_b.bias"), K)
     if num.expert_override is not None:
         ids = expert_id_table(num.expert_override(layer, start_pos, n), n, cfg, layer, "expert_override")
-    weights = routing_weights(scores, ids, cfg.route_scale)
+    weights = tap.out("expert_weights", routing_weights(scores, ids, cfg.route_scale), 1)
+    ids = tap.out("expert_ids", ids)
+    if tap.given:
+        ids = expert_id_table(ids, n, cfg, layer, "the candidate's expert ids")
 
     def expert(e: int) -> tuple[Matrix, Matrix, Matrix]:
         return (store.expert_matrix(p + "ffn_gate_exps.weight", e), store.expert_matrix(p + "ffn_up_exps.weight", e),
                 store.expert_matrix(p + "ffn_down_exps.weight", e))
 
-    routed = routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer], workers)
-    shared = expert_ffn(x, store.matrix(p + "ffn_gate_shexp.weight"), store.matrix(p + "ffn_up_shexp.weight"),
-                        store.matrix(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer])
-    if cap is not None:
-        cap.update(expert_ids=ids, expert_weights=weights, routed_out=routed, shared_out=shared)
-    return routed + shared, ids, weights, margin
+    inner = store.dense(p + "ffn_down_shexp.weight").shape[1]
+    routed = tap.out("routed_out", routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer], workers),
+                     K * inner)
+    shared = tap.out("shared_out", expert_ffn(x, store.matrix(p + "ffn_gate_shexp.weight"),
+                                              store.matrix(p + "ffn_up_shexp.weight"),
+                                              store.matrix(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer]),
+                     inner)
+    return routed + shared, tap.own("expert_ids", ids), tap.own("expert_weights", weights), margin
 
 
 def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, X: np.ndarray,
-                  tokens: np.ndarray, start_pos: int, rope: RopeTable, num: Numerics, capture: bool,
+                  tokens: np.ndarray, start_pos: int, rope: RopeTable, num: Numerics, tap: Tap,
                   workers: Workers) -> LayerOutput:
-    """X' = layer(X) for n positions start_pos.. (spec residual-ffn §5).
+    """X' = layer(X) for n positions start_pos.. (spec residual-ffn §5); sub-ops through `tap`.
 
-    X [n, H, D], tokens [n] -> LayerOutput (attention half-carrier, carrier, diagnostics, captures).
+    X [n, H, D], tokens [n] -> LayerOutput (attention half-carrier, carrier, diagnostics, captures): the
+    reference's own outputs, also in op-level teacher forcing.
     """
     if start_pos != st.next_pos:
         raise ParityError(f"layer {layer}: chunk starts at position {start_pos} but the state expects "
                           f"{st.next_pos} (feed positions in order through one state)")
-    p, cap = f"blk.{layer}.", ({} if capture else None)
+    p, H, D = f"blk.{layer}.", cfg.hc_mult, cfg.dim
     pos = start_pos + np.arange(len(X))
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    if tap.jitter is not None:
+        X = tap.jitter(X, "carrier", 1)
 
     u, pre_a, post_a, comb_a = hc_pre(X, store.matrix(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
                                       store.dense(p + "hc_attn_base.weight"), *hc_args)
-    x = rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps)
-    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, cap, workers)
-    Y = hc_post(a, X, post_a, comb_a)
+    u = tap.out("hc_attn_pre", u, H * D)
+    x = tap.out("attn_norm", rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps), D)
+    a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, tap, workers)
+    Y = tap.out("hc_attn_post", hc_post(a, X, *tap.mix("hc_attn", post_a, comb_a)), H + 1)
 
     v, pre_f, post_f, comb_f = hc_pre(Y, store.matrix(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
                                       store.dense(p + "hc_ffn_base.weight"), *hc_args)
-    xf = rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps)
-    f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, cap, workers)
-    X_out = hc_post(f, Y, post_f, comb_f)
+    v = tap.out("hc_ffn_pre", v, H * D)
+    xf = tap.out("ffn_norm", rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps), D)
+    f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, tap, workers)
+    X_out = tap.out("hc_ffn_post", hc_post(f, Y, *tap.mix("hc_ffn", post_f, comb_f)), H + 1)
+    Y, X_out = tap.own("hc_attn_post", Y), tap.own("hc_ffn_post", X_out)
 
     for name, arr in ((f"blk.{layer}.attn", Y), (f"blk.{layer}", X_out)):
         if not np.isfinite(arr).all():
             raise ParityError(f"non-finite carrier at checkpoint {name} (positions {pos[0]}..{pos[-1]})")
-    if cap is not None:
-        cap.update(hc_attn_pre=u, attn_norm=x, hc_attn_post=Y, hc_ffn_pre=v, ffn_norm=xf, hc_ffn_post=X_out)
     diag = LayerDiag(hc_attn=(pre_a, post_a, comb_a), hc_ffn=(pre_f, post_f, comb_f), expert_ids=ids,
                      expert_weights=weights, router_margin=margin, n_comp_visible=n_vis,
                      index_sel=index_sel if cfg.has_indexer(layer) else None)
-    return LayerOutput(attn_carrier=Y, carrier=X_out, diag=diag, captures=cap or {})
+    return LayerOutput(attn_carrier=Y, carrier=X_out, diag=diag, captures=tap.capture or {})

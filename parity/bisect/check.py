@@ -27,14 +27,19 @@ from parity.bisect.attribution import teacher_forced
 from parity.bisect.envelope import Envelope
 from parity.bisect.hypotheses import (
     Fit,
+    LayerNull,
     VariantTester,
     defect_library,
     fit,
+    layer_judge,
+    layer_nulls,
     name_subop,
     routing_replay,
     table_rows,
 )
-from parity.bisect.search import SubopResult, compare_subops, inherited_flips
+from parity.bisect.null import N_TWINS
+from parity.bisect.opforce import op_verdict
+from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
 from parity.contract.engine import Engine, LayerOutput, RunOptions
@@ -93,14 +98,35 @@ class CheckReport:
 
 @dataclass(frozen=True)
 class LayerLocal:
-    """Local comparison of one layer: excesses of blk.l.attn / blk.l and structure."""
+    """Local comparison of one layer (the exact reference on the candidate's inputs), judged by its null."""
 
     layer: int
-    local_attn: float | None
-    local: float | None
-    excess: float                     # max of the two halves' excess
-    position: int | None              # first position outside the envelope, or of a structural difference
-    structural: str | None            # what differs structurally (visible rows, routing), else None
+    fit: Fit
+
+    @property
+    def local_attn(self) -> float | None:
+        return self.fit.err_attn
+
+    @property
+    def local(self) -> float | None:
+        return self.fit.err
+
+    @property
+    def departs(self) -> bool:
+        return not self.fit.explains
+
+    @property
+    def position(self) -> int | None:
+        return self.fit.position
+
+    @property
+    def structural(self) -> str | None:
+        return self.fit.structural
+
+    @property
+    def twin_ratio(self) -> float:
+        """The worst cell's distance over the largest twin distance there (0 when no cell exceeds)."""
+        return self.fit.test.worst.ratio if self.fit.test.worst is not None else 0.0
 
 
 # ---------------------------------------------------------------- follow
@@ -180,15 +206,10 @@ def routing_flips(trace: Trace, outs: Sequence[LayerOutput], layer: int) -> np.n
     return moe["pos"][set_overlap(ids, moe["ids"]) < 1]
 
 
-def local_errors(trace: Trace, outs: dict[int, list[LayerOutput]], env: Envelope) -> list[LayerLocal]:
+def local_errors(trace: Trace, outs: dict[int, list[LayerOutput]], nulls: dict[int, LayerNull]) -> list[LayerLocal]:
     """One LayerLocal per teacher-forced layer: the candidate's recorded output vs the reference's layer run on
-    the candidate's input."""
-    rows = []
-    for layer, o in sorted(outs.items()):
-        fit_ = fit(trace, o, layer, env)
-        rows.append(LayerLocal(layer, fit_.err_attn, fit_.err, fit_.excess, fit_.position,
-                               fit_.structural))
-    return rows
+    the candidate's input, judged by that run's round-off ensemble."""
+    return [LayerLocal(layer, fit(trace, o, layer, nulls[layer])) for layer, o in sorted(outs.items())]
 
 
 # ---------------------------------------------------------------- the verdict
@@ -210,7 +231,7 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None, counter: Counter | None = None) -> CheckReport:
+          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
     own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down.
@@ -239,10 +260,25 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     tf = (teacher_forced(ref_engine, cand, layers, on_chunk=lambda i: count("local error", i + 1, len(cand)))
           if cand is not None else {})
     st.runs["local"] = len(layers)
-    local = local_errors(trace, tf, env)
-    departing = [r for r in local if r.excess > 1 or r.structural is not None]
+    say(f"round-off null: {n_twins} twins of the reference on the candidate's inputs ({n_twins * len(layers)} "
+        "layer-runs)")
+    op_level = subops is not None and cand is not None
+    nulls = (layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, n_twins))
+             if cand is not None and layers and not op_level else {})
+    if op_level:
+        say(f"op-level: every sub-op of {len(layers)} layers on the candidate's own dumped inputs")
+        local = [LayerLocal(l, op_verdict(ref_engine, cand, subops, l, n_twins).fit) for l in layers]
+        st.runs["op_level"] = (1 + n_twins) * len(layers)
+    else:
+        local = local_errors(trace, tf, nulls)
+        st.runs["null"] = n_twins * len(layers)
+    st.notes.append(_evidence_note(op_level, cand is not None))
+    for r in local:
+        st.notes += [f"layer {r.layer}: {t}" for t in r.fit.ties]
+    departing = [r for r in local if r.departs]
     if departing:
-        _explain(trace, ref_engine, make_reference, cand, tf, departing, env, fault_engines, st, say, subops)
+        _explain(trace, ref_engine, make_reference, cand, tf, nulls, departing, env, fault_engines, st, say,
+                 subops)
     else:
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
     names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
@@ -283,95 +319,88 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
 
 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
-             tf: dict[int, list[LayerOutput]], departing: list[LayerLocal], env: Envelope,
-             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
+             tf: dict[int, list[LayerOutput]], nulls: dict[int, LayerNull], departing: list[LayerLocal],
+             env: Envelope, fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
              say: Progress, subops: Sequence[ChunkResult] | None = None) -> None:
     """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
     nothing benign explains is the culprit, matched against the defect library."""
     st.runs.update(hypotheses=0, defect_library=0, drill_down=0)
-    tester = VariantTester(trace, ref_engine, make_reference, cand, env, st.notes, st.runs)
+    n_twins = departing[0].fit.test.twins
+
+    def judge_ops(engine: Engine, layer: int) -> Fit:
+        return op_verdict(engine, cand, subops, layer, n_twins).fit
+
+    tester = VariantTester(trace, ref_engine, make_reference,
+                           judge_ops if subops is not None else layer_judge(trace, cand, n_twins),
+                           st.notes, st.runs, n_twins)
     for d in departing:
-        say(f"layer {d.layer}: local excess {d.excess:.3g}" + (f", {d.structural}" if d.structural else ""))
-        if len(routing_flips(trace, tf[d.layer], d.layer)) and d.structural is None:
+        say(f"layer {d.layer}: {d.fit.test.summary()}" + (f", {d.structural}" if d.structural else ""))
+        if d.layer not in nulls:
+            nulls[d.layer] = layer_nulls(ref_engine, cand, {d.layer: tf[d.layer]}, n_twins)[d.layer]
+            st.runs["null"] = st.runs.get("null", 0) + n_twins
+        if subops is None and len(routing_flips(trace, tf[d.layer], d.layer)) and d.structural is None:
             st.runs["hypotheses"] += 1
-            flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, env)
+            flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, nulls[d.layer])
             if flip is not None:
                 st.causes.append(Cause("benign", "routing-flip", d.layer, "router", _evidence(d, flip[2])
                                        + "; the candidate's expert picks differ only at router margins within noise"))
                 continue
-        exact = fit(trace, tf[d.layer], d.layer, env)
-        hit = tester.explain(d.layer, exact)
+        hit = tester.explain(d.layer)
         if hit is None:
-            dumped = _dumped_subops(ref_engine, cand, subops, d.layer, env, st) if subops is not None else None
-            flip = _dumped_flip(dumped) if d.structural is None else None
-            if flip is not None:
-                st.causes.append(Cause("benign", "fp8-code-flip" if "FP8" in flip.detail else "fp4-code-flip",
-                                       d.layer, flip.name, f"local excess {d.excess:.3g}; the candidate's own dumped "
-                                       f"sub-ops differ only by {flip.detail} and its cascade"))
-                continue
-            _defect(trace, ref_engine, cand, d, env, fault_engines, st, say, dumped)
+            _defect(trace, ref_engine, cand, d, nulls[d.layer], env, fault_engines, st, say)
             return
-        v, f, flips = hit
-        flip_note = "" if flips is None else (
-            f"; isolated position(s) {', '.join(map(str, flips.tolist()))} left outside the envelope at "
-            f"{float((f.pos_err[flips] / exact.pos_err[flips]).max()):.2g} of the exact path's error there "
-            "(rounding flips)")
+        v, f = hit
         for part in v.parts or (v.name,):
-            sub = name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
-            st.runs["drill_down"] += 2
-            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f) + flip_note
+            sub = d.fit.subop or name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
+            st.runs["drill_down"] += 0 if d.fit.subop else 2
+            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f)
                                    + (f" (together with {v.name})" if v.parts else "")))
 
 
 def _evidence(d: LayerLocal, f: Fit) -> str:
-    return (f"local excess {d.excess:.3g} (rel-L2 {d.local if d.local is not None else d.local_attn:.3g}) -> "
-            f"{f.excess:.3g} (rel-L2 {f.err if f.err is not None else f.err_attn:.3g}) with the variant"
+    return (f"exact path: {d.fit.test.exceed} of {d.fit.test.cells} cells outside all {d.fit.test.twins} "
+            f"round-off twins (p = {d.fit.test.p_value:.2g}, rel-L2 {d.fit.worst:.3g}) -> with the variant: "
+            f"{f.test.exceed} (p = {f.test.p_value:.2g}, rel-L2 {f.worst:.3g})"
             + (f"; {d.structural}" if d.structural else ""))
 
 
-def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, env: Envelope,
-            fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-            say: Progress, dumped: list[SubopResult] | None = None) -> None:
+def _evidence_note(op_level: bool, forced: bool) -> str:
+    """What the local verdict rests on, and how to get a stronger one."""
+    if op_level:
+        return "judged op-level: every sub-op on the candidate's own dumped inputs"
+    if forced:
+        return ("judged layer-level: each layer on the candidate's own carrier (for an op-level verdict, give the "
+                "candidate's sub-op dumps: a complete `v4parity capture llamacpp` file)")
+    return ("judged free-running only: record every position with full vectors (--positions all --full all) for a "
+            "layer-level verdict")
+
+
+def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, null: LayerNull,
+            env: Envelope, fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
+            say: Progress) -> None:
     say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
-    best, n = defect_library(trace, ref_engine, cand, d.layer, env, fault_engines)
+    best, n = defect_library(trace, ref_engine, cand, d.layer, null, fault_engines)
     st.runs["defect_library"] += n
-    unexplained = d.local if d.local is not None else d.local_attn
-    own = next((s for s in dumped if s.status == "defect"), None) if dumped is not None else None
-    position = own.position if own is not None and own.position is not None else d.position
+    unexplained = d.fit.worst
+    own = d.fit.subop
+    position = d.position
     if best is not None and best.fit.explains:
-        sub = own.name if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
+        sub = own if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
         st.runs["drill_down"] += 2 if own is None else 0
-        ev = (f"matches {best.name}: residual {best.fit.err if best.fit.err is not None else best.fit.err_attn:.3g} "
-              f"vs unexplained {unexplained:.3g}" + (f"; {d.structural}" if d.structural else ""))
+        ev = (f"matches {best.name}: residual {best.fit.worst:.3g} vs unexplained {unexplained:.3g}, "
+              f"{best.fit.test.exceed} vs {d.fit.test.exceed} of {d.fit.test.cells} cells outside the round-off "
+              f"twins" + (f"; {d.structural}" if d.structural else ""))
         st.causes.append(Cause("defect", best.name, d.layer, sub, ev))
     else:
-        sub = own.name if own is not None else None
-        closest = (f"; closest known fault {best.name} leaves {best.fit.excess:.3g} x the envelope"
-                   if best is not None else "; no engine offers fault switches")
+        sub = own
+        partial = best is not None and best.fit.test.exceed < d.fit.test.exceed and best.fit.worst < unexplained
+        closest = (f"; the closest known fault, {best.name}, explains part of it ({best.fit.test.exceed} cells "
+                   f"outside, residual {best.fit.worst:.3g})" if partial else
+                   "; no known fault explains any of it" if best is not None else "; no engine offers fault switches")
         st.causes.append(Cause("defect", "unexplained", d.layer, sub,
-                               f"local excess {d.excess:.3g} (rel-L2 {unexplained:.3g})"
-                               + (f"; {d.structural}" if d.structural else "")
-                               + (f"; the candidate's own {own.detail}" if own is not None else "") + closest))
+                               f"{d.fit.test.summary()} (rel-L2 {unexplained:.3g})"
+                               + (f"; {d.structural}" if d.structural else "") + closest))
     st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
-
-
-def _dumped_subops(ref_engine: Engine, cand: list[ChunkResult], subops: Sequence[ChunkResult], layer: int,
-                   env: Envelope, st: _Stages) -> list[SubopResult]:
-    """The candidate's own dumped captures of `layer` judged sub-op by sub-op against the reference's layer run on
-    the candidate's inputs (1 captured layer-run); QAT code flips and their cascade are recognised."""
-    ref_outs = teacher_forced(ref_engine, cand, [layer], capture=True)[layer]
-    st.runs["drill_down"] += 1
-    own = [LayerOutput(c.checkpoints[block_attn(layer)], c.checkpoints[block(layer)], c.diags[layer],
-                       c.captures[layer]) for c in subops]
-    return compare_subops(ref_outs, own, cand, layer, ref_engine.config.ratio(layer), env,
-                          (ref_engine.name, "candidate dump"))
-
-
-def _dumped_flip(dumped: list[SubopResult] | None) -> SubopResult | None:
-    """The QAT code flip that explains a layer's departure when the dumped sub-ops show nothing else."""
-    if dumped is None or any(s.status == "defect" for s in dumped):
-        return None
-    return next((s for s in dumped if s.status == "noise" and "code flip" in s.detail), None)
 
 
 def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[LayerLocal], env: Envelope,
@@ -385,14 +414,15 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
         fx = None if fe is None else float(env.excess(f, floor))
         lr = by_layer.get(checkpoint_layer(n)) if checkpoint_layer(n) is not None else None
         lo = None if lr is None else (lr.local_attn if n.endswith(".attn") else lr.local)
-        lx = None if lo is None else float(env.excess(lo, floor))
+        lx = None if lo is None or lr is None else lr.twin_ratio
+        departs = lr is not None and lr.departs
         pos = None
         if fe is not None and fx is not None and fx > 1:
             pos = int(positions[int(np.argmax(fe > env.limit(floor)))])
-        if lx is not None and lx > 1 and lr is not None:
+        if departs and lr is not None:
             pos = lr.position
         status = ("not judged" if fe is None else "structural" if lr is not None and lr.structural and
-                  not n.endswith(".attn") else "local" if lx is not None and lx > 1 else
+                  not n.endswith(".attn") else "local" if departs else
                   "outside" if fx is not None and fx > 1 else "ok")
         rows.append(CheckRow(n, f, fx, lo, lx, floor, pos, status))
     return rows

@@ -12,25 +12,22 @@ recorded output inside the envelope, structure (visible rows, expert sets) inclu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
 from parity.bisect.envelope import Envelope
-from parity.bisect.search import FLIP_FRACTION, compare_subops
-from parity.compare.metrics import rel_l2, set_overlap
+from parity.bisect.null import N_TWINS, NullTest, judge
+from parity.bisect.search import compare_subops
+from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import block, block_attn
-from parity.contract.engine import Engine, LayerOutput, RunOptions
+from parity.contract.engine import Engine, LayerOutput, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
 
 EngineFactory = Callable[[RunOptions], Engine]
-# A rounding flip leaves at most this fraction of the exact path's error at its position. Measured: isolated Q8_0
-# activation-rounding flips between the torch engine and the reference's q8_0 variant leave 22 % and 43 % of the
-# exact path's error (tiny mxfp4 model, 13-token prompt, layers 1 and 2); a variant that explains less is no flip.
-FLIP_RESIDUAL = 0.5
 
 # Benign numerics: hypothesis name -> the RunOptions fields of the reference variant that reproduces it.
 NUMERICS: dict[str, dict[str, str]] = {
@@ -60,31 +57,65 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class LayerNull:
+    """One layer's round-off ensemble on the candidate's inputs (`parity.bisect.null`): per carrier quantity the
+    twins' distances from their exact run, [N, T], and each twin's sorted expert set per position, [N, T, K]."""
+
+    dist: dict[str, np.ndarray]
+    ids: np.ndarray | None
+
+
+def carriers(outs: Sequence[LayerOutput], layer: int) -> dict[str, np.ndarray]:
+    """A layer run's two carriers by checkpoint name, every position: blk.l.attn, blk.l -> [T, H, D]."""
+    return {block_attn(layer): np.concatenate([o.attn_carrier for o in outs]),
+            block(layer): np.concatenate([o.carrier for o in outs])}
+
+
+def sorted_ids(outs: Sequence[LayerOutput]) -> np.ndarray:
+    return np.sort(np.concatenate([o.diag.expert_ids for o in outs]), axis=1)
+
+
+def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, list[LayerOutput]],
+                n: int = N_TWINS, on_twin: Callable[[int], None] | None = None) -> dict[int, LayerNull]:
+    """The round-off ensembles of every layer of `exact` (engine's teacher-forced runs on the candidate's
+    inputs): n twins of `engine` (`RoundoffTwins`), each one pass over those layers. n layer-runs per layer."""
+    if not isinstance(engine, RoundoffTwins):
+        raise ParityError(f"engine {engine.name} has no round-off twins (RoundoffTwins): no measured null")
+    layers = sorted(exact)
+    base = {l: carriers(exact[l], l) for l in layers}
+    dist: dict[int, dict[str, list[np.ndarray]]] = {l: {q: [] for q in base[l]} for l in layers}
+    ids: dict[int, list[np.ndarray]] = {l: [] for l in layers}
+    for seed in range(1, n + 1):
+        runs = teacher_forced(engine.roundoff_twin(seed), cand, layers)
+        for l in layers:
+            for q, arr in carriers(runs[l], l).items():
+                dist[l][q].append(rel_l2(base[l][q], arr))
+            ids[l].append(sorted_ids(runs[l]))
+        if on_twin:
+            on_twin(seed)
+    return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l])) for l in layers}
+
+
+@dataclass(frozen=True)
 class Fit:
-    """How well one run of a layer reproduces the candidate's recorded output of that layer."""
+    """How one run of a layer reproduces the candidate's recorded output of that layer, judged by the null."""
 
     err_attn: float | None     # max rel-L2 of blk.l.attn (None: not recorded)
     err: float | None          # max rel-L2 of blk.l
-    excess: float              # max excess over the envelope of the two
-    position: int | None       # first position outside the envelope, or of the structural difference
-    structural: str | None
-    pos_excess: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [T] max excess of the two halves
-    pos_err: np.ndarray = field(default_factory=lambda: np.zeros(0))     # [T] max rel-L2 of the two halves
+    test: NullTest             # exceedances over the round-off twins
+    structural: str | None     # a discrete difference no twin shows (visible rows, an expert set)
+    ties: tuple[str, ...]      # discrete differences some twin also makes, with their margins
+    position: int | None       # first exceeding cell's or structural difference's position
+    subop: str | None = None   # op-level judgement: the op where the departure is (None: layer-level)
 
     @property
     def explains(self) -> bool:
-        return self.excess <= 1 and self.structural is None
+        return not self.test.significant and self.structural is None
 
-    def flips_left(self, exact: Fit) -> np.ndarray | None:
-        """Positions a rounding variant leaves outside the envelope when it otherwise explains the layer, or None.
-        A variant that rounds (Q8_0 / bf16 / f16 activations, f16 KV, FP8/FP4) flips a code where the
-        candidate's input and the reference's differ by round-off near a rounding boundary, as the QAT
-        simulations do: accepted are at most max(1, FLIP_FRACTION * T) such positions, each with a residual
-        <= FLIP_RESIDUAL of the exact path's error there (the variant explains >= 90% of it)."""
-        out = np.flatnonzero(self.pos_excess > 1)
-        if self.structural is not None or not len(out) or len(out) > max(1, FLIP_FRACTION * len(self.pos_excess)):
-            return None
-        return out if bool((self.pos_err[out] <= FLIP_RESIDUAL * exact.pos_err[out]).all()) else None
+    @property
+    def worst(self) -> float:
+        """The largest distance judged (both carriers; every op's cells at op level)."""
+        return max(e for e in (self.err_attn, self.err, self.test.err) if e is not None)
 
 
 def table_rows(trace: Trace, kind: str, layer: int) -> dict[str, np.ndarray]:
@@ -93,53 +124,56 @@ def table_rows(trace: Trace, kind: str, layer: int) -> dict[str, np.ndarray]:
     return {k: v[sel] for k, v in t.cols.items()}
 
 
-def structural_difference(trace: Trace, outs: Sequence[LayerOutput], layer: int,
-                          env: Envelope) -> tuple[str, int] | None:
-    """(what, position) of the first structural difference at `layer` between the candidate's recorded tables
-    and a run of that layer on the candidate's inputs: visible compressed-row count, or an expert set that
-    differs at a router margin above the noise. None when the candidate recorded neither or both agree."""
+def ulps(margin: float, scale: float) -> float:
+    """A margin in float32 ulps at the size of the values it separates."""
+    return margin / float(np.spacing(np.float32(max(abs(scale), 1e-30))))
+
+
+def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
+                         null: LayerNull) -> tuple[tuple[str, int] | None, tuple[str, ...]]:
+    """(first structural difference (what, position) or None, ties) at `layer` between the candidate's recorded
+    tables and a run of that layer on its inputs. Visible compressed-row counts must agree; an expert set that
+    differs is a TIE when some round-off twin picks the candidate's set too (margin in ulps and absolute), else
+    structural."""
     vis = np.concatenate([o.diag.n_comp_visible for o in outs])
     attn = table_rows(trace, "attn", layer)
     if len(attn["pos"]):
         bad = np.flatnonzero(attn["n_comp"] != vis[attn["pos"]])
         if len(bad):
             p = int(attn["pos"][bad[0]])
-            return f"visible compressed rows {int(attn['n_comp'][bad[0]])} vs reference {int(vis[p])}", p
+            return (f"visible compressed rows {int(attn['n_comp'][bad[0]])} vs reference {int(vis[p])}", p), ()
     moe = table_rows(trace, "moe", layer)
+    ties: list[str] = []
     if len(moe["pos"]):
-        ids = np.concatenate([o.diag.expert_ids for o in outs])[moe["pos"]]
+        mine = sorted_ids(outs)[moe["pos"]]
+        theirs = np.sort(moe["ids"], axis=1)
         margin = np.concatenate([o.diag.router_margin for o in outs])[moe["pos"]]
-        ov = set_overlap(ids, moe["ids"])
-        tol = env.margin_tol(layer)
-        bad = np.flatnonzero((ov < 1) & ~(np.isfinite(margin) & (margin <= tol)))
-        if len(bad):
-            p = int(moe["pos"][bad[0]])
-            return f"expert set differs at router margin {margin[bad[0]]:.3g} > noise {tol:.3g}", p
-    return None
+        for i in np.flatnonzero((mine != theirs).any(axis=1)):
+            p = int(moe["pos"][i])
+            m = float(margin[i])
+            if null.ids is not None and (null.ids[:, p] == theirs[i]).all(axis=1).any():
+                ties.append(f"TIE: expert set at position {p}, router margin {m:.3g} "
+                            f"({ulps(m, 1.0):.3g} ulps of 1)")
+                continue
+            return (f"expert set differs at position {p} at router margin {m:.3g}, which no round-off twin "
+                    "crosses", p), tuple(ties)
+    return None, tuple(ties)
 
 
-def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, env: Envelope) -> Fit:
-    """Compare a run of `layer` (one LayerOutput per chunk, every position) with the candidate's vectors."""
+def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, null: LayerNull) -> Fit:
+    """Judge a run of `layer` (one LayerOutput per chunk, every position) against the candidate's vectors, with
+    the round-off ensemble `null` of that run (or of the exact run, for a mutation)."""
     vec = trace.vectors or {}
-    errs, first = {}, []
-    for name, got in ((block_attn(layer), np.concatenate([o.attn_carrier for o in outs])),
-                      (block(layer), np.concatenate([o.carrier for o in outs]))):
-        if name not in vec:
-            continue
-        e = rel_l2(got, vec[name])
-        errs[name] = e
-        out = np.flatnonzero(e > env.limit(env.floor(name)))
-        if len(out):
-            first.append(int(out[0]))
-    struct = structural_difference(trace, outs, layer, env)
-    if struct is not None:
-        first.append(struct[1])
-    excess = max((float(env.excess_at(n, e.max())) for n, e in errs.items()), default=0.0)
+    runs = carriers(outs, layer)
+    errs = {q: rel_l2(runs[q], vec[q]) for q in runs if q in vec}
+    T = len(next(iter(runs.values())))
+    test = judge(errs, {q: null.dist[q] for q in errs}, {q: np.arange(T) for q in errs})
+    struct, ties = discrete_differences(trace, outs, layer, null)
+    firsts = [p for p in ((test.first.position if test.significant and test.first else None),
+                          struct[1] if struct else None) if p is not None]
     pick = (lambda n: float(errs[n].max()) if n in errs else None)  # noqa: E731
-    pos_excess = np.max([env.excess_at(n, e) for n, e in errs.items()], axis=0)
-    pos_err = np.max(list(errs.values()), axis=0)
-    return Fit(pick(block_attn(layer)), pick(block(layer)), excess, min(first) if first else None,
-               struct[0] if struct else None, pos_excess, pos_err)
+    return Fit(pick(block_attn(layer)), pick(block(layer)), test, struct[0] if struct else None, ties,
+               min(firsts) if firsts else None)
 
 
 def benign_variants(trace: Trace, base: RunOptions) -> list[Variant]:
@@ -156,14 +190,26 @@ def benign_variants(trace: Trace, base: RunOptions) -> list[Variant]:
     return out
 
 
-class VariantTester:
-    """Runs benign variants of the culprit layer on the candidate's inputs, one engine per variant, reused across
-    layers: single variants first (those already accepted first), then pairs built on the closest ones."""
+Judge = Callable[[Engine, int], Fit]   # (engine, layer) -> that engine's run of the layer, judged by its own null
 
-    def __init__(self, trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: Sequence[ChunkResult],
-                 env: Envelope, notes: list[str], runs: dict[str, int]) -> None:
-        self.trace, self.ref, self.make, self.cand, self.env = trace, ref_engine, make_reference, cand, env
-        self.notes, self.runs = notes, runs
+
+def layer_judge(trace: Trace, cand: Sequence[ChunkResult], n_twins: int = N_TWINS) -> Judge:
+    """Layer-level judgement: the engine's layer on the candidate's carrier, its own twins (1 + n layer-runs)."""
+    def judge_(engine: Engine, layer: int) -> Fit:
+        outs = teacher_forced(engine, cand, [layer])
+        return fit(trace, outs[layer], layer, layer_nulls(engine, cand, outs, n_twins)[layer])
+    return judge_
+
+
+class VariantTester:
+    """Runs benign variants of the culprit layer on the candidate's inputs, each judged by `judge` with its own
+    round-off ensemble (1 + N_TWINS layer-runs a try), one engine per variant, reused across layers: single
+    variants first (those already accepted first), then pairs built on the two closest ones."""
+
+    def __init__(self, trace: Trace, ref_engine: Engine, make_reference: EngineFactory, judge_: Judge,
+                 notes: list[str], runs: dict[str, int], n_twins: int = N_TWINS) -> None:
+        self.trace, self.ref, self.make, self.judge = trace, ref_engine, make_reference, judge_
+        self.notes, self.runs, self.n_twins = notes, runs, n_twins
         self.variants = benign_variants(trace, ref_engine.options)
         self.changes = {v.name: v.changes for v in self.variants}
         self.engines: dict[str, Engine | None] = {}
@@ -185,22 +231,21 @@ class VariantTester:
         engine = self.engine(v)
         if engine is None:
             return None
-        self.runs["hypotheses"] = self.runs.get("hypotheses", 0) + 1
-        return fit(self.trace, teacher_forced(engine, self.cand, [layer])[layer], layer, self.env)
+        self.runs["hypotheses"] = self.runs.get("hypotheses", 0) + 1 + self.n_twins
+        return self.judge(engine, layer)
 
-    def explain(self, layer: int, exact: Fit) -> tuple[Variant, Fit, np.ndarray | None] | None:
-        """The first variant (or pair) that explains `layer`: inside the envelope everywhere, or but for isolated
-        rounding flips (`Fit.flips_left` against the exact path's fit `exact`; the positions are returned)."""
+    def explain(self, layer: int) -> tuple[Variant, Fit] | None:
+        """The first variant (or pair) whose run of `layer` reproduces the candidate within its own null."""
         done = {v.name for v in self.accepted}
         order = [*self.accepted, *(v for v in self.variants if v.name not in done)]
-        tried: list[tuple[float, Variant]] = []
+        tried: list[tuple[tuple[int, float], Variant]] = []
         for v in order:
             f = self._fit(v, layer)
             if f is None:
                 continue
-            if f.explains or f.flips_left(exact) is not None:
-                return self._accept(v, f, exact)
-            tried.append((f.excess, v))
+            if f.explains:
+                return self._accept(v, f)
+            tried.append(((f.test.exceed, f.worst), v))
         tried.sort(key=lambda t: t[0])
         for _, best in tried[:2]:
             for _, other in tried:
@@ -209,20 +254,21 @@ class VariantTester:
                     continue
                 pair = best.plus(other)
                 f = self._fit(pair, layer)
-                if f is not None and (f.explains or f.flips_left(exact) is not None):
-                    return self._accept(pair, f, exact)
+                if f is not None and f.explains:
+                    return self._accept(pair, f)
         return None
 
-    def _accept(self, v: Variant, f: Fit, exact: Fit) -> tuple[Variant, Fit, np.ndarray | None]:
+    def _accept(self, v: Variant, f: Fit) -> tuple[Variant, Fit]:
         if v.name not in {a.name for a in self.accepted}:
             self.accepted.insert(0, v)
-        return v, f, (None if f.explains else f.flips_left(exact))
+        return v, f
 
 
 def routing_replay(trace: Trace, make_reference: EngineFactory, base: RunOptions, cand: Sequence[ChunkResult],
-                   layer: int, env: Envelope) -> tuple[str, None, Fit] | None:
-    """Routing flips within the margin noise: the reference's layer with the candidate's expert ids (from its
-    `moe` table, every position needed). Returns ('routing-flip', None, fit) when that reproduces the output."""
+                   layer: int, null: LayerNull) -> tuple[str, None, Fit] | None:
+    """Routing flips: the reference's layer with the candidate's expert ids (from its `moe` table, every
+    position needed), judged by the exact run's null. Returns ('routing-flip', None, fit) when that reproduces
+    the output."""
     moe = trace.moe
     sel = moe["layer"] == layer
     pos, ids = moe["pos"][sel], moe["ids"][sel]
@@ -235,7 +281,7 @@ def routing_replay(trace: Trace, make_reference: EngineFactory, base: RunOptions
         return table[start : start + n]
 
     engine = make_reference(replace(base, expert_override=override))
-    f = fit(trace, teacher_forced(engine, cand, [layer])[layer], layer, env)
+    f = fit(trace, teacher_forced(engine, cand, [layer])[layer], layer, null)
     return ("routing-flip", None, f) if f.explains else None
 
 
@@ -246,20 +292,20 @@ class FaultMatch:
     fit: Fit
 
 
-def defect_library(trace: Trace, ref_engine: Engine, cand: Sequence[ChunkResult], layer: int, env: Envelope,
+def defect_library(trace: Trace, ref_engine: Engine, cand: Sequence[ChunkResult], layer: int, null: LayerNull,
                    fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
                    ) -> tuple[FaultMatch | None, int]:
-    """Every known fault as a mutation of `layer` on the candidate's inputs; the best reproduction (structure
-    first, then the residual excess) and the number of layer-runs spent."""
+    """Every known fault as a mutation of `layer` on the candidate's inputs, judged by the exact run's null; the
+    best reproduction (structure first, then exceeding cells, then the residual) and the layer-runs spent."""
     base = ref_engine.options
     best, runs = None, 0
     for _name, factory, faults in fault_engines:
         for fault in faults:
             engine = factory(RunOptions(fp8_kv=base.fp8_kv, fp4_indexer=base.fp4_indexer, inject=(fault,)))
-            f = fit(trace, teacher_forced(engine, cand, [layer])[layer], layer, env)
+            f = fit(trace, teacher_forced(engine, cand, [layer])[layer], layer, null)
             runs += 1
-            if best is None or (f.structural is not None, f.excess) < (best.fit.structural is not None,
-                                                                       best.fit.excess):
+            key = (f.structural is not None, f.test.exceed, f.worst)
+            if best is None or key < (best.fit.structural is not None, best.fit.test.exceed, best.fit.worst):
                 best = FaultMatch(fault, engine, f)
     return best, runs
 

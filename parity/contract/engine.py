@@ -41,6 +41,9 @@ class RunOptions:
     kv_cache: str = "f32"        # f32 | f16: precision the raw KV window and compressed rows are stored in
     rope_angles: str = "exact"   # exact (official float32 recipe) | recurrence (ggml: θ_i = θ_{i-1}·B^(-2/r))
     engine_args: tuple[str, ...] = ()  # engine-specific NAME=VALUE settings, validated by the engine; in flags() if any
+    # Monte-Carlo round-off twin (the `RoundoffTwins` capability): every sub-op output perturbed at the float32 ulp
+    # level with this seed; None = the engine's own arithmetic. An engine without the capability refuses a seed.
+    roundoff_seed: int | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in NUMERICS_CHOICES.items():
@@ -51,7 +54,8 @@ class RunOptions:
         return {"fp8_kv": self.fp8_kv, "fp4_indexer": self.fp4_indexer, "dtype": self.dtype,
                 "inject": list(self.inject), "routing_replay": self.expert_override is not None,
                 "act_quant": self.act_quant, "kv_cache": self.kv_cache, "rope_angles": self.rope_angles,
-                **({"engine_args": list(self.engine_args)} if self.engine_args else {})}
+                **({"engine_args": list(self.engine_args)} if self.engine_args else {}),
+                **({"roundoff_seed": self.roundoff_seed} if self.roundoff_seed is not None else {})}
 
     def approximations(self) -> tuple[str, ...]:
         """The approximate modes that are on, as `option=value` (what an engine announces on stderr)."""
@@ -77,6 +81,13 @@ def check_qat_shapes(options: RunOptions, nope_dim: int, index_head_dim: int, en
     if options.fp4_indexer and index_head_dim % 32:
         raise ParityError(f"{engine}: --fp4-indexer needs the indexer head dim {index_head_dim} to be a multiple of "
                           "32 (FP4 blocks of 32); run with --no-fp4-indexer")
+
+
+def refuse_roundoff(options: RunOptions, engine: str) -> None:
+    """An engine without the `RoundoffTwins` capability refuses a round-off seed, naming the option."""
+    if options.roundoff_seed is not None:
+        raise ParityError(f"{engine}: roundoff_seed={options.roundoff_seed}: this engine has no Monte-Carlo "
+                          "round-off twins (the reference engine has)")
 
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
@@ -155,6 +166,24 @@ class FaultSwitches(Protocol):
     """Class attribute `faults`: the known porting bugs the engine can reproduce (names for RunOptions.inject)."""
 
     faults: tuple[str, ...]
+
+
+@runtime_checkable
+class OpForcing(Protocol):
+    def forward_ops(self, state: Any, layer: int, carrier: np.ndarray, tokens: np.ndarray, start_pos: int,
+                    given: dict[str, np.ndarray]) -> LayerOutput:
+        """Op-level teacher forcing: `forward_layer` with captures in which every sub-op consumes the candidate's
+        value of its input sub-ops from `given` (capture names of `checkpoints.SUBOPS`, the HC mixes as
+        `hc_attn.post` / `hc_attn.comb` / `hc_ffn.post` / `hc_ffn.comb`; `checkpoints.SUBOP_INPUTS` says which
+        feeds which) instead of its own, so each captured output is that op run on the candidate's own input."""
+
+
+@runtime_checkable
+class RoundoffTwins(Protocol):
+    def roundoff_twin(self, seed: int) -> Engine:
+        """The same engine (same options, weights and caches shared) with `RunOptions.roundoff_seed = seed`:
+        every sub-op output perturbed by a seeded random relative error at the float32 ulp level (Monte-Carlo
+        round-off). Twins of one engine differ only in their seeds."""
 
 
 @runtime_checkable

@@ -1,0 +1,102 @@
+"""The round-off null: how far a correct implementation can land from the reference, measured per cell.
+
+One layer (or one sub-op) runs on the candidate's own inputs three ways: the exact reference R0, N Monte-Carlo
+round-off twins R1..RN (`RoundoffTwins`: every sub-op output perturbed by a seeded random relative error of
+at most 2⁻²⁴·√k, `reference_cpu.roundoff`), and the candidate itself. Per cell c = (quantity, position):
+
+    e_i(c) = relL2(R_i(c), R0(c)),   e(c) = relL2(candidate(c), R0(c)).
+
+Where an FP8/FP4/Q8 code sits on a rounding boundary some twins flip it, so their spread there is the flip's
+size: flip-prone cells are measured, not excused by a rule. A correct candidate is one more draw of the same
+round-off (exchangeable with the twins), so at every cell P(e(c) > max_i e_i(c)) ≤ 1/(N+1). The number X of
+exceeding cells among C is compared with the Binomial(C, 1/(N+1)) tail: the departure is significant when
+P(Binomial ≥ X) < ALPHA. N_TWINS = 19 (per-cell rate 5 %), ALPHA = 1e-3; cells of one layer are positively
+correlated (one flip moves every later position), which the binomial tail ignores: the false-alarm rate this
+gives on correct runs is measured by `make bench` (docs/check.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+N_TWINS = 19
+ALPHA = 1e-3
+
+
+def binomial_tail(n: int, p: float, x: int) -> float:
+    """P(Binomial(n, p) >= x), summed in log space (exact for the n of a layer's cells)."""
+    if x <= 0:
+        return 1.0
+    if x > n:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    logs = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq
+            for k in range(x, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell outside every twin: quantity, position, the candidate's distance and the twins' largest."""
+
+    quantity: str
+    position: int
+    err: float
+    twin_max: float
+
+    @property
+    def ratio(self) -> float:
+        return self.err / self.twin_max if self.twin_max > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class NullTest:
+    """The exceedance count of one comparison against its round-off ensemble, and its binomial p-value."""
+
+    cells: int
+    exceed: int
+    twins: int
+    p_value: float
+    first: Cell | None            # the earliest exceeding cell (position order, then quantity order)
+    worst: Cell | None            # the exceeding cell farthest outside (largest err / twin max)
+    err: float                    # the candidate's largest distance over all cells
+
+    @property
+    def significant(self) -> bool:
+        return self.p_value < ALPHA
+
+    def summary(self) -> str:
+        """'X of C cells outside all N twins (p = ...)', plus the worst cell."""
+        s = f"{self.exceed} of {self.cells} cells outside all {self.twins} round-off twins (p = {self.p_value:.2g})"
+        if self.worst is not None:
+            w = self.worst
+            s += f"; worst {w.quantity} at position {w.position}: {w.err:.3g} vs twins' {w.twin_max:.3g}"
+        return s
+
+
+def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],
+          positions: Mapping[str, np.ndarray]) -> NullTest:
+    """The stated test over every cell: cand[q] [T_q] candidate distances, twins[q] [N, T_q] twin distances (both
+    from the exact run R0), positions[q] [T_q] the position of each cell (rows: the emitting position)."""
+    n = min((len(t) for t in twins.values()), default=0)
+    cells, exceed, first, worst, err = 0, 0, None, None, 0.0
+    for q, e in cand.items():
+        e = np.asarray(e, np.float64)
+        top = np.asarray(twins[q], np.float64).max(axis=0) if len(twins[q]) else np.zeros_like(e)
+        out = np.flatnonzero(e > top)
+        cells += len(e)
+        exceed += len(out)
+        err = max(err, float(e.max(initial=0.0)))
+        for i in out:
+            c = Cell(q, int(positions[q][i]), float(e[i]), float(top[i]))
+            if first is None or c.position < first.position:
+                first = c
+            if worst is None or c.ratio > worst.ratio:
+                worst = c
+    p = binomial_tail(cells, 1.0 / (n + 1), exceed) if n else (0.0 if exceed else 1.0)
+    return NullTest(cells, exceed, n, p, first, worst, err)
