@@ -114,9 +114,6 @@ IQ4_VALUES = np.asarray(quants.IQ4_NL.kvalues, dtype=np.float32)               #
 IQ4_PAIRS = _nibble_pair_table(IQ4_VALUES)
 Q4_0_PAIRS = _nibble_pair_table(np.arange(16) - 8)    # q - 8
 Q4_1_PAIRS = _nibble_pair_table(np.arange(16))        # q
-Q3_VALUES = np.arange(8, dtype=np.float32) - 4        # (low 2 bits | high bit << 2) - 4 = low - 4·(1 - high)
-Q6_VALUES = np.arange(64, dtype=np.float32) - 32
-TQ2_VALUES = np.arange(4, dtype=np.float32) - 1
 # TQ1_0: byte b holds five base-3 digits; digit p = ((b·3^p mod 256)·3) >> 8, stored minus 1
 _TQ1_POW = np.array([1, 3, 9, 27, 81], dtype=np.uint32)
 TQ1_DIGITS = ((((_PAIRS[:, None] * _TQ1_POW) & 255) * 3 >> 8).astype(np.float32) - 1).astype(np.float32)  # [256, 5]
@@ -151,6 +148,13 @@ def _unpack_codes(packed: np.ndarray, pattern: np.ndarray, mask: np.uint64) -> n
     return words.view(np.uint8).reshape(n, groups * planes * width * 8)
 
 
+def _codes_minus(codes: np.ndarray, offset: int, out: np.ndarray) -> None:
+    """out = codes − offset as float32 (exact: small integers; 5x faster than a table lookup with intp indices).
+    codes [...] uint8 -> out (same size)"""
+    np.copyto(out.reshape(codes.shape), codes, casting="unsafe")
+    np.subtract(out, np.float32(offset), out=out)
+
+
 def _take(table: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     """out = table[idx] row by row (indices are in range by construction: no bounds pass).
     table [R, w] or [R], idx [...] -> out [idx.size * w] (any shape of that size)"""
@@ -175,14 +179,6 @@ def _nibbles32(qs: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> None:
 def _bits32(qh: np.ndarray) -> np.ndarray:
     """Bit j of the little-endian 32-bit word as element j.  [m, 4] uint8 -> [m, 32] uint8 (0 / 1)"""
     return np.unpackbits(qh, axis=1, bitorder="little")
-
-
-def _low_nibble_codes(qs: np.ndarray) -> np.ndarray:
-    """The 4-bit codes of 16 bytes, low nibbles first.  [m, 16] uint8 -> [m, 32] uint8"""
-    codes = np.empty((qs.shape[0], 32), dtype=np.uint8)
-    np.bitwise_and(qs, 15, out=codes[:, :16])
-    np.right_shift(qs, 4, out=codes[:, 16:])
-    return codes
 
 
 def q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
@@ -264,29 +260,30 @@ def q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
     _shift_up(out, _f16(blocks, 2))
 
 
-def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """5-bit codes: low nibbles (values 0..15, then 16..31) | bit j of the 32-bit qh << 4.
-    qh [n, 4], qs [n, 16] uint8 -> [n, 32] uint8"""
-    codes = _low_nibble_codes(qs)
-    codes |= _bits32(qh) << 4
-    return codes
+def _q5_values(blocks: np.ndarray, qh_at: int, pairs: np.ndarray, out: np.ndarray) -> None:
+    """5-bit codes as floats: the low nibbles' values (`pairs`, values 0..15 then 16..31) plus 16 · bit j of the
+    32-bit qh (an exact small-integer sum: the same value as the integer code's).
+    blocks [n, size] uint8 (qh at byte qh_at, 16 code bytes after it) -> out [n, 32] float32"""
+    _nibbles32(blocks[:, qh_at + 4 :], pairs, out)
+    high = _bits32(blocks[:, qh_at : qh_at + 4])
+    high <<= 4
+    np.add(out, high, out=out, casting="unsafe")
 
 
-Q5_0_VALUES = np.arange(32, dtype=np.float32) - 16
-Q5_1_VALUES = np.arange(32, dtype=np.float32)
+Q5_0_PAIRS = _nibble_pair_table(np.arange(16) - 16)   # (q & 15) - 16
 
 
 def q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
-    """x = d · (q − 16)  (q 5-bit: low nibble + one bit of the 32-bit qh, d f16 per 32 values).
+    """x = d · (q − 16)  (q 5-bit: low nibble + one bit of the 32-bit qh << 4, d f16 per 32 values).
     blocks [n, 22] uint8 -> out [n, 32] float32"""
-    _take(Q5_0_VALUES, _q5_codes(blocks[:, 2:6], blocks[:, 6:]), out)
+    _q5_values(blocks, 2, Q5_0_PAIRS, out)
     _scale(out, _f16(blocks, 0))
 
 
 def q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
     """x = d · q + m  (q 5-bit, d and m f16 per 32 values).
     blocks [n, 24] uint8 -> out [n, 32] float32"""
-    _take(Q5_1_VALUES, _q5_codes(blocks[:, 4:8], blocks[:, 8:]), out)
+    _q5_values(blocks, 4, Q4_1_PAIRS, out)
     _scale(out, _f16(blocks, 0))
     _shift_up(out, _f16(blocks, 2))
 
@@ -307,7 +304,7 @@ def q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
     low = _unpack_codes(blocks[:, 32:96].view("<u8").reshape(n, 2, 4), _Q2_SHIFT, _LOW2)
     high = _unpack_codes(blocks[:, :32].view("<u8").reshape(n, 1, 4), _BIT_SHIFT, _LOW1)
     low |= high << 2
-    _take(Q3_VALUES, low, out)
+    _codes_minus(low, 4, out)                         # (low | high << 2) − 4 = low − 4·(1 − high)
     _scale(out.reshape(n * 16, 16), dl.reshape(-1))
 
 
@@ -332,7 +329,7 @@ def q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     dl = _f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
     codes = _unpack_codes(blocks[:, :128].view("<u8").reshape(n, 2, 8), _Q6_LOW_SHIFT, _LOW4)
     codes |= _unpack_codes(blocks[:, 128:192].view("<u8").reshape(n, 2, 4), _Q2_SHIFT, _LOW2) << 4
-    _take(Q6_VALUES, codes, out)
+    _codes_minus(codes, 32, out)
     _scale(out.reshape(n * 16, 16), dl.reshape(-1))
 
 
@@ -358,7 +355,7 @@ def tq2_0(blocks: np.ndarray, out: np.ndarray) -> None:
     """x = d · (q − 1), q 2-bit (planes as Q2_K).
     blocks [n, 66] uint8 -> out [n, 256] float32"""
     n = blocks.shape[0]
-    _take(TQ2_VALUES, _unpack_codes(blocks[:, :64].view("<u8").reshape(n, 2, 4), _Q2_SHIFT, _LOW2), out)
+    _codes_minus(_unpack_codes(blocks[:, :64].view("<u8").reshape(n, 2, 4), _Q2_SHIFT, _LOW2), 1, out)
     _scale(out, _f16(blocks, 64))
 
 
