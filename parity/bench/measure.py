@@ -343,9 +343,19 @@ def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str)
 
 
 def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -> list[dict[str, Any]]:
-    """Throughput (M values/s) of every type for the three dequantizers, and bit-exactness against gguf."""
+    """Throughput (M values/s) of every type for the three dequantizers, and bit-exactness against gguf. On the CPU
+    torch runs single-threaded meanwhile, so that the types the torch engine decodes with torch ops (not its C
+    decoders) are measured on one thread too, as gguf.quants, the reference and the C decoders are."""
+    import torch
+
     sources = dequant_sources(model, n_values, np.random.default_rng(0))
-    return [_dequant_row(name, qtype, raw, reps, device) for name, (qtype, raw) in sources.items()]
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return [_dequant_row(name, qtype, raw, reps, device) for name, (qtype, raw) in sources.items()]
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------
