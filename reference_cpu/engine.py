@@ -10,6 +10,7 @@ Any chunk size at any start position runs through the same caches (prefill, chun
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -102,6 +103,8 @@ class ReferenceEngine:
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
                      for l in range(self.config.n_layers)]
         self.jitter = None if options.roundoff_seed is None else partial(jitter, seed=options.roundoff_seed)
+        if options.approximations():
+            print(f"reference engine: APPROXIMATE {', '.join(options.approximations())}", file=sys.stderr)
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype)

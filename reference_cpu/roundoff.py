@@ -3,10 +3,12 @@
 A twin of the reference built with `RunOptions.roundoff_seed = s` perturbs every sub-op output (and every input
 it is given in op-level teacher forcing) as
 
-    y' = y · (1 + r · 2⁻²⁴ · √k),   r uniform in [-1, 1), k = the longest reduction inside the op (1: elementwise)
+    y' = y · (1 + r · SCALE · 2⁻²⁴ · √k),   r uniform in [-1, 1), k = the longest reduction inside the op
 
 — the size of the round-off a float32 engine that sums in another order leaves (√k ulps of the result for a
-k-term sum, as Monte-Carlo arithmetic's random rounding of every addition gives). r is a hash of (seed, op name,
+k-term sum, as Monte-Carlo arithmetic's random rounding of every addition gives), times SCALE = 4 because one
+perturbation per sub-op stands for the several roundings inside it (measured: with SCALE = 1, clean llama.cpp
+and torch runs land up to 2.6x outside the largest of 19 twins at single ops; docs/check.md). r is a hash of (seed, op name,
 element index, the value's bits): the same call gives the same result in any thread or chunk order, and two
 seeds give independent perturbations. An ensemble of such twins is the round-off null of `parity.bisect.null`.
 """
@@ -19,6 +21,7 @@ import zlib
 import numpy as np
 
 ULP = 2.0**-24
+SCALE = 4.0
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -33,10 +36,10 @@ def uniform_hash(bits: np.ndarray, seed: int, salt: int) -> np.ndarray:
 
 
 def jitter(y: np.ndarray, seed: int, name: str, k: int) -> np.ndarray:
-    """y · (1 + r · 2⁻²⁴ · √k) with r = uniform_hash(float32 bits of y, seed, crc32(name)).  [...] -> [...] y.dtype;
+    """y · (1 + r · SCALE · 2⁻²⁴ · √k) with r = uniform_hash(float32 bits of y, seed, crc32(name)).  [...] -> [...] y.dtype;
     integer arrays (expert ids, selections) are returned unchanged."""
     if y.dtype.kind not in "f" or y.size == 0:
         return y
     bits = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
     r = uniform_hash(bits, seed, zlib.crc32(name.encode()))
-    return (y * (1.0 + r * (ULP * math.sqrt(k)))).astype(y.dtype)
+    return (y * (1.0 + r * (SCALE * ULP * math.sqrt(k)))).astype(y.dtype)

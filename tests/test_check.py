@@ -310,7 +310,10 @@ def test_llamacpp_capture_file_end_to_end(llama_cpp, tiny_mxfp4, setup, envelope
                                    "--envelope", str(envelopes_qat_off[tiny_mxfp4]), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["verdict"] == "NOISE" and {c["name"] for c in doc["causes"]} == {"act-quant-q8_0"}
+    # op-level: llama.cpp's Q8_0 activations before the MXFP4 experts, and its RoPE angle recurrence (ggml)
+    names = {c["name"] for c in doc["causes"]}
+    assert doc["verdict"] == "NOISE" and names & {"act-quant-q8_0", "act-quant-llamacpp"}, doc["causes"]
+    assert names <= {"act-quant-q8_0", "act-quant-llamacpp", "rope-angle-recurrence"}, doc["causes"]
 
 
 def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path):
@@ -325,7 +328,7 @@ def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, 
     r = api.check(tmp_path / "bad.npz", tiny_f32, envelope=envelopes_qat_off[tiny_f32])
     assert r.verdict == "DEFECT", r.headline
     assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "output_proj", 0), r.headline
-    assert r.causes[-1].name == "unexplained" and "candidate's own" in r.causes[-1].evidence
+    assert r.causes[-1].name == "unexplained" and any("judged op-level" in n for n in r.notes)
 
 
 def test_follow_mode_replays_a_chunked_binary_trace(tiny_f32, setup, tmp_path):
@@ -376,21 +379,6 @@ def test_torch_q8_0_rounding_flips_on_a_short_prompt_are_noise(tiny_mxfp4, envel
     assert r.verdict == "NOISE", r.headline
     assert {c.name for c in r.causes} == {"act-quant-q8_0"}
     assert sorted({c.layer for c in r.causes}) == list(range(6))
-
-
-def test_rounding_flips_are_isolated_and_small():
-    from parity.bisect.hypotheses import Fit
-
-    def fit_(excess, err):
-        return Fit(None, max(err), max(excess), None, None, np.array(excess), np.array(err))
-
-    exact = fit_([900.0] * 32, [3e-3] * 32)
-    one = fit_([0.1] * 31 + [3.7], [4e-7] * 31 + [2.9e-5])           # 1 of 32 positions, 1% of the exact error
-    assert one.flips_left(exact).tolist() == [31]
-    assert fit_([0.1] * 30 + [3.7] * 2, [4e-7] * 30 + [2.9e-5] * 2).flips_left(exact) is None   # not isolated
-    assert fit_([0.1] * 31 + [90.0], [4e-7] * 31 + [6e-4]).flips_left(exact).tolist() == [31]  # 20%: a flip
-    assert fit_([0.1] * 31 + [270.0], [4e-7] * 31 + [1.8e-3]).flips_left(exact) is None       # 60%: not a flip
-    assert fit_([0.1] * 32, [4e-7] * 32).flips_left(exact) is None and fit_([0.1] * 32, [4e-7] * 32).explains
 
 
 @pytest.mark.parametrize("quanta", [1, 5])

@@ -17,6 +17,8 @@ every position of the run, L = layers):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -224,6 +226,18 @@ class _Stages:
     culprit: CheckCulprit | None = None
 
 
+def _quiet(factory: EngineFactory, announced: list[str]) -> EngineFactory:
+    """The factory with the engine's own stderr announcements ("APPROXIMATE ...", "FAULTS INJECTED ...") captured
+    into `announced` instead of printed: check's internal variant and fault runs are summarised in one note."""
+    def make(options: RunOptions) -> Engine:
+        buf = io.StringIO()
+        with contextlib.redirect_stderr(buf):
+            engine = factory(options)
+        announced.extend(line for line in buf.getvalue().splitlines() if line)
+        return engine
+    return make
+
+
 def _decode_step(pos: int | None, n_prompt: int) -> int | None:
     return None if pos is None or pos < n_prompt else pos - n_prompt
 
@@ -239,6 +253,9 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     say = progress or (lambda _m: None)
     count = counter or (lambda _s, _d, _t: None)
     t0 = time.perf_counter()
+    announced: list[str] = []
+    make_reference = _quiet(make_reference, announced)
+    fault_engines = [(n, _quiet(f, announced), faults) for n, f, faults in fault_engines]
     h = trace.header
     opts, qat_notes = reference_options(trace)
     notes = [*notes, *qat_notes]
@@ -283,6 +300,8 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
     names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
     table = _table(names, free, local, env, h.positions)
+    if announced:
+        st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
     verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
     report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
                          h.n_prompt, round(time.perf_counter() - t0, 3))
@@ -347,6 +366,9 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
                 continue
         hit = tester.explain(d.layer)
         if hit is None:
+            closest = tester.closest.get(d.layer)
+            if closest is not None and closest.subop is not None and d.fit.subop is not None:
+                d = replace(d, fit=replace(d.fit, subop=closest.subop, position=closest.position))
             _defect(trace, ref_engine, cand, d, nulls[d.layer], env, fault_engines, st, say)
             return
         v, f = hit

@@ -214,6 +214,7 @@ class VariantTester:
         self.changes = {v.name: v.changes for v in self.variants}
         self.engines: dict[str, Engine | None] = {}
         self.accepted: list[Variant] = []
+        self.closest: dict[int, Fit] = {}   # layer -> the best fit no variant turned into an explanation
 
     def engine_of(self, name: str) -> Engine | None:
         return self.engine(Variant(name, self.changes[name]))
@@ -246,6 +247,9 @@ class VariantTester:
             if f.explains:
                 return self._accept(v, f)
             tried.append(((f.test.exceed, f.worst), v))
+            if layer not in self.closest or (f.test.exceed, f.worst) < (self.closest[layer].test.exceed,
+                                                                         self.closest[layer].worst):
+                self.closest[layer] = f
         tried.sort(key=lambda t: t[0])
         for _, best in tried[:2]:
             for _, other in tried:
