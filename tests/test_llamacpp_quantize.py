@@ -193,8 +193,10 @@ def test_quantize_help_has_an_example():
 
 @pytest.mark.parametrize("file_type", NEEDS_IMATRIX)
 def test_types_that_need_an_importance_matrix_are_refused(tiny_f32, tmp_path, file_type):
-    with pytest.raises(ParityError, match="requires an imatrix"):
+    with pytest.raises(ParityError, match="requires an imatrix") as e:
         api.quantize_llamacpp(tiny_f32, tmp_path / "x.gguf", file_type)
+    assert "offending tensor: output_hc_fn.weight" in str(e.value)
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_quantize_refuses_its_input_as_output(tiny_f32):
