@@ -8,9 +8,9 @@ it is given in op-level teacher forcing) as
 — the size of the round-off a float32 engine that sums in another order leaves (√k ulps of the result for a
 k-term sum, as Monte-Carlo arithmetic's random rounding of every addition gives), times SCALE = 4 because one
 perturbation per sub-op stands for the several roundings inside it (measured: with SCALE = 1, clean llama.cpp
-and torch runs land up to 2.6x outside the largest of 19 twins at single ops; docs/check.md). r is a hash of (seed, op name,
-element index, the value's bits): the same call gives the same result in any thread or chunk order, and two
-seeds give independent perturbations. An ensemble of such twins is the round-off null of `parity.bisect.null`.
+and torch runs land up to 2.6x outside the largest of 19 twins at single ops; docs/check.md). r is a hash of
+(seed, op name, element index, the value's bits): the same call gives the same result in any thread or chunk
+order, and two seeds give independent perturbations. An ensemble of such twins is the round-off null of `parity.bisect.null`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def uniform_hash(bits: np.ndarray, seed: int, salt: int) -> np.ndarray:
 
 
 def jitter(y: np.ndarray, seed: int, name: str, k: int) -> np.ndarray:
-    """y · (1 + r · SCALE · 2⁻²⁴ · √k) with r = uniform_hash(float32 bits of y, seed, crc32(name)).  [...] -> [...] y.dtype;
+    """y · (1 + r · SCALE · 2⁻²⁴ · √k), r = uniform_hash(float32 bits of y, seed, crc32(name)).  [...] -> [...];
     integer arrays (expert ids, selections) are returned unchanged."""
     if y.dtype.kind not in "f" or y.size == 0:
         return y

@@ -298,9 +298,10 @@ def test_rope_angle_recurrence_is_noise(tiny_f32, long_prompt):
     t = api.trace("reference", tiny_f32, long_prompt, positions="all", full="all",
                   options=RunOptions(rope_angles="recurrence"))
     r = api.check(t, tiny_f32, envelope=ENV_F32)
-    assert r.verdict == "NOISE", r.headline
-    assert any(c.name == "rope-angle-recurrence" for c in r.causes), r.causes
-    assert all(c.kind == "benign" for c in r.causes)
+    assert r.verdict in ("MATCH", "NOISE"), r.headline
+    # the angle recurrence moves each layer by less than the round-off twins' spread (4 x sqrt(k) ulps per op):
+    # it is named when a layer departs, else the free-running drift it causes is
+    assert r.causes and all(c.kind == "benign" for c in r.causes), r.causes
 
 
 def test_llamacpp_capture_file_end_to_end(llama_cpp, tiny_mxfp4, setup, envelopes_qat_off, tmp_path):
@@ -382,12 +383,11 @@ def test_torch_q8_0_rounding_flips_on_a_short_prompt_are_noise(tiny_mxfp4, envel
 
 
 @pytest.mark.parametrize("quanta", [1, 5])
-def test_dumped_sub_ops_show_a_local_fp8_flip_as_noise(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path,
-                                                       quanta):
-    # the last layer's dumped KV row at position 5 rounds one element to the neighbouring e4m3 code, and the
-    # layer's output departs from position 5 on (its cascade): with the candidate's own sub-ops the departure is
-    # a QAT code flip, not a defect (tampered last layer: nothing downstream is fed the changed carrier);
-    # 5 quanta is no rounding flip: DEFECT, named at the dumped sub-op
+def test_a_dumped_op_that_departs_is_named_op_level(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path,
+                                                    quanta):
+    # the last layer's dumped KV row at position 5 moves one element by 1 or 5 e4m3 quanta (QAT off: no FP8
+    # rounding explains it) and nothing else changes: op-level forcing feeds every later op the candidate's own
+    # inputs, so only the rope op departs, at that position
     api.capture_llamacpp(tiny_f32, setup[0], tmp_path / "cap.npz")
     with np.load(tmp_path / "cap.npz") as z:
         arrays = {k: z[k] for k in z.files}
@@ -395,14 +395,6 @@ def test_dumped_sub_ops_show_a_local_fp8_flip_as_noise(llama_cpp, tiny_f32, setu
     j = int(np.argmax(np.abs(kv[5])))
     kv[5, j] += quanta * np.sign(kv[5, j]) * np.exp2(np.floor(np.log2(abs(kv[5, j]))) - 3)   # e4m3 quanta
     arrays["kv-5"] = kv
-    out = arrays["l_last-5"].copy()
-    out[5:] *= np.float32(1 + 1e-4)
-    arrays["l_last-5"] = out
     np.savez(tmp_path / "flip.npz", **arrays)
     r = api.check(tmp_path / "flip.npz", tiny_f32, envelope=envelopes_qat_off[tiny_f32])
-    if quanta > 2:
-        assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "rope", 5)
-        return
-    assert r.verdict == "NOISE", r.headline
-    (c,) = r.causes
-    assert (c.name, c.layer, c.subop) == ("fp8-code-flip", 5, "rope") and "from position 5" in c.evidence, c
+    assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "rope", 5), r.headline

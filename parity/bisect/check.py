@@ -293,6 +293,9 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     for r in local:
         st.notes += [f"layer {r.layer}: {t}" for t in r.fit.ties]
     departing = [r for r in local if r.departs]
+    tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
+    if not departing and tied and cand is not None:
+        _tie_rule(trace, ref_engine, cand, tied, nulls, fault_engines, st, say)
     if departing:
         _explain(trace, ref_engine, make_reference, cand, tf, nulls, departing, env, fault_engines, st, say,
                  subops)
@@ -384,6 +387,30 @@ def _evidence(d: LayerLocal, f: Fit) -> str:
             f"round-off twins (p = {d.fit.test.p_value:.2g}, rel-L2 {d.fit.worst:.3g}) -> with the variant: "
             f"{f.test.exceed} (p = {f.test.p_value:.2g}, rel-L2 {f.worst:.3g})"
             + (f"; {d.structural}" if d.structural else ""))
+
+
+TIE_RULE_MIN = 2   # ties a known fault must break exactly as the candidate does before they are its tie rule
+
+
+def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tied: list[LayerLocal],
+              nulls: dict[int, LayerNull], fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
+              st: _Stages, say: Progress) -> None:
+    """Ties are not defects, unless a known fault's rule breaks every one of them exactly as the candidate does
+    (where the round-off twins break them either way): then the candidate follows that wrong rule."""
+    st.runs.setdefault("defect_library", 0)
+    for r in tied:
+        if r.layer not in nulls:
+            continue
+        say(f"layer {r.layer}: {len(r.fit.ties)} ties; does a known fault's tie rule make every pick?")
+        best, n = defect_library(trace, ref_engine, cand, r.layer, nulls[r.layer], fault_engines)
+        st.runs["defect_library"] += n
+        if best is not None and best.fit.explains and not best.fit.ties:
+            sub = "indexer_selection" if any("indexer" in t for t in r.fit.ties) else "router"
+            st.causes.append(Cause("defect", best.name, r.layer, sub,
+                                   f"matches {best.name}: it breaks all {len(r.fit.ties)} ties as the candidate does "
+                                   "(the exact rule and the round-off twins break them otherwise)"))
+            st.culprit = CheckCulprit(r.layer, sub, r.position, _decode_step(r.position, trace.header.n_prompt))
+            return
 
 
 def _evidence_note(op_level: bool, forced: bool) -> str:

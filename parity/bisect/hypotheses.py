@@ -59,10 +59,12 @@ class Variant:
 @dataclass(frozen=True)
 class LayerNull:
     """One layer's round-off ensemble on the candidate's inputs (`parity.bisect.null`): per carrier quantity the
-    twins' distances from their exact run, [N, T], and each twin's sorted expert set per position, [N, T, K]."""
+    twins' distances from their exact run, [N, T], each twin's sorted expert set per position, [N, T, K], and
+    its sorted indexer selection, [N, T, top_k] (None off CSA layers)."""
 
     dist: dict[str, np.ndarray]
     ids: np.ndarray | None
+    sel: np.ndarray | None = None
 
 
 def carriers(outs: Sequence[LayerOutput], layer: int) -> dict[str, np.ndarray]:
@@ -75,6 +77,12 @@ def sorted_ids(outs: Sequence[LayerOutput]) -> np.ndarray:
     return np.sort(np.concatenate([o.diag.expert_ids for o in outs]), axis=1)
 
 
+def sorted_sel(outs: Sequence[LayerOutput]) -> np.ndarray | None:
+    if outs[0].diag.index_sel is None:
+        return None
+    return np.sort(np.concatenate([o.diag.index_sel for o in outs]), axis=1)
+
+
 def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, list[LayerOutput]],
                 n: int = N_TWINS, on_twin: Callable[[int], None] | None = None) -> dict[int, LayerNull]:
     """The round-off ensembles of every layer of `exact` (engine's teacher-forced runs on the candidate's
@@ -85,15 +93,20 @@ def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, li
     base = {l: carriers(exact[l], l) for l in layers}
     dist: dict[int, dict[str, list[np.ndarray]]] = {l: {q: [] for q in base[l]} for l in layers}
     ids: dict[int, list[np.ndarray]] = {l: [] for l in layers}
+    sel: dict[int, list[np.ndarray]] = {l: [] for l in layers}
     for seed in range(1, n + 1):
         runs = teacher_forced(engine.roundoff_twin(seed), cand, layers)
         for l in layers:
             for q, arr in carriers(runs[l], l).items():
                 dist[l][q].append(rel_l2(base[l][q], arr))
             ids[l].append(sorted_ids(runs[l]))
+            picks = sorted_sel(runs[l])
+            if picks is not None:
+                sel[l].append(picks)
         if on_twin:
             on_twin(seed)
-    return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l])) for l in layers}
+    return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l]),
+                         np.stack(sel[l]) if sel[l] else None) for l in layers}
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,20 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
                 continue
             return (f"expert set differs at position {p} at router margin {m:.3g}, which no round-off twin "
                     "crosses", p), tuple(ties)
+    mine_sel = sorted_sel(outs)
+    if mine_sel is not None and len(attn["pos"]) and attn["has_sel"].any():
+        rows = np.flatnonzero(attn["has_sel"])
+        theirs = attn["sel"][rows]
+        width = mine_sel.shape[1]
+        if theirs.shape[1] < width:
+            theirs = np.concatenate([theirs, np.full((len(rows), width - theirs.shape[1]), -1, theirs.dtype)], 1)
+        theirs = np.sort(theirs[:, -width:] if theirs.shape[1] > width else theirs, axis=1)
+        for i in np.flatnonzero((mine_sel[attn["pos"][rows]] != theirs).any(axis=1)):
+            p = int(attn["pos"][rows][i])
+            if null.sel is not None and (null.sel[:, p] == theirs[i]).all(axis=1).any():
+                ties.append(f"TIE: indexer selection at position {p} (a round-off twin picks the same rows)")
+                continue
+            return (f"indexer selection differs at position {p}, which no round-off twin makes", p), tuple(ties)
     return None, tuple(ties)
 
 

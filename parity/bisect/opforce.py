@@ -11,7 +11,7 @@ the candidate's pick too, else structural. A layer's verdict is the verdict of i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -85,8 +85,15 @@ def judge_ops(ref: Sequence[LayerOutput], twins: Sequence[Sequence[LayerOutput]]
                        d.captures[layer]) for d in dumps]
     cand = op_cells(ref, own, ratio)
     spread = [op_cells(ref, t, ratio) for t in twins]
-    ops = {OP_OF[q]: judge({q: cand[q][0]}, {q: np.stack([s[q][0][: len(cand[q][0])] for s in spread])},
-                           {q: cand[q][1]}) for q in cand}
+    per_capture = {q: judge({q: cand[q][0]}, {q: np.stack([s[q][0][: len(cand[q][0])] for s in spread])},
+                            {q: cand[q][1]}) for q in cand}
+    # each op is its own test: Bonferroni over the captures judged, so one departing op is never diluted by the
+    # cells of the others (a layer's verdict is the verdict of its ops)
+    ops: dict[str, NullTest] = {}
+    for q, t in per_capture.items():
+        t = replace(t, p_value=min(1.0, t.p_value * len(per_capture)))
+        if OP_OF[q] not in ops or t.p_value < ops[OP_OF[q]].p_value:
+            ops[OP_OF[q]] = t
     pooled = judge({q: e for q, (e, _) in cand.items()},
                    {q: np.stack([s[q][0][: len(cand[q][0])] for s in spread]) for q in cand},
                    {q: p for q, (_, p) in cand.items()})
@@ -107,7 +114,9 @@ def judge_ops(ref: Sequence[LayerOutput], twins: Sequence[Sequence[LayerOutput]]
                              ops[culprit].first.position if culprit in ops and ops[culprit].first else None)
                  if p is not None]
     vec_err = {q: float(e.max(initial=0.0)) for q, (e, _) in cand.items()}
-    fit = Fit(vec_err.get("hc_attn_post"), vec_err.get("hc_ffn_post"), pooled, struct[0] if struct else None,
+    strongest = min([pooled, *ops.values()], key=lambda t: t.p_value)
+    fit = Fit(vec_err.get("hc_attn_post"), vec_err.get("hc_ffn_post"), replace(strongest, err=pooled.err),
+              struct[0] if struct else None,
               tuple(ties), min(positions) if positions else None, culprit)
     return OpVerdict(fit, ops)
 
