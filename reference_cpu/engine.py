@@ -102,7 +102,9 @@ class ReferenceEngine:
                                  f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
                      for l in range(self.config.n_layers)]
-        self.jitter = None if options.roundoff_seed is None else partial(jitter, seed=options.roundoff_seed)
+        self.jitter = None
+        if options.roundoff_seed is not None:
+            self._set_seed(options.roundoff_seed)
         if options.approximations():
             print(f"reference engine: APPROXIMATE {', '.join(options.approximations())}", file=sys.stderr)
 
@@ -123,8 +125,13 @@ class ReferenceEngine:
         """Capability `RoundoffTwins`: this engine with roundoff_seed=seed, sharing weights, caches and threads."""
         twin = copy.copy(self)
         twin.options = replace(self.options, roundoff_seed=int(seed))
-        twin.jitter = partial(jitter, seed=int(seed))
+        twin._set_seed(int(seed))
         return twin
+
+    def _set_seed(self, seed: int) -> None:
+        """Monte-Carlo round-off with `seed`: every sub-op output, and every matmul input that gets rounded."""
+        self.jitter = partial(jitter, seed=seed)
+        self.store = self.store.with_input_jitter(lambda x, name, k: jitter(x, seed, f"in:{name}", k))
 
     def forward_ops(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,
                     start_pos: int, given: dict[str, np.ndarray]) -> LayerOutput:

@@ -8,6 +8,7 @@ without being cached, so memory never grows without bound. Embedding rows are de
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -70,14 +71,30 @@ class WeightStore:
         self.dtype = np.dtype(dtype)
         self.cache = LRUCache(int(cache_gb * 2**30))
         self.act_quant = act_quant
+        self.input_jitter: Callable[[np.ndarray, str, int], np.ndarray] | None = None
+
+    def with_input_jitter(self, jitter: Callable[[np.ndarray, str, int], np.ndarray]) -> WeightStore:
+        """This store (weights and cache shared) for a round-off twin: a matmul input that gets rounded (an
+        approximate `act_quant`) is perturbed first, jitter(x, name, row length), so codes on a rounding
+        boundary flip in the twins as they do between two engines."""
+        twin = copy.copy(self)
+        twin.input_jitter = jitter
+        return twin
+
+    def _rounding(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+        r = input_rounding(self.act_quant, self.weights.info(name).ggml_type)
+        jit = self.input_jitter
+        if r is None or jit is None:
+            return r
+        return lambda x: r(jit(x, name, x.shape[-1]))
 
     def matrix(self, name: str) -> Matrix:
         """A 2-D matmul weight with the input rounding its type gets under `act_quant`."""
-        return Matrix(self.dense(name), input_rounding(self.act_quant, self.weights.info(name).ggml_type))
+        return Matrix(self.dense(name), self._rounding(name))
 
     def expert_matrix(self, name: str, e: int) -> Matrix:
         """Expert e's slice of a 3-D expert tensor as a matmul weight (see `matrix`)."""
-        return Matrix(self.expert(name, e), input_rounding(self.act_quant, self.weights.info(name).ggml_type))
+        return Matrix(self.expert(name, e), self._rounding(name))
 
     def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
         # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary
