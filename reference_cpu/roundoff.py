@@ -10,7 +10,8 @@ k-term sum, as Monte-Carlo arithmetic's random rounding of every addition gives)
 perturbation per sub-op stands for the several roundings inside it (measured: with SCALE = 1, clean llama.cpp
 and torch runs land up to 2.6x outside the largest of 19 twins at single ops; docs/check.md). r is a hash of
 (seed, op name, element index, the value's bits): the same call gives the same result in any thread or chunk
-order, and two seeds give independent perturbations. An ensemble of such twins is the round-off null of `parity.bisect.null`.
+order, and two seeds give independent perturbations. An ensemble of such twins is the round-off null of
+`parity.bisect.null`.
 """
 
 from __future__ import annotations
