@@ -386,8 +386,10 @@ def test_torch_q8_0_rounding_flips_on_a_short_prompt_are_noise(tiny_mxfp4, envel
 def test_a_dumped_op_that_departs_is_named_op_level(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path,
                                                     quanta):
     # the last layer's dumped KV row at position 5 moves one element by 1 or 5 e4m3 quanta (QAT off: no FP8
-    # rounding explains it) and nothing else changes: op-level forcing feeds every later op the candidate's own
-    # inputs, so only the rope op departs, at that position
+    # rounding explains it) and nothing else changes: op-level forcing feeds the attention op the candidate's
+    # own (changed) row, and the candidate's dumped attention output, computed from the unchanged row, departs
+    # from position 5 on. (The changed row itself is one cell: no count test can call one cell of 28 significant
+    # with 19 twins.)
     api.capture_llamacpp(tiny_f32, setup[0], tmp_path / "cap.npz")
     with np.load(tmp_path / "cap.npz") as z:
         arrays = {k: z[k] for k in z.files}
@@ -397,4 +399,6 @@ def test_a_dumped_op_that_departs_is_named_op_level(llama_cpp, tiny_f32, setup, 
     arrays["kv-5"] = kv
     np.savez(tmp_path / "flip.npz", **arrays)
     r = api.check(tmp_path / "flip.npz", tiny_f32, envelope=envelopes_qat_off[tiny_f32])
-    assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "rope", 5), r.headline
+    assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "attention", 5), \
+        r.headline
+    assert r.causes[-1].name == "unexplained", r.causes

@@ -327,10 +327,16 @@ def defect_library(trace: Trace, ref_engine: Engine, cand: Sequence[ChunkResult]
                    fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
                    ) -> tuple[FaultMatch | None, int]:
     """Every known fault as a mutation of `layer` on the candidate's inputs, judged by the exact run's null; the
-    best reproduction (structure first, then exceeding cells, then the residual) and the layer-runs spent."""
+    best reproduction (structure first, then exceeding cells, then the residual) and the layer-runs spent. An
+    engine whose clean run already reproduces the candidate credits none of its faults (its own round-off, not
+    the mutation, would be what matches)."""
     base = ref_engine.options
     best, runs = None, 0
     for _name, factory, faults in fault_engines:
+        clean = factory(RunOptions(fp8_kv=base.fp8_kv, fp4_indexer=base.fp4_indexer))
+        runs += 1
+        if fit(trace, teacher_forced(clean, cand, [layer])[layer], layer, null).explains:
+            continue  # the fault engine reproduces the candidate without any fault: no mutation can be credited
         for fault in faults:
             engine = factory(RunOptions(fp8_kv=base.fp8_kv, fp4_indexer=base.fp4_indexer, inject=(fault,)))
             f = fit(trace, teacher_forced(engine, cand, [layer])[layer], layer, null)
