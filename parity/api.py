@@ -313,7 +313,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
     preflight(trace_, config, identity)
     search = envelope_search if envelope_search is not None else _envelope_search(model)
-    ref_options, _ = reference_options(trace_)
+    ref_options, _ = reference_options(trace_, config)
     qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
     found = envelope_for(identity, trace_.header.dtype, envelope, search, qat)
     if found is None and trace_.header.dtype != "float32":
@@ -331,7 +331,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
     return run_check(trace_, lambda o: load_engine("reference", str(model), o), env, fault_engines=library,
-                     subops=subops, notes=notes, progress=say, counter=counter)
+                     subops=subops, notes=notes, progress=say, counter=counter, config=config)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

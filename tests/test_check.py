@@ -10,6 +10,7 @@ meaning (the table of tests/test_bisect_engines.py).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -402,3 +403,49 @@ def test_a_dumped_op_that_departs_is_named_op_level(llama_cpp, tiny_f32, setup, 
     assert (r.verdict, r.culprit.layer, r.culprit.subop, r.culprit.position) == ("DEFECT", 5, "attention", 5), \
         r.headline
     assert r.causes[-1].name == "unexplained", r.causes
+
+
+def _inflated_envelope(path: Path, factor: float) -> Path:
+    """The committed tiny-f32 envelope with every checkpoint floor multiplied by `factor` (an unlucky calibration)."""
+    doc = json.loads(ENV_F32.read_text())
+    for section in doc["dtypes"].values():
+        for name in section["checkpoints"]:
+            section["checkpoints"][name] *= factor
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_an_error_in_one_layer_is_a_defect_there_from_any_directory_with_any_envelope(
+        tiny_f32, clean_trace, tmp_path, monkeypatch):
+    # a 2e-3 relative error added to layer 3's output carrier at every position: the local verdict rests on the
+    # round-off twins, not on the envelope, so an envelope whose floors are 1000x too large cannot hide it, and
+    # the working directory (which decides which stored envelope is found) does not matter
+    rng = np.random.default_rng(3)
+    vec = dict(clean_trace.vectors)
+    x = vec[block(3)]
+    noise = rng.standard_normal(x.shape).astype(np.float32)
+    scale = 2e-3 * np.linalg.norm(x.reshape(len(x), -1), axis=1) / np.linalg.norm(noise.reshape(len(x), -1), axis=1)
+    vec[block(3)] = x + noise * scale[:, None, None].astype(np.float32)
+    bad = replace(clean_trace, vectors=vec)
+    envelopes = [ENV_F32, _inflated_envelope(tmp_path / "inflated.envelope.json", 1e3)]
+    for where, env in zip((tmp_path, TRACES.parent), envelopes, strict=True):
+        monkeypatch.chdir(where)
+        r = api.check(bad, tiny_f32, envelope=env)
+        assert (r.verdict, r.culprit.layer, r.causes[-1].name) == ("DEFECT", 3, "unexplained"), r.headline
+        assert r.judged == "layer-level" and r.headline.endswith("[layer-level]")
+
+
+def test_flagless_candidate_on_a_shape_without_fp8_blocks_runs_the_sims_off(clean_trace):
+    # transformers' tiny test configs have head_dim - rope_dim = 32: no whole FP8 block of 64, so a candidate that
+    # declares no QAT flags is followed with the simulations off, and the notes say why
+    from parity.bisect.check import reference_options
+    from parity.gguf.synth import preset_config
+
+    flagless = replace(clean_trace, header=replace(clean_trace.header, flags={}))
+    cfg = replace(preset_config("tiny", 290), head_dim=64, index_head_dim=48)
+    opts, notes = reference_options(flagless, cfg)
+    assert (opts.fp8_kv, opts.fp4_indexer) == (False, False)
+    assert any("head_dim - rope_head_dim = 32" in n for n in notes), notes
+    assert any("indexer head dim = 48" in n for n in notes), notes
+    opts, _ = reference_options(flagless, preset_config("tiny", 290))
+    assert (opts.fp8_kv, opts.fp4_indexer) == (True, True)

@@ -46,6 +46,7 @@ from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
 from parity.contract.engine import Engine, LayerOutput, RunOptions
 from parity.contract.errors import TraceError
+from parity.gguf.config import ModelConfig
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
 
@@ -96,6 +97,7 @@ class CheckReport:
     notes: tuple[str, ...]
     n_prompt: int
     seconds: float = 0.0
+    judged: str = "layer-level"       # op-level | layer-level | free-running: what the local verdict rests on
 
 
 @dataclass(frozen=True)
@@ -149,15 +151,24 @@ def replay(engine: Engine, tokens: Sequence[int], chunks: Sequence[int],
     return out
 
 
-def reference_options(trace: Trace) -> tuple[RunOptions, list[str]]:
+def reference_options(trace: Trace, config: ModelConfig | None = None) -> tuple[RunOptions, list[str]]:
     """The reference's options for a followed trace: float32, the QAT flags the header declares (on when it
-    declares none, as the model defines them; said in the notes). Declared approximations are not followed:
+    declares none, as the model defines them; said in the notes) — off, with the reason, when the model's shape
+    has no whole FP8 / FP4 blocks (`config` given: head_dim - rope_dim not a multiple of 64, indexer head dim
+    not a multiple of 32, as in transformers' tiny test configs). Declared approximations are not followed:
     they are the first hypotheses tested."""
     flags, notes = trace.header.flags, []
+    blocks = {"fp8_kv": (config.nope_dim, 64, "head_dim - rope_head_dim") if config else None,
+              "fp4_indexer": (config.index_head_dim, 32, "the indexer head dim") if config else None}
     qat = {}
     for name in ("fp8_kv", "fp4_indexer"):
         if name in flags:
             qat[name] = bool(flags[name])
+        elif blocks[name] is not None and blocks[name][0] % blocks[name][1]:
+            dim, block, what = blocks[name]
+            qat[name] = False
+            notes.append(f"the header declares no {name} and the model has no whole {name} blocks ({what} = {dim}, "
+                         f"not a multiple of {block}): the reference runs it off")
         else:
             qat[name] = True
             notes.append(f"the header declares no {name}; the reference runs it on (the model's definition)")
@@ -245,7 +256,8 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS) -> CheckReport:
+          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS,
+          config: ModelConfig | None = None) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
     own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down.
@@ -257,7 +269,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     make_reference = _quiet(make_reference, announced)
     fault_engines = [(n, _quiet(f, announced), faults) for n, f, faults in fault_engines]
     h = trace.header
-    opts, qat_notes = reference_options(trace)
+    opts, qat_notes = reference_options(trace, config)
     notes = [*notes, *qat_notes]
     env.check_options(opts)
     ref_engine = make_reference(opts)
@@ -306,8 +318,9 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     if announced:
         st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
     verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
+    judged = "op-level" if op_level else "layer-level" if cand is not None else "free-running"
     report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
-                         h.n_prompt, round(time.perf_counter() - t0, 3))
+                         h.n_prompt, round(time.perf_counter() - t0, 3), judged)
     from parity.bisect.check_report import headline
 
     return replace(report, headline=headline(report))

@@ -34,15 +34,18 @@ def _benign_summary(report: CheckReport) -> str:
 
 def headline(report: CheckReport) -> str:
     """The verdict in words a person reads (first output line)."""
+    local = {"op-level": "every op on the candidate's own inputs is within its round-off twins",
+             "layer-level": "every layer on the candidate's own inputs is within its round-off twins",
+             "free-running": "free-running only (no teacher-forced verdict)"}[report.judged]
     if report.verdict == "MATCH":
         worst = max((r for r in report.table if r.free_excess is not None), key=lambda r: r.free_excess)
-        return (f"MATCH: every checkpoint is inside the noise envelope (largest excess {worst.free_excess:.2g} at "
-                f"{worst.checkpoint})")
+        return (f"MATCH [{report.judged}]: {local}, and every checkpoint is inside the noise envelope (largest "
+                f"excess {worst.free_excess:.2g} at {worst.checkpoint})")
     if report.verdict == "NOISE":
-        return f"NOISE: every difference beyond the envelope is explained as benign: {_benign_summary(report)}"
+        return f"NOISE [{report.judged}]: every departure is explained as benign: {_benign_summary(report)}"
     d = next(c for c in report.causes if c.kind == "defect")
     what = f"matches known fault {d.name}" if d.name != "unexplained" else "unexplained by every known fault"
-    return f"DEFECT at {_where(report)}: {what} ({d.evidence})"
+    return f"DEFECT at {_where(report)}: {what} ({d.evidence}) [{report.judged}]"
 
 
 def _num(x: float | None) -> str:
@@ -54,7 +57,7 @@ def row_cells(r: CheckRow) -> list[str]:
             "-" if r.position is None else str(r.position), r.status]
 
 
-COLUMNS = ["checkpoint", "free rel-L2", "free excess", "local rel-L2", "local excess", "floor", "position",
+COLUMNS = ["checkpoint", "free rel-L2", "free excess", "local rel-L2", "local / twins", "floor", "position",
            "status"]
 
 
@@ -84,8 +87,9 @@ def to_markdown(report: CheckReport) -> str:
 
 
 def to_json(report: CheckReport) -> dict[str, Any]:
-    """The JSON document: verdict, culprit {layer, subop, position, decode_step}, causes, table."""
-    return json_safe({"verdict": report.verdict,
+    """The JSON document: verdict, judged (op-level / layer-level / free-running), culprit {layer, subop,
+    position, decode_step}, causes, notes, table."""
+    return json_safe({"verdict": report.verdict, "judged": report.judged, "notes": list(report.notes),
                    "culprit": asdict(report.culprit) if report.culprit else None,
                    "causes": [asdict(c) for c in report.causes],
                    "table": [asdict(r) for r in report.table]})
