@@ -10,9 +10,12 @@ the engines they model do, and returned in the input's dtype.
   magnitude (the first such), s = -127/m, q = min(127, round-half-even(s·x)), x' = q·d with the float32 d = 1/s
   (ggml's `quantize_row_q8_K_ref`, which its x86 build calls).
 - bf16 / f16: round to nearest even of that type.
-- Q8_1 (before Q4_1 / Q5_1 weights): the values of Q8_0 (d = amax/127 stored as f16, q = round(x·127/amax), the
-  same x86 SIMD rounding) plus a stored f16 sum s = d·Σq, which the Q4_1 / Q5_1 dot products use for the weight's
-  min term. Modelled as the value round trip x' = q·f16(d) only: the rounding of s is not modelled.
+- Q8_1 (before Q4_1 / Q5_1 weights): the values of Q8_0 (d = amax/127 stored as f16, q = rint(x·127/amax), the
+  same x86 SIMD path of ggml's `quantize_row_q8_1`; the scalar `_ref` path uses x·(1/d) and roundf) plus a stored
+  sum s = f16(d·Σq) with the float32 d (not the f16 one). The Q4_1 / Q5_1 dot product is, per block b of 32,
+  d_w·d_x·Σ q_w·q_x + m_w·s_x, while the dequantized weight (d_w·q_w + m_w) times the round trip x' = q·d_x gives
+  d_w·d_x·Σ q_w·q_x + m_w·d_x·Σq. The difference m_w·c, c = s_x − d_x·Σq (`q8_1_sum_residual`), is added by the
+  matmul (`reference_cpu.linear.MinTerm`) with the weight's per-block mins (`block_mins`): y = W x' + M c.
 - llamacpp: what llama.cpp's CPU backend does before each matmul, chosen by the weight's type (its `vec_dot_type` in
   ggml-cpu's `type_traits_cpu`): Q8_0 before Q4_0 / Q5_0 / Q8_0 / IQ4_NL / MXFP4; Q8_1 before Q4_1 / Q5_1; Q8_K
   before Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S / IQ4_XS and
@@ -22,6 +25,7 @@ the engines they model do, and returned in the input's dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -53,8 +57,59 @@ def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
 def q8_1_roundtrip(x: np.ndarray) -> np.ndarray:
     """The values of llama.cpp's Q8_1 activations: x' = q·f16(d), exactly as Q8_0 (`q8_0_roundtrip`; blocks of 32,
     d = amax/127). The block's stored sum s = f16(d·Σq), which Q4_1 / Q5_1 dot products multiply by the weight's min,
-    is not modelled (it differs from Σx' by its own f16 rounding).  x [..., k], k a multiple of 32 -> [..., k]"""
+    is `q8_1_sum_residual`'s business.  x [..., k], k a multiple of 32 -> [..., k] in x's dtype."""
     return q8_0_roundtrip(x)
+
+
+def q8_1_sum_residual(x: np.ndarray) -> np.ndarray:
+    """c = s − f16(d)·Σq per block of 32: how far the stored Q8_1 sum s = f16(d·Σq) (float32 d = amax/127, the x86
+    SIMD `quantize_row_q8_1`) is from the sum of the round-tripped values Σx' = f16(d)·Σq.
+
+    q = rint(x·(127/amax)) as in `q8_0_roundtrip` (0 for an all-zero block, so c = 0). Σq is an integer below 2^12
+    and f16(d) has 11 significant bits, so f16(d)·Σq is exact in float32, and s − f16(d)·Σq is exact in float64 (both
+    are multiples of 2^-24 below 2^29); the result is then cast to x's dtype. A block with d·Σq beyond f16's range
+    stores s = ±inf in ggml, and so c = ±inf here.
+    x [..., k], k a multiple of 32 -> c [..., k/32] in x's dtype.
+    """
+    if x.shape[-1] % Q8_0_BLOCK:
+        raise ParityError(f"Q8_1 activations: row length {x.shape[-1]} is not a multiple of the block {Q8_0_BLOCK}")
+    b = x.astype(F32).reshape(*x.shape[:-1], -1, Q8_0_BLOCK)
+    amax = np.abs(b).max(axis=-1)
+    d = amax / F32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, F32(127) / amax, F32(0))
+    qsum = np.rint(b * inv[..., None]).sum(axis=-1, dtype=np.float64).astype(F32)   # an integer, exact in float32
+    with np.errstate(over="ignore"):
+        s16 = (d * qsum).astype(np.float16).astype(np.float64)
+    d16 = d.astype(np.float16).astype(np.float64)
+    return (s16 - d16 * qsum.astype(np.float64)).astype(x.dtype)
+
+
+# bytes per block of 32 weights of the types with a per-block min m (f16 at bytes 2..3 after the f16 scale d):
+# Q4_1 = d, m, qs[16]; Q5_1 = d, m, qh[4], qs[16] (ggml's block_q4_1 / block_q5_1, gguf-py's quants.py)
+MIN_BLOCK_BYTES: dict[Q, int] = {Q.Q4_1: 20, Q.Q5_1: 24}
+MIN_BLOCK = 32
+
+
+def block_mins(raw: np.ndarray, weight_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The f16 min m of every block of a Q4_1 / Q5_1 tensor, read from its bytes (w = d·q + m within a block).
+
+    raw: the tensor's bytes (uint8, row-major blocks of 32 along the last axis), shape: numpy shape [..., in] with
+    in a multiple of 32 -> M [..., in/32] float32.
+    """
+    kind = Q(weight_type)
+    if kind not in MIN_BLOCK_BYTES:
+        raise ParityError(f"block mins: a {kind.name} tensor has no per-block min (only "
+                          f"{', '.join(t.name for t in MIN_BLOCK_BYTES)})")
+    if shape[-1] % MIN_BLOCK:
+        raise ParityError(f"block mins: row length {shape[-1]} is not a multiple of the block {MIN_BLOCK}")
+    n_blocks = math.prod(shape) // MIN_BLOCK
+    per = MIN_BLOCK_BYTES[kind]
+    if raw.size != n_blocks * per:
+        raise ParityError(f"block mins: {raw.size} bytes for a {kind.name} tensor of shape {tuple(shape)}, expected "
+                          f"{n_blocks * per}")
+    m = np.ascontiguousarray(raw.reshape(n_blocks, per)[:, 2:4]).view(np.float16)
+    return m.astype(F32).reshape(*shape[:-1], shape[-1] // MIN_BLOCK)
 
 
 def q8_k_roundtrip(x: np.ndarray) -> np.ndarray:
@@ -95,6 +150,12 @@ LLAMACPP_ROUNDING: dict[Q, Callable[[np.ndarray], np.ndarray] | None] = {
     **dict.fromkeys(_Q8_0_BEFORE, q8_0_roundtrip), **dict.fromkeys(_Q8_1_BEFORE, q8_1_roundtrip),
     **dict.fromkeys(_Q8_K_BEFORE, q8_k_roundtrip), Q.F16: f16_round, Q.BF16: bf16_round, Q.F32: None}
 UNQUANTIZED = (Q.F32, Q.F16, Q.BF16)
+
+
+def has_min_term(act_quant: str, weight_type: int) -> bool:
+    """Whether a matmul with a weight of ggml type `weight_type` gets llama.cpp's per-block min term (y = W x' + M c,
+    `q8_1_sum_residual`, `block_mins`): under act_quant=llamacpp, before Q4_1 / Q5_1 weights (Q8_1 activations)."""
+    return act_quant == "llamacpp" and Q(weight_type) in _Q8_1_BEFORE
 
 
 def input_rounding(act_quant: str, weight_type: int) -> Callable[[np.ndarray], np.ndarray] | None:

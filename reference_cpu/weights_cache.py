@@ -18,8 +18,8 @@ import numpy as np
 from parity.contract.errors import TensorError
 from parity.gguf.weights import Weights
 from reference_cpu.dequant import dequantize
-from reference_cpu.linear import Matrix
-from reference_cpu.numerics import input_rounding
+from reference_cpu.linear import Matrix, MinTerm
+from reference_cpu.numerics import block_mins, has_min_term, input_rounding, q8_1_roundtrip, q8_1_sum_residual
 
 
 class LRUCache:
@@ -58,10 +58,22 @@ class LRUCache:
                 "misses": self.misses, "evictions": self.evictions}
 
 
+def q8_1_min_term(mins: np.ndarray, perturb: Callable[[np.ndarray], np.ndarray] | None) -> MinTerm:
+    """llama.cpp's Q4_1 / Q5_1 x Q8_1 min term for a weight with per-block mins M [out, in/32]: quantize(x) =
+    (q8_1_roundtrip(x̃), q8_1_sum_residual(x̃)) with x̃ = perturb(x) (round-off twins; x itself when None), so
+    `linear` gives y = W x' + M c, per block d_w·d_x·Σ q_w·q_x + m_w·s_x as ggml's vec_dot_q{4,5}_1_q8_1."""
+    def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xp = x if perturb is None else perturb(x)
+        return q8_1_roundtrip(xp), q8_1_sum_residual(xp)
+
+    return MinTerm(mins, quantize)
+
+
 class WeightStore:
     """Tensors of one model in the working dtype (float32, or float64 for the oracle), dequantized on demand.
 
-    `act_quant` (RunOptions) decides the input rounding of the matmul weights `matrix` / `expert_matrix` return.
+    `act_quant` (RunOptions) decides the input rounding of the matmul weights `matrix` / `expert_matrix` return, and
+    under llamacpp their per-block min term for Q4_1 / Q5_1 weights (`q8_1_min_term`; the mins are cached too).
     """
 
     def __init__(self, weights: Weights, dtype: np.dtype, cache_gb: float, act_quant: str) -> None:
@@ -88,13 +100,28 @@ class WeightStore:
             return r
         return lambda x: r(jit(x, name, x.shape[-1]))
 
+    def _min_term(self, name: str, key: object, raw: Callable[[], tuple[np.ndarray, int, tuple[int, ...]]],
+                  ggml_type: int) -> MinTerm | None:
+        """The Q8_1 min term of a product with tensor `name` (None unless llamacpp before Q4_1 / Q5_1), its mins
+        [out, in/32] cached under `key`; the input is perturbed as `_rounding` perturbs it (same jitter, same name)."""
+        if not has_min_term(self.act_quant, ggml_type):
+            return None
+        mins = self.cache.get(key, lambda: block_mins(*raw()).astype(self.dtype))
+        jit = self.input_jitter
+        return q8_1_min_term(mins, None if jit is None else lambda x: jit(x, name, x.shape[-1]))
+
     def matrix(self, name: str) -> Matrix:
-        """A 2-D matmul weight with the input rounding its type gets under `act_quant`."""
-        return Matrix(self.dense(name), self._rounding(name))
+        """A 2-D matmul weight with the input rounding its type gets under `act_quant` (and its min term)."""
+        info = self.weights.info(name)
+        term = self._min_term(name, ("mins", name), lambda: (self.weights.raw(name), info.ggml_type, info.shape),
+                              info.ggml_type)
+        return Matrix(self.dense(name), self._rounding(name), term)
 
     def expert_matrix(self, name: str, e: int) -> Matrix:
         """Expert e's slice of a 3-D expert tensor as a matmul weight (see `matrix`)."""
-        return Matrix(self.expert(name, e), self._rounding(name))
+        info = self.weights.info(name)
+        term = self._min_term(name, ("mins", name, e), lambda: self.weights.expert_raw(name, e), info.ggml_type)
+        return Matrix(self.expert(name, e), self._rounding(name), term)
 
     def _convert(self, arr: np.ndarray, what: str) -> np.ndarray:
         # min/max propagate NaN and expose ±inf: the finiteness check without a full boolean temporary
