@@ -233,7 +233,7 @@ def moe(store: WeightStore, cfg: ModelConfig, layer: int, x: np.ndarray, tokens:
 
     inner = store.dense(p + "ffn_down_shexp.weight").shape[1]
     routed = tap.out("routed_out", routed_experts(x, ids, weights, expert, cfg.swiglu_limit[layer], workers),
-                     K * inner)
+                     inner)
     shared = tap.out("shared_out", expert_ffn(x, store.matrix(p + "ffn_gate_shexp.weight"),
                                               store.matrix(p + "ffn_up_shexp.weight"),
                                               store.matrix(p + "ffn_down_shexp.weight"), cfg.swiglu_limit_shexp[layer]),
@@ -252,7 +252,7 @@ def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerSta
     if start_pos != st.next_pos:
         raise ParityError(f"layer {layer}: chunk starts at position {start_pos} but the state expects "
                           f"{st.next_pos} (feed positions in order through one state)")
-    p, H, D = f"blk.{layer}.", cfg.hc_mult, cfg.dim
+    p, H = f"blk.{layer}.", cfg.hc_mult
     pos = start_pos + np.arange(len(X))
     hc_args = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     if tap.jitter is not None:
@@ -260,15 +260,15 @@ def block_forward(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerSta
 
     u, pre_a, post_a, comb_a = hc_pre(X, store.matrix(p + "hc_attn_fn.weight"), store.dense(p + "hc_attn_scale.weight"),
                                       store.dense(p + "hc_attn_base.weight"), *hc_args)
-    u = tap.out("hc_attn_pre", u, H * D)
-    x = tap.out("attn_norm", rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps), D)
+    u = tap.out("hc_attn_pre", u, H)
+    x = tap.out("attn_norm", rms_norm(u, store.dense(p + "attn_norm.weight"), cfg.norm_eps))
     a, n_vis, index_sel = attention(store, cfg, layer, st, x, pos, rope, num, tap, workers)
     Y = tap.out("hc_attn_post", hc_post(a, X, *tap.mix("hc_attn", post_a, comb_a)), H + 1)
 
     v, pre_f, post_f, comb_f = hc_pre(Y, store.matrix(p + "hc_ffn_fn.weight"), store.dense(p + "hc_ffn_scale.weight"),
                                       store.dense(p + "hc_ffn_base.weight"), *hc_args)
-    v = tap.out("hc_ffn_pre", v, H * D)
-    xf = tap.out("ffn_norm", rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps), D)
+    v = tap.out("hc_ffn_pre", v, H)
+    xf = tap.out("ffn_norm", rms_norm(v, store.dense(p + "ffn_norm.weight"), cfg.norm_eps))
     f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, start_pos, num, tap, workers)
     X_out = tap.out("hc_ffn_post", hc_post(f, Y, *tap.mix("hc_ffn", post_f, comb_f)), H + 1)
     Y, X_out = tap.own("hc_attn_post", Y), tap.own("hc_ffn_post", X_out)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from reference_cpu.hc import sigmoid
-from reference_cpu.linear import Matrix, Weight, linear
+from reference_cpu.linear import Matrix, MinTerm, Weight, linear
 from reference_cpu.threads import Workers
 
 
@@ -74,8 +74,13 @@ def weighted_down_input(h: np.ndarray, weight: np.ndarray, w_down: Weight) -> tu
     """(w · h, W_down): the routing weight multiplies before the down projection (§9.5).
 
     An engine that rounds the down input rounds the unweighted h (llama.cpp multiplies the routing weight after
-    its down matmul), so a rounding W_down gives (w · round(h), W_down without the rounding). h [n, F], weight [n].
+    its down matmul), so a rounding W_down gives (w · round(h), W_down without the rounding), and one with a Q8_1
+    min term keeps that term, weighted: (w · h', W_down with M (w · c)). h [n, F], weight [n].
     """
+    if isinstance(w_down, Matrix) and w_down.min_term is not None:   # Q4_1 / Q5_1 x Q8_1: y = w·(W x' + M c)
+        xq, c = w_down.min_term.quantize(h)
+        wc = c * weight[:, None]
+        return xq * weight[:, None], Matrix(w_down.w, None, MinTerm(w_down.min_term.mins, lambda x: (x, wc)))
     if isinstance(w_down, Matrix) and w_down.round_input is not None:
         return w_down.round_input(h) * weight[:, None], w_down.w
     return h * weight[:, None], w_down

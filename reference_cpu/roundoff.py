@@ -7,8 +7,10 @@ it is given in op-level teacher forcing) as
 
 — the size of the round-off a float32 engine that sums in another order leaves (√k ulps of the result for a
 k-term sum, as Monte-Carlo arithmetic's random rounding of every addition gives), times SCALE = 4 because one
-perturbation per sub-op stands for the several roundings inside it (measured: with SCALE = 1, clean llama.cpp
-and torch runs land up to 2.6x outside the largest of 19 twins at single ops; docs/check.md). r is a hash of
+perturbation per sub-op stands for the several roundings inside it (measured on a clean llama.cpp F32 capture,
+op-level: SCALE = 1 leaves single ops up to 2.6x outside the largest of 19 twins, SCALE = 2 leaves 6-16 cells
+per layer outside (the rope op at 8 of 48), SCALE = 4 at most 1; at layer level a clean torch run's local error
+is then about 1/6 of the twins' largest: docs/check.md). r is a hash of
 (seed, op name, element index, the value's bits): the same call gives the same result in any thread or chunk
 order, and two seeds give independent perturbations. An ensemble of such twins is the round-off null of
 `parity.bisect.null`.

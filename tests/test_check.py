@@ -119,7 +119,7 @@ def test_cli_json_markdown_plot_and_exit_codes(tiny_f32, setup, clean_trace, tmp
                                    "--envelope", str(ENV_F32), "--json", "--markdown", str(md), "--plot", str(png)])
     assert res.exit_code == 1, res.output
     doc = json.loads(res.stdout)
-    assert set(doc) == {"verdict", "culprit", "causes", "table"}
+    assert set(doc) == {"verdict", "judged", "culprit", "causes", "notes", "table"} and doc["judged"] == "layer-level"
     assert set(doc["culprit"]) == {"layer", "subop", "position", "decode_step"}
     assert doc["verdict"] == "DEFECT" and doc["culprit"]["layer"] == 0 and doc["culprit"]["subop"] == "attention"
     assert all(set(c) == {"kind", "name", "layer", "subop", "evidence"} for c in doc["causes"])

@@ -188,6 +188,24 @@ def test_split_rows_and_round_off_twins_keep_the_min_term():
     assert linear(x, twin).tobytes() == linear(jit(x), whole).tobytes()
 
 
+def test_routed_down_projection_keeps_the_weighted_min_term():
+    """llama.cpp multiplies the routing weight after its down matmul: w·(W h' + M c) per row, min term included."""
+    from reference_cpu.moe import weighted_down_input
+
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((32, 128)) * 0.1 + 0.05).astype(F32)
+    raw = quants.quantize(w, Q.Q4_1).reshape(-1)
+    down = Matrix(dequantize(raw, Q.Q4_1, (32, 128)), q8_1_roundtrip,
+                  q8_1_min_term(block_mins(raw, Q.Q4_1, (32, 128)), None))
+    h, weight = _activations(rng, 4, 128), np.array([0.5, 1.25, 0.0, 2.0], F32)
+    x, m = weighted_down_input(h, weight, down)
+    expected = linear(h, down).astype(np.float64) * weight[:, None]
+    np.testing.assert_allclose(linear(x, m), expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    # without its min term the same product is off by far more (the term matters here)
+    assert np.abs(linear(h, replace(down, min_term=None)) * weight[:, None] - expected).max() > 1e-4 * np.abs(
+        expected).max()
+
+
 # ------------------------------------------------------------------------------------------------ llama.cpp itself
 
 
