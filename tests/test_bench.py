@@ -172,7 +172,7 @@ def test_bench_quick_end_to_end(tmp_path) -> None:
 
     from parity.cli import cli
 
-    res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(tmp_path / "o"), "--cache-dir",
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--no-verdicts", "--out", str(tmp_path / "o"), "--cache-dir",
                                    str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "o" / "bench.json").read_text())
@@ -222,3 +222,70 @@ def test_bench_cli_refuses_cuda_without_a_gpu(tmp_path) -> None:
         pytest.skip("this machine has a GPU")
     res = CliRunner().invoke(cli, ["bench", "--device", "cuda", "--out", str(tmp_path)])
     assert isinstance(res.exception, ParityError) and "no CUDA device" in str(res.exception)
+
+
+# ------------------------------------------------------------------------------------------------
+# parity.bench.verdicts: check's false-DEFECT and detection rates
+
+
+def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> None:
+    """The smallest verdict plan end to end: a clean torch run and a faulty one on tiny F32, judged from files;
+    the JSON has every row field, and the aggregates are those of the rows."""
+    from parity.bench import verdicts
+
+    plan = verdicts.VerdictPlan(torch_lengths={40: 1}, torch_models=("f32",), llamacpp_types=(),
+                                faults=("no-decode-compression",), fault_prompts=1, fault_qat=(True,), decode=4)
+    lines: list[str] = []
+    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path / "scratch", lines.append)
+    js, md = verdicts.write_verdicts(result, tmp_path / "out")
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    data = json.loads(js.read_text(), parse_constant=no_constants)
+    rows = data["rows"]
+    assert [r["kind"] for r in rows] == ["correct", "fault"] and len(lines) == 2 and "ETA" in lines[-1]
+    for r in rows:
+        assert {"verdict", "headline", "culprit_layer", "cause", "seconds", "layer_runs", "layer_runs_total",
+                "prompt", "decode", "seed", "engine", "model", "qat"} <= set(r)
+        assert r["layer_runs_total"] == sum(r["layer_runs"].values()) > 0 and r["prompt"] == 40
+    correct, fault = rows
+    assert correct["verdict"] in ("MATCH", "NOISE") and not correct["false_defect"]
+    assert fault["fault"] == "no-decode-compression" and fault["expected_layer"] is not None
+    assert fault["verdict"] == "DEFECT" and fault["found"], fault["headline"]
+    assert data["summary"] == json.loads(json.dumps(verdicts.summarize(rows)))
+    s = data["summary"]
+    c, f = s["correct"], s["faults"]
+    assert (c["n"], c["false_defects"], f["acting"], f["found"]) == (1, 0, 1, 1)
+    assert s["time"]["all"]["max_s"] == max(r["seconds"] for r in rows)
+    assert "| false DEFECT | 0 / 1 = 0.0 %" in md.read_text()
+
+
+def test_verdict_summary_counts_false_defects_and_misses() -> None:
+    """summarize() on hand-made rows: a DEFECT on a correct run is a false DEFECT; a faulty run is found only with
+    the right fault at the right layer; a fault that does not act is left out of the rates."""
+    from parity.bench.verdicts import summarize, upper_bound
+
+    def row(kind: str, verdict: str, s: float, **kw: object) -> dict:
+        r = {"kind": kind, "engine": "torch", "model": "f32", "qat": True, "fault": None, "prompt": 40, "seed": 1,
+             "verdict": verdict, "headline": verdict, "culprit_layer": None, "cause": None, "seconds": s,
+             "layer_runs_total": 10, **kw}
+        if kind == "correct":
+            r["false_defect"] = verdict == "DEFECT"
+        else:
+            r["detected"] = verdict == "DEFECT"
+            r["found"] = r["detected"] and r["cause"] == r["fault"] and r["culprit_layer"] == r["expected_layer"]
+        return r
+
+    rows = [row("correct", "MATCH", 1.0), row("correct", "DEFECT", 2.0, prompt=150),
+            row("fault", "DEFECT", 3.0, fault="f", cause="f", culprit_layer=2, expected_layer=2),
+            row("fault", "DEFECT", 4.0, fault="f", cause="g", culprit_layer=2, expected_layer=2),
+            row("fault", "NOISE", 5.0, fault="f", expected_layer=1),
+            row("fault", "MATCH", 6.0, fault="h", expected_layer=None)]
+    s = summarize(rows)
+    assert (s["correct"]["n"], s["correct"]["false_defects"], s["correct"]["false_defect_rate"]) == (2, 1, 0.5)
+    assert (s["faults"]["n"], s["faults"]["acting"], s["faults"]["inert"]) == (4, 3, 1)
+    assert (s["faults"]["detected"], s["faults"]["found"]) == (2, 1)
+    assert len(s["false_defects"]) == 1 and len(s["misses"]) == 2
+    assert s["time"]["all"] == {"n": 6, "median_s": 3.5, "max_s": 6.0, "median_layer_runs": 10}
+    assert list(s["time"]["by_length"]["f32"]) == ["40", "150"]
+    assert upper_bound(0, 50) == pytest.approx(1 - 0.05 ** (1 / 50), rel=1e-6)

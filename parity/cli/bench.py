@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -32,10 +33,14 @@ ENGINES = ("reference", "torch")
 @click.option("--quick", is_flag=True,
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
+@click.option("--verdicts/--no-verdicts", default=True, show_default=True,
+              help="Also measure `check`'s verdicts on the tiny models (false DEFECTs on correct runs, detection of "
+                   "the torch faults; OUT/verdicts.json and verdicts.md; about 35 min on 2 cores, --quick: minutes).")
+@click.option("--verdicts-only", is_flag=True, help="Only the verdict benchmark (skip the performance tables).")
 @json_option(help="Print the report as JSON on stdout instead of the tables (errors too).")
 @json_errors
 def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, torch_threads: int, quick: bool,
-          as_json: bool) -> None:
+          verdicts: bool, verdicts_only: bool, as_json: bool) -> None:
     """Measure both engines on real-dimension synthetic layers: prefill of 24/128 tokens, decode steps,
     scaling to 512 tokens, tracing overhead, peak memory, and the dequantizers of every ggml type against
     gguf.quants. Prints the tables and writes OUT/bench.json and OUT/bench.md.
@@ -73,18 +78,48 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
     missing = [p for p in peer_names if p not in available_engines()]
     if missing:
         raise ParityError(f"--peers: engine(s) {missing} not registered; registered: {', '.join(available_engines())}")
-    report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
-                       log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if verdicts_only:
+        verdict_report = _verdicts(Path(cache_dir), quick, out, console, not as_json)
+        if as_json:
+            echo_json(verdict_report)
+        return
+    report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
+                       log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
     atomic_write_text(out / "bench.json", json.dumps(json_safe(report), indent=2, allow_nan=False))
     table = render_markdown(report)
     atomic_write_text(out / "bench.md", table)
+    verdict_report = _verdicts(Path(cache_dir), quick, out, console, not as_json) if verdicts else None
     if as_json:
-        echo_json(report)
+        echo_json({**report, "verdicts": verdict_report} if verdict_report else report)
         return
     Console().print(Markdown(table))
     click.echo(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+
+
+def _verdicts(cache_dir: Path, quick: bool, out: Path, console: Any, show: bool) -> dict[str, Any]:
+    """The verdict benchmark (parity.bench.verdicts): runs it (progress on `console`, stderr), writes
+    OUT/verdicts.json and verdicts.md, prints the tables on stdout when `show`; returns its report."""
+    import tempfile
+
+    from rich.markdown import Markdown
+
+    from parity.bench.verdicts import PLANS, render_verdicts_markdown, run_verdicts, verdict_models, write_verdicts
+
+    plan = PLANS["quick" if quick else "default"]
+    log = lambda m: console.print(m, markup=False, highlight=False)  # noqa: E731
+    models = verdict_models(cache_dir / "verdicts", plan, log)
+    with tempfile.TemporaryDirectory(prefix="v4parity-verdicts-") as scratch:
+        result = run_verdicts(models, plan, Path(scratch), log)
+    result["plan_name"] = "quick" if quick else "default"
+    js, md = write_verdicts(result, out)
+    if show:
+        from rich.console import Console
+
+        Console().print(Markdown(render_verdicts_markdown(result)))
+        click.echo(f"wrote {js} and {md}")
+    return result
 
 
 COMMANDS = [bench]

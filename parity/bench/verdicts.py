@@ -1,0 +1,357 @@
+"""How often `v4parity check` is right: false DEFECTs on correct runs, detection of injected faults.
+
+Correct candidates: the torch engine with its QAT simulations on (default `RunOptions`) on the tiny F32 and tiny
+real-mix models at several prompt lengths, the clean QAT-off torch runs that serve as the faults' baselines, and
+llama.cpp captures of the tiny F32 model quantized by llama.cpp's own quantizer. Faulty candidates: every torch
+fault switch on several prompts, QAT simulations on and off; a fault counts as found when `check` says DEFECT and
+names that fault at the first layer whose recorded output differs bitwise from the clean torch trace on the same
+tokens (the rule of tests/test_check.py). Every candidate is written to a file and judged from the file, as a
+foreign engine's would be. `run_verdicts` returns the rows and their aggregates; `write_verdicts` writes
+`verdicts.json` and `verdicts.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ALPHA = 1e-3        # the significance level of check's round-off null (docs/check.md)
+N_TWINS = 19        # round-off twins per run (docs/check.md)
+MODELS = ("f32", "real-mix")
+LLAMACPP_TYPES = ("F16", "BF16", "Q8_0", "MXFP4_MOE", "Q4_K_M", "Q2_K")
+
+
+@dataclass(frozen=True)
+class VerdictPlan:
+    """What `run_verdicts` runs. torch_lengths: prompt length -> number of seeded prompts, per model of
+    torch_models; llamacpp_types x llamacpp_seeds captures of `llamacpp_length` tokens; faults (None: every torch
+    fault) x fault_prompts prompts of `fault_length` tokens, once per QAT setting of fault_qat. Every run adds
+    `decode` greedy steps (the faulty runs are forced onto their clean run's tokens)."""
+
+    torch_lengths: dict[int, int]
+    torch_models: tuple[str, ...] = MODELS
+    llamacpp_types: tuple[str, ...] = LLAMACPP_TYPES
+    llamacpp_seeds: int = 3
+    llamacpp_length: int = 40
+    faults: tuple[str, ...] | None = None
+    fault_prompts: int = 5
+    fault_length: int = 40
+    fault_qat: tuple[bool, ...] = (True, False)
+    decode: int = 8
+    seed0: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PLANS = {
+    # >= 50 correct runs: 2 x 16 torch, 5 clean QAT-off baselines, 6 x 3 llama.cpp captures; 11 x 5 x 2 faulty
+    "default": VerdictPlan(torch_lengths={40: 7, 150: 4, 300: 3, 600: 2}),
+    # the pipeline in a few minutes: numbers not meaningful
+    "quick": VerdictPlan(torch_lengths={40: 1, 150: 1}, llamacpp_types=("Q8_0",), llamacpp_seeds=1,
+                         faults=("no-decode-compression", "rope-split-halves"), fault_prompts=1, fault_qat=(True,)),
+}
+
+
+def prompt(n: int, seed: int, vocab_size: int, bos: int) -> list[int]:
+    """BOS followed by n - 1 seeded random ids in [2, vocab)."""
+    rng = np.random.default_rng(seed)
+    return [int(bos)] + [int(x) for x in rng.integers(2, vocab_size, n - 1)]
+
+
+def verdict_models(cache_dir: Path, plan: VerdictPlan, log: Callable[[str], None]) -> dict[str, Path]:
+    """The tiny models the plan needs, written once into cache_dir: 'f32', 'real-mix' and one llama.cpp
+    quantization of the F32 file per file type (keys 'lcp-<TYPE>')."""
+    from parity import api
+    from parity.gguf.synth import synthesize
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for quant in sorted({"f32", *plan.torch_models}):
+        path = cache_dir / f"tiny-{quant}.gguf"
+        if not path.exists():
+            synthesize(path, "tiny", quant, seed=0)
+        out[quant] = path
+    for ft in plan.llamacpp_types:
+        path = cache_dir / f"tiny-lcp-{ft.lower()}.gguf"
+        if not path.exists():
+            log(f"quantizing {out['f32'].name} to {ft} with llama.cpp's quantizer ...")
+            part = path.with_name(path.name + ".part")
+            api.quantize_llamacpp(out["f32"], part, ft)
+            part.replace(path)
+        out[f"lcp-{ft}"] = path
+    return out
+
+
+def first_acting_layer(clean: Any, faulty: Any) -> int | None:
+    """First layer whose recorded output or visible compressed-row count differs bitwise between two traces of
+    the same tokens; None when the fault does not act on this prompt."""
+    from parity.contract.checkpoints import block
+
+    for l in range(clean.n_layers):
+        a, b = (t.attn["n_comp"][t.attn["layer"] == l] for t in (clean, faulty))
+        if not (np.array_equal(clean.vectors[block(l)], faulty.vectors[block(l)]) and np.array_equal(a, b)):
+            return l
+    return None
+
+
+def _row(report: Any, **what: Any) -> dict[str, Any]:
+    """One result row: the run's description plus check's verdict, culprit, last named cause and cost."""
+    culprit = report.culprit
+    return {**what, "verdict": report.verdict, "headline": report.headline.splitlines()[0],
+            "culprit_layer": culprit.layer if culprit else None, "culprit_subop": culprit.subop if culprit else None,
+            "cause": report.causes[-1].name if report.causes else None,
+            "causes": [f"{c.kind}:{c.name}@{c.layer}" for c in report.causes], "judged": report.judged,
+            "seconds": float(report.seconds), "layer_runs": dict(report.layer_runs),
+            "layer_runs_total": int(sum(report.layer_runs.values()))}
+
+
+def _tasks(plan: VerdictPlan, faults: Sequence[str]) -> list[dict[str, Any]]:
+    """Every run of the plan, in order (correct runs first), as descriptions."""
+    tasks: list[dict[str, Any]] = []
+    for model in plan.torch_models:
+        for n, seeds in sorted(plan.torch_lengths.items()):
+            tasks += [{"kind": "correct", "engine": "torch", "model": model, "qat": True, "fault": None,
+                       "prompt": n, "seed": plan.seed0 + s} for s in range(seeds)]
+    fault_seeds = [plan.seed0 + 1000 + i for i in range(plan.fault_prompts)]
+    if False in plan.fault_qat and faults:   # the clean QAT-off baselines are correct runs too
+        tasks += [{"kind": "correct", "engine": "torch", "model": "f32", "qat": False, "fault": None,
+                   "prompt": plan.fault_length, "seed": s} for s in fault_seeds]
+    for ft in plan.llamacpp_types:
+        tasks += [{"kind": "correct", "engine": "llamacpp", "model": f"lcp-{ft}", "qat": False, "fault": None,
+                   "prompt": plan.llamacpp_length, "seed": plan.seed0 + s} for s in range(plan.llamacpp_seeds)]
+    for qat in plan.fault_qat:
+        for fault in faults:
+            tasks += [{"kind": "fault", "engine": "torch", "model": "f32", "qat": qat, "fault": fault,
+                       "prompt": plan.fault_length, "seed": s} for s in fault_seeds]
+    return tasks
+
+
+def _judge(row: dict[str, Any]) -> None:
+    """Mark the row: a correct run is a false DEFECT when check says DEFECT; a faulty run is detected when DEFECT
+    and found when, besides, the named cause is the fault at the expected layer."""
+    if row["kind"] == "correct":
+        row["false_defect"] = row["verdict"] == "DEFECT"
+    else:
+        row["detected"] = row["verdict"] == "DEFECT"
+        row["found"] = bool(row["detected"] and row["cause"] == row["fault"]
+                            and row["culprit_layer"] == row["expected_layer"])
+
+
+def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Run the plan: trace (or capture) each candidate into `scratch`, judge it with `parity.api.check` from the
+    file, one progress line per run on `log`. Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
+    from parity import api
+    from parity.contract.engine import RunOptions, engine_faults
+    from parity.gguf.weights import Weights
+
+    faults = plan.faults if plan.faults is not None else engine_faults("torch")
+    tasks = _tasks(plan, faults)
+    scratch.mkdir(parents=True, exist_ok=True)
+    configs = {k: Weights(p).config for k, p in models.items()}
+    clean: dict[tuple[bool, int], Any] = {}   # (qat, seed) -> clean torch trace on tiny f32, fault_length tokens
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for i, task in enumerate(tasks):
+        t = time.perf_counter()
+        cfg = configs[task["model"]]
+        tokens = prompt(task["prompt"], task["seed"], cfg.vocab_size, cfg.bos_token_id)
+        model = models[task["model"]]
+        opts = RunOptions() if task["qat"] else RunOptions(fp8_kv=False, fp4_indexer=False)
+        keep = task["kind"] == "correct" and task["engine"] == "torch" and not task["qat"]
+        # a trace and its vectors side file, in a folder of their own; a clean QAT-off run is kept as the baseline
+        # of the faulty runs on the same prompt
+        folder = scratch / (f"clean-0-{task['seed']}" if keep else f"cand-{i}")
+        folder.mkdir(exist_ok=True)
+        path = folder / "trace.npz"
+        expected = None
+        if task["engine"] == "llamacpp":
+            api.capture_llamacpp(model, tokens, path, decode=plan.decode)
+        elif task["kind"] == "correct":
+            api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
+                                     options=opts), path)
+        else:
+            key = (task["qat"], task["seed"])
+            if key not in clean:
+                base = scratch / f"clean-{int(task['qat'])}-{task['seed']}" / "trace.npz"
+                if not base.exists():
+                    base.parent.mkdir(exist_ok=True)
+                    api.save_trace(api.trace("torch", model, tokens, positions="all", full="all",
+                                             decode=plan.decode, options=opts), base)
+                clean[key] = api.load_trace(base)
+            ref = clean[key]
+            forced = ref.header.tokens[len(tokens):]
+            api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
+                                     forced=forced, options=RunOptions(fp8_kv=task["qat"], fp4_indexer=task["qat"],
+                                                                       inject=(task["fault"],))), path)
+            expected = first_acting_layer(ref, api.load_trace(path))
+        report = api.check(path, model)
+        row = _row(report, **task, decode=plan.decode, wall_s=time.perf_counter() - t)
+        if task["kind"] == "fault":
+            row["expected_layer"] = expected
+        if not keep:
+            shutil.rmtree(folder)
+        _judge(row)
+        rows.append(row)
+        done = time.perf_counter() - t0
+        eta = done / (i + 1) * (len(tasks) - i - 1)
+        what = f"{task['engine']} {task['model']}{'' if task['qat'] else ' qat-off'} T={task['prompt']}+{plan.decode}"
+        if task["kind"] == "fault":
+            what += f" fault {task['fault']} (expected layer {expected})"
+        flag = (" FALSE DEFECT" if row.get("false_defect") else
+                " MISSED" if task["kind"] == "fault" and not row["found"] else "")
+        log(f"[{i + 1}/{len(tasks)}] {what} seed {task['seed']}: {row['headline'][:120]} "
+            f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}; ETA {eta / 60:.1f} min")
+    plan_json = {k: v for k, v in asdict(plan).items() if k != "extra"}
+    plan_json["torch_lengths"] = {str(k): v for k, v in plan.torch_lengths.items()}
+    plan_json["faults"] = list(faults)
+    return {"alpha": ALPHA, "twins": N_TWINS, "plan": plan_json, "rows": rows, "summary": summarize(rows),
+            "wall_s": time.perf_counter() - t0}
+
+
+def upper_bound(k: int, n: int, conf: float = 0.95) -> float:
+    """One-sided Clopper-Pearson upper bound of a binomial rate with k successes in n trials."""
+    if n == 0:
+        return 1.0
+    if k >= n:
+        return 1.0
+
+    def cdf(p: float) -> float:
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+    lo, hi = k / n, 1.0
+    for _ in range(60):   # cdf decreases in p: the p where P(X <= k) = 1 - conf
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 1 - conf else (lo, mid)
+    return hi
+
+
+def _times(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    secs = [r["seconds"] for r in rows]
+    runs = [r["layer_runs_total"] for r in rows]
+    return {"n": len(rows), "median_s": statistics.median(secs) if secs else None, "max_s": max(secs, default=None),
+            "median_layer_runs": statistics.median(runs) if runs else None}
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregates computed from the rows alone: false-DEFECT count / rate (with its 95 % upper bound), verdict
+    counts, detection and naming rates (overall, per fault, per QAT setting), the runs that went wrong, and time
+    per check (overall, per candidate group, and against the prompt length)."""
+    correct = [r for r in rows if r["kind"] == "correct"]
+    faulty = [r for r in rows if r["kind"] == "fault"]
+    acting = [r for r in faulty if r["expected_layer"] is not None]
+    n_fd = sum(r["false_defect"] for r in correct)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in correct:
+        groups.setdefault(f"{r['engine']} {r['model']}{'' if r['qat'] else ' qat-off'}", []).append(r)
+    per_group = {g: {"verdicts": _count(rs), "false_defects": sum(r["false_defect"] for r in rs), **_times(rs)}
+                 for g, rs in groups.items()}
+    by_length: dict[str, dict[str, Any]] = {}
+    for r in correct:
+        if r["engine"] == "torch" and r["qat"]:
+            by_length.setdefault(r["model"], {}).setdefault(str(r["prompt"]), []).append(r)
+    per_fault: dict[str, dict[str, Any]] = {}
+    for r in faulty:
+        f = per_fault.setdefault(r["fault"], {"n": 0, "acting": 0, "detected": 0, "found": 0})
+        f["n"] += 1
+        f["acting"] += r["expected_layer"] is not None
+        f["detected"] += r["detected"]
+        f["found"] += r["found"] and r["expected_layer"] is not None
+    per_qat = {}
+    for qat in sorted({r["qat"] for r in faulty}):
+        rs = [r for r in acting if r["qat"] == qat]
+        per_qat["on" if qat else "off"] = {"n": len(rs), "detected": sum(r["detected"] for r in rs),
+                                           "found": sum(r["found"] for r in rs)}
+    brief = lambda r: {k: r.get(k) for k in ("engine", "model", "qat", "fault", "prompt", "seed",  # noqa: E731
+                                             "expected_layer", "verdict", "headline")}
+    return {
+        "correct": {"n": len(correct), "verdicts": _count(correct), "false_defects": n_fd,
+                    "false_defect_rate": n_fd / len(correct) if correct else None,
+                    "false_defect_rate_upper95": upper_bound(n_fd, len(correct)) if correct else None,
+                    "groups": per_group},
+        "faults": {"n": len(faulty), "acting": len(acting), "inert": len(faulty) - len(acting),
+                   "detected": sum(r["detected"] for r in acting), "found": sum(r["found"] for r in acting),
+                   "detection_rate": sum(r["detected"] for r in acting) / len(acting) if acting else None,
+                   "found_rate": sum(r["found"] for r in acting) / len(acting) if acting else None,
+                   "per_fault": per_fault, "per_qat": per_qat},
+        "false_defects": [brief(r) for r in correct if r["false_defect"]],
+        "misses": [brief(r) for r in acting if not r["found"]],
+        "time": {"all": _times(rows), "correct": _times(correct), "faults": _times(faulty),
+                 "by_length": {m: {n: _times(rs) for n, rs in sorted(d.items(), key=lambda kv: int(kv[0]))}
+                               for m, d in by_length.items()}},
+    }
+
+
+def _count(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["verdict"]] = out.get(r["verdict"], 0) + 1
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def render_verdicts_markdown(result: dict[str, Any]) -> str:
+    """The tables of docs/check.md's benchmark section."""
+    s = result["summary"]
+    c, f, tm = s["correct"], s["faults"], s["time"]
+    verdicts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))  # noqa: E731
+    lines = [f"`check` verdicts: α = {result['alpha']:g}, {result['twins']} round-off twins, "
+             f"{c['n']} correct and {f['n']} faulty candidates, bench wall time {result['wall_s'] / 60:.1f} min.", "",
+             "| measure | value |", "|---|---|",
+             f"| correct runs | {c['n']} ({verdicts(c['verdicts'])}) |",
+             f"| false DEFECT | {c['false_defects']} / {c['n']} = {_pct(c['false_defect_rate'])} "
+             f"(95 % upper bound {_pct(c['false_defect_rate_upper95'])}) |",
+             f"| faulty runs (fault acts on the prompt) | {f['n']} ({f['acting']}) |",
+             f"| detected (DEFECT) | {f['detected']} / {f['acting']} = {_pct(f['detection_rate'])} |",
+             f"| found (DEFECT, that fault, right layer) | {f['found']} / {f['acting']} = {_pct(f['found_rate'])} |",
+             f"| time per check, median / max | {tm['all']['median_s']:.1f} s / {tm['all']['max_s']:.1f} s |", "",
+             "| correct candidates | runs | verdicts | false DEFECT | median / max s | median layer-runs |",
+             "|---|---|---|---|---|---|"]
+    for g, d in c["groups"].items():
+        lines.append(f"| {g} | {d['n']} | {verdicts(d['verdicts'])} | {d['false_defects']} | "
+                     f"{d['median_s']:.1f} / {d['max_s']:.1f} | {d['median_layer_runs']:g} |")
+    lines += ["", "| fault | runs (acting) | detected | found | ", "|---|---|---|---|"]
+    lines += [f"| {name} | {d['n']} ({d['acting']}) | {d['detected']} | {d['found']} |"
+              for name, d in f["per_fault"].items()]
+    if f["per_qat"]:
+        lines += ["", "QAT simulations on / off (acting runs): " + "; ".join(
+            f"{k}: {d['found']} / {d['n']} found, {d['detected']} DEFECT" for k, d in f["per_qat"].items())]
+    if tm["by_length"]:
+        lines += ["", "Time per check against prompt length (torch, QAT on, + decode steps; median s / median "
+                  "layer-runs):", "", "| model | " + " | ".join(f"T = {n}" for n in
+                                                                 next(iter(tm["by_length"].values()))) + " |",
+                  "|---|" + "---|" * len(next(iter(tm["by_length"].values())))]
+        for m, d in tm["by_length"].items():
+            lines.append(f"| tiny {m} | " + " | ".join(f"{v['median_s']:.1f} s / {v['median_layer_runs']:g}"
+                                                       for v in d.values()) + " |")
+    for title, key in (("False DEFECTs", "false_defects"), ("Missed or misnamed faults", "misses")):
+        lines += ["", f"{title}: {len(s[key]) or 'none'}"]
+        for r in s[key]:
+            fault = f" fault {r['fault']} (expected layer {r['expected_layer']})" if r["fault"] else ""
+            lines.append(f"* {r['engine']} {r['model']} qat={r['qat']} T={r['prompt']} seed {r['seed']}{fault}: "
+                         f"`{r['headline']}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_verdicts(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """verdicts.json (strict JSON, atomic) and verdicts.md in out_dir."""
+    from parity.compare.jsonvalues import json_safe
+    from parity.contract.files import atomic_write_bytes, atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = atomic_write_bytes(out_dir / "verdicts.json",
+                            json.dumps(json_safe(result), indent=2, allow_nan=False).encode("utf-8"))
+    md = atomic_write_text(out_dir / "verdicts.md", render_verdicts_markdown(result))
+    return js, md
