@@ -131,6 +131,7 @@ class ReferenceEngine:
     def _set_seed(self, seed: int) -> None:
         """Monte-Carlo round-off with `seed`: every sub-op output, and every matmul input that gets rounded."""
         self.jitter = partial(jitter, seed=seed)
+        self.numerics = replace(self.numerics, tie_seed=seed)
         self.store = self.store.with_input_jitter(lambda x, name, k: jitter(x, seed, f"in:{name}", k))
 
     def forward_ops(self, state: SequenceState, layer: int, carrier: np.ndarray, tokens: np.ndarray,

@@ -12,6 +12,7 @@ import numpy as np
 
 from reference_cpu.linear import Weight, linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
+from reference_cpu.roundoff import uniform_hash
 from reference_cpu.rope import RopeTable, apply_rope
 from reference_cpu.threads import Workers
 
@@ -44,17 +45,21 @@ def indexer_scores(q: np.ndarray, w: np.ndarray, rows: np.ndarray) -> np.ndarray
     return w @ np.maximum(q @ rows.T, 0)
 
 
-def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores, equal scores ordered by lowest index first, returned ascending.
+def topk_lowest_index(scores: np.ndarray, k: int, tie_key: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the k largest scores, equal scores ordered by lowest index first (or by `tie_key`, a round-off
+    twin's random order of exact ties), returned ascending.
 
-    scores [N] -> int [min(k, N)].
+    scores [N], tie_key [N] or None -> int [min(k, N)].
     """
-    order = np.argsort(-scores, kind="stable")
+    order = np.argsort(-scores, kind="stable") if tie_key is None else np.lexsort((tie_key, -scores))
     return np.sort(order[:k])
 
 
-def select_one(q: np.ndarray, w: np.ndarray, rows: np.ndarray, t: int, ratio: int, topk: int) -> np.ndarray:
-    """Sel_t = all j < n_t if n_t ≤ k else top-k of score_t over j < n_t, n_t = ⌊(t+1)/m⌋ (§8.3, §9).
+def select_one(q: np.ndarray, w: np.ndarray, rows: np.ndarray, t: int, ratio: int, topk: int,
+               tie_seed: int | None = None) -> np.ndarray:
+    """Sel_t = all j < n_t if n_t ≤ k else top-k of score_t over j < n_t, n_t = ⌊(t+1)/m⌋ (§8.3, §9); exact
+    ties by lowest index, or in a seeded random order (`tie_seed`: a round-off twin, for which the order of
+    exactly equal scores is as implementation-defined as for any other engine).
 
     q [n_heads, d_I], w [n_heads] scaled, rows [N, d_I] -> int [topk] ascending, -1 padded.
     """
@@ -63,17 +68,18 @@ def select_one(q: np.ndarray, w: np.ndarray, rows: np.ndarray, t: int, ratio: in
     if n_t <= topk:
         sel[:n_t] = np.arange(n_t)
     else:
-        sel[:] = topk_lowest_index(indexer_scores(q, w, rows[:n_t]), topk)
+        key = None if tie_seed is None else uniform_hash(np.arange(n_t, dtype=np.uint32), tie_seed, t)
+        sel[:] = topk_lowest_index(indexer_scores(q, w, rows[:n_t]), topk, key)
     return sel
 
 
 def select_rows(q: np.ndarray, w: np.ndarray, rows: np.ndarray, pos: np.ndarray, ratio: int,
-                topk: int, workers: Workers) -> np.ndarray:
+                topk: int, workers: Workers, tie_seed: int | None = None) -> np.ndarray:
     """`select_one` for every query (independent queries, split over `workers`).
 
     q [n, n_heads, d_I], w [n, n_heads] scaled, rows [N, d_I], pos [n] -> int [n, topk] ascending, -1 padded.
     """
     def queries(idx: range) -> np.ndarray:
-        return np.stack([select_one(q[i], w[i], rows, int(pos[i]), ratio, topk) for i in idx])
+        return np.stack([select_one(q[i], w[i], rows, int(pos[i]), ratio, topk, tie_seed) for i in idx])
 
     return np.concatenate(workers.map(queries, workers.split(len(pos))))

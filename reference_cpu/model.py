@@ -52,6 +52,7 @@ class Numerics:
     fp4_indexer: bool
     expert_override: Callable[[int, int, int], np.ndarray] | None
     kv_round: Callable[[np.ndarray], np.ndarray] | None
+    tie_seed: int | None = None   # round-off twin: exact indexer-score ties in a seeded random order
 
 
 @dataclass
@@ -155,7 +156,7 @@ def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: La
     w_idx = indexer_weights(x, store.matrix(p + "indexer.proj.weight"), cfg.index_head_dim)
     st.index.rows = tap.rows("index_rows", st.index.rows)
     return tap.out("index_sel", select_rows(q_idx, w_idx, st.index.rows, pos, cfg.ratio(layer), cfg.index_topk,
-                                            workers))
+                                            workers, num.tie_seed))
 
 
 def attention(store: WeightStore, cfg: ModelConfig, layer: int, st: LayerState, x: np.ndarray, pos: np.ndarray,

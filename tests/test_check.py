@@ -33,7 +33,7 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 ENV_F32 = TRACES / "tiny-f32.envelope.json"
 DECODE = 4
 FAULTS = engine_faults("torch")
-BENIGN = {"fp8-code-flip", "fp4-code-flip", "amplified-drift", "routing-flip", "act-quant-q8_0", "act-bf16",
+BENIGN = {"tie", "fp8-code-flip", "fp4-code-flip", "amplified-drift", "routing-flip", "act-quant-q8_0", "act-bf16",
           "act-f16", "kv-f16", "rope-angle-recurrence", "qat-sims-off", "qat-sims-on"}
 
 
@@ -76,6 +76,14 @@ def test_every_fault_is_a_defect_named_at_its_layer_and_subop(tiny_f32, setup, c
     cand = _torch_trace(tiny_f32, *setup, tmp_path / f"{fault}.trace", inject=(fault,))
     layer = _first_acting_layer(clean_trace, cand)
     r = api.check(tmp_path / f"{fault}.trace", tiny_f32, envelope=ENV_F32)
+    if fault == "indexer-ties-highest":
+        # the prompt has one exact indexer-score tie (ReLU zeroes both rows' scores); breaking it the other way is
+        # what transformers' torch.topk does on the same prompt, and round-off twins break it either way: a TIE,
+        # named at its layer and position. (With >= 2 ties all broken as the fault does, the fault is named.)
+        ties = [c for c in r.causes if c.name == "tie"]
+        assert r.verdict == "NOISE" and ties and {c.layer for c in ties} == {layer}, r.headline
+        assert all(c.subop == "indexer_selection" and "position 27" in c.evidence for c in ties), ties
+        return
     assert r.verdict == "DEFECT", r.headline
     assert (r.culprit.layer, r.causes[-1].name) == (layer, fault), r.headline
     assert r.culprit.subop in SUBOP[fault], r.headline

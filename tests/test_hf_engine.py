@@ -116,3 +116,18 @@ def test_bisect_hf_clean_is_no_defect(engines, tiny_f32):
     env = api.measure_envelope(tiny_f32, "hf", OFF)
     r = bisect(ref, hf, PROMPT[:28], 4, env)
     assert r.verdict == "no defect", r.summary
+
+
+def test_check_calls_transformers_exact_indexer_tie_a_tie(tiny_f32, tmp_path):
+    """docs/peers.md's repeated-motif prompt: transformers picks other rows at an exact indexer-score tie (position
+    27, layer 4). check labels it TIE with the rows named, never DEFECT."""
+    from parity import api
+    from parity.bisect.search import builtin_prompt
+
+    prompt = builtin_prompt(290, 0)
+    t = api.trace("hf", tiny_f32, prompt, positions="all", full="all", decode=4, options=OFF)
+    r = api.check(t, tiny_f32)
+    ties = [c for c in r.causes if c.name == "tie"]
+    assert r.verdict == "NOISE" and ties, r.headline
+    assert [(c.layer, c.subop) for c in ties] == [(4, "indexer_selection")], ties
+    assert "position 27" in ties[0].evidence and "+6 -2" in ties[0].evidence, ties

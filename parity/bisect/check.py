@@ -303,7 +303,8 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
         st.runs["null"] = n_twins * len(layers)
     st.notes.append(_evidence_note(op_level, cand is not None))
     for r in local:
-        st.notes += [f"layer {r.layer}: {t}" for t in r.fit.ties]
+        for t in r.fit.ties:
+            st.causes.append(Cause("benign", "tie", r.layer, "indexer_selection" if "indexer" in t else "router", t))
     departing = [r for r in local if r.departs]
     tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
     if not departing and tied and cand is not None:

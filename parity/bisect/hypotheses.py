@@ -137,9 +137,28 @@ def table_rows(trace: Trace, kind: str, layer: int) -> dict[str, np.ndarray]:
     return {k: v[sel] for k, v in t.cols.items()}
 
 
+def twins_make(members: np.ndarray | None, theirs: np.ndarray, mine: np.ndarray) -> bool:
+    """A differing discrete pick is within round-off when every element the candidate picked and the reference
+    did not is picked by some twin, and every element it dropped is dropped by some twin (an exact tie among
+    several rows is broken every way by the twins, though no one twin need make the candidate's whole set).
+    members [N, K] the twins' picks at that position, theirs / mine [K] (-1 padding ignored)."""
+    if members is None:
+        return False
+    added = set(theirs.tolist()) - set(mine.tolist()) - {-1}
+    dropped = set(mine.tolist()) - set(theirs.tolist()) - {-1}
+    return (all((members == a).any(axis=1).any() for a in added)
+            and all((~(members == d).any(axis=1)).any() for d in dropped))
+
+
 def ulps(margin: float, scale: float) -> float:
     """A margin in float32 ulps at the size of the values it separates."""
     return margin / float(np.spacing(np.float32(max(abs(scale), 1e-30))))
+
+
+def _diff(theirs: np.ndarray, mine: np.ndarray) -> str:
+    """'+a +b -c -d': what the candidate picked beyond the reference and what it left out."""
+    a, b = set(theirs.tolist()) - {-1}, set(mine.tolist()) - {-1}
+    return " ".join([*(f"+{x}" for x in sorted(a - b)), *(f"-{x}" for x in sorted(b - a))])
 
 
 def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
@@ -164,7 +183,7 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
         for i in np.flatnonzero((mine != theirs).any(axis=1)):
             p = int(moe["pos"][i])
             m = float(margin[i])
-            if null.ids is not None and (null.ids[:, p] == theirs[i]).all(axis=1).any():
+            if twins_make(None if null.ids is None else null.ids[:, p], theirs[i], mine[i]):
                 ties.append(f"TIE: expert set at position {p}, router margin {m:.3g} "
                             f"({ulps(m, 1.0):.3g} ulps of 1)")
                 continue
@@ -180,8 +199,9 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
         theirs = np.sort(theirs[:, -width:] if theirs.shape[1] > width else theirs, axis=1)
         for i in np.flatnonzero((mine_sel[attn["pos"][rows]] != theirs).any(axis=1)):
             p = int(attn["pos"][rows][i])
-            if null.sel is not None and (null.sel[:, p] == theirs[i]).all(axis=1).any():
-                ties.append(f"TIE: indexer selection at position {p} (a round-off twin picks the same rows)")
+            if twins_make(None if null.sel is None else null.sel[:, p], theirs[i], mine_sel[p]):
+                ties.append(f"TIE: indexer selection at position {p}: rows {_diff(theirs[i], mine_sel[p])}, each "
+                            "picked or dropped by some round-off twin too")
                 continue
             return (f"indexer selection differs at position {p}, which no round-off twin makes", p), tuple(ties)
     return None, tuple(ties)

@@ -17,7 +17,7 @@ import numpy as np
 
 from parity.bisect.attribution import layer_input
 from parity.bisect.envelope import DISCRETE, ROW_CAPTURES
-from parity.bisect.hypotheses import Fit
+from parity.bisect.hypotheses import Fit, twins_make
 from parity.bisect.null import N_TWINS, NullTest, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import SUBOPS, block, block_attn
@@ -102,7 +102,7 @@ def judge_ops(ref: Sequence[LayerOutput], twins: Sequence[Sequence[LayerOutput]]
         mine, theirs = _picks(ref, name), _picks(own, name)
         members = np.stack([_picks(t, name) for t in twins]) if twins else None
         for p in np.flatnonzero((mine != theirs).any(axis=1)):
-            if members is not None and (members[:, p] == theirs[p]).all(axis=1).any():
+            if twins_make(None if members is None else members[:, p], theirs[p], mine[p]):
                 ties.append(f"TIE: {OP_OF[name]} pick at position {int(p)} (a round-off twin picks it too)")
             elif struct is None:
                 struct = (f"{OP_OF[name]}: the candidate's pick at position {int(p)} differs and no round-off "
