@@ -12,8 +12,8 @@ import numpy as np
 
 from reference_cpu.linear import Weight, linear
 from reference_cpu.quant_sim import fp4_e2m1_roundtrip, hadamard
-from reference_cpu.roundoff import uniform_hash
 from reference_cpu.rope import RopeTable, apply_rope
+from reference_cpu.roundoff import uniform_hash
 from reference_cpu.threads import Workers
 
 
