@@ -88,3 +88,14 @@ def test_op_forcing_with_its_own_values_is_the_plain_run_and_substitutes_inputs(
     assert np.array_equal(moved.captures["attn_norm"], plain.captures["attn_norm"])
     for name in ("q_path", "kv_latent"):
         assert np.array_equal(moved.captures[name][1:], plain.captures[name][:-1]), name
+
+
+def test_declared_sub_op_inputs_are_sub_op_outputs():
+    # the dataflow is declared once, as data: every input of a sub-op is another sub-op's capture, an HC mix or
+    # the layer's carrier, and every sub-op is declared
+    from parity.contract.checkpoints import SUBOP_INPUTS, SUBOPS
+
+    captures = {c for _, caps in SUBOPS for c in caps}
+    mixes = {f"{w}.{m}" for w in ("hc_attn", "hc_ffn") for m in ("post", "comb")}
+    assert set(SUBOP_INPUTS) == {name for name, _ in SUBOPS}
+    assert {i for inputs in SUBOP_INPUTS.values() for i in inputs} <= captures | mixes | {"carrier"}

@@ -20,7 +20,7 @@ from parity.bisect.envelope import DISCRETE, ROW_CAPTURES
 from parity.bisect.hypotheses import Fit, twins_make
 from parity.bisect.null import N_TWINS, NullTest, judge
 from parity.compare.metrics import rel_l2
-from parity.contract.checkpoints import SUBOPS, block, block_attn
+from parity.contract.checkpoints import SUBOP_INPUTS, SUBOPS, block, block_attn
 from parity.contract.engine import Engine, LayerOutput, OpForcing, RoundoffTwins
 from parity.contract.errors import ParityError
 from parity.tracing.runner import ChunkResult
@@ -42,6 +42,11 @@ def forced_run(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[Chun
     """`layer` over the candidate's chunks, every op on the candidate's inputs (one layer-run)."""
     if not isinstance(engine, OpForcing):
         raise ParityError(f"engine {engine.name} cannot run single ops on given inputs (OpForcing)")
+    needed = {i for inputs in SUBOP_INPUTS.values() for i in inputs} - {"carrier"}
+    missing = sorted(needed - set(given_of(dumps[0], layer)))
+    if missing:
+        raise ParityError(f"layer {layer}: the candidate's dumps lack sub-op input(s) {', '.join(missing)}: no "
+                          "op-level forcing (checkpoints.SUBOP_INPUTS)")
     state = engine.new_state()
     return [engine.forward_ops(state, layer, layer_input(c, layer), c.tokens, c.start_pos, given_of(d, layer))
             for c, d in zip(cand, dumps, strict=True)]

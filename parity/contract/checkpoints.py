@@ -37,6 +37,27 @@ SUBOPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 SUBOP_NAMES: tuple[str, ...] = tuple(name for name, _ in SUBOPS)
 
+# Which sub-op feeds which: sub-op -> the captures (and HC mixes) it consumes, besides the layer's input carrier
+# `carrier`. Op-level teacher forcing (`OpForcing`) runs each sub-op on the candidate's values of these.
+SUBOP_INPUTS: dict[str, tuple[str, ...]] = {
+    "hc_attn_pre": ("carrier",),
+    "attn_norm": ("hc_attn_pre",),
+    "q_path": ("attn_norm",),
+    "kv_latent": ("attn_norm",),
+    "rope": ("q_path", "kv_latent"),
+    "compressor_rows": ("attn_norm",),
+    "indexer_selection": ("attn_norm", "index_rows"),
+    "attention": ("rope_q", "rope_kv", "comp_rows", "index_sel"),
+    "output_proj": ("attn_heads",),
+    "hc_attn_post": ("attn_out", "carrier", "hc_attn.post", "hc_attn.comb"),
+    "hc_ffn_pre": ("hc_attn_post",),
+    "ffn_norm": ("hc_ffn_pre",),
+    "router": ("ffn_norm",),
+    "routed_experts": ("ffn_norm", "expert_ids", "expert_weights"),
+    "shared_expert": ("ffn_norm",),
+    "hc_ffn_post": ("routed_out", "shared_out", "hc_attn_post", "hc_ffn.post", "hc_ffn.comb"),
+}
+
 
 def block(layer: int) -> str:
     return f"blk.{layer}"
