@@ -210,17 +210,23 @@ def _k4_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
-    """x = (d · sc) · q − dmin · m  per 32-value sub-block, q 4-bit, sc/m 6-bit.
-    blocks [n, 144] uint8 -> out [n, 256] float32"""
+def _k_scale_min(blocks: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    """out = (d · sc) · q − (dmin · m) per 32-value sub-block, with the 6-bit scales and mins of bytes 4..15
+    (Q4_K and Q5_K).  blocks [n, size] uint8, codes [n, 256] uint8 -> out [n, 256] float32"""
     n = blocks.shape[0]
     sc, mn = _k4_scale_min(blocks[:, 4:16])
     dl = _f16(blocks, 0)[:, None] * sc.astype(np.float32)
     ml = _f16(blocks, 2)[:, None] * mn.astype(np.float32)
-    codes = _unpack_codes(blocks[:, 16:].view("<u8").reshape(n, 4, 4), _Q4_SHIFT, _LOW4)
     np.copyto(out, codes, casting="unsafe")
     _scale(out.reshape(n * 8, 32), dl.reshape(-1))
     _shift_down(out.reshape(n * 8, 32), ml.reshape(-1))
+
+
+def q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """x = (d · sc) · q − dmin · m  per 32-value sub-block, q 4-bit, sc/m 6-bit.
+    blocks [n, 144] uint8 -> out [n, 256] float32"""
+    n = blocks.shape[0]
+    _k_scale_min(blocks, _unpack_codes(blocks[:, 16:].view("<u8").reshape(n, 4, 4), _Q4_SHIFT, _LOW4), out)
 
 
 def iq2_xxs(blocks: np.ndarray, out: np.ndarray) -> None:
@@ -312,14 +318,9 @@ def q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
     """x = (d · sc) · q − dmin · m  per 32-value sub-block, q 5-bit (4 low bits + one bit of qh), sc/m 6-bit.
     blocks [n, 176] uint8 -> out [n, 256] float32"""
     n = blocks.shape[0]
-    sc, mn = _k4_scale_min(blocks[:, 4:16])
-    dl = _f16(blocks, 0)[:, None] * sc.astype(np.float32)
-    ml = _f16(blocks, 2)[:, None] * mn.astype(np.float32)
     codes = _unpack_codes(blocks[:, 48:].view("<u8").reshape(n, 4, 4), _Q4_SHIFT, _LOW4)
     codes |= _unpack_codes(blocks[:, 16:48].view("<u8").reshape(n, 1, 4), _BIT_SHIFT, _LOW1) << 4
-    np.copyto(out, codes, casting="unsafe")
-    _scale(out.reshape(n * 8, 32), dl.reshape(-1))
-    _shift_down(out.reshape(n * 8, 32), ml.reshape(-1))
+    _k_scale_min(blocks, codes, out)
 
 
 def q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
