@@ -248,3 +248,19 @@ def test_ds4_prefix_ending_in_a_slash(direct, tiny_f32, tmp_path):
     t = import_ds4(f"{tmp_path / 'dumps'}/", tokens=direct.header.tokens, config=Weights(tiny_f32).config,
                    model=direct.header.model)
     assert t.header.checkpoints == direct.header.checkpoints[1:-1] and len(t.moe) == 6 * 8
+
+
+def test_llamacpp_index_picks_per_token_are_read_from_the_tensor():
+    # llama.cpp stores min(top_k, rows its context holds) picks per token (256 at the real top_k 512 for a short
+    # context): the count comes from the tensor, the selection is padded to top_k, and more picks than top_k is
+    # an error naming the tensor
+    from parity.contract.errors import TraceError
+    from parity.gguf.llamacpp import PER_TENSOR, rows, selection
+
+    picks = np.array([[3, 0, 9, 1], [5, 2, 4, 0]], np.int32)          # 4 picks per token, unsorted
+    got = rows(picks, (PER_TENSOR,), "lid_top_k-2")
+    assert got.shape == (2, 4)
+    sel = selection(got, np.array([15, 23]), 4, 8)
+    assert sel.tolist() == [[0, 1, 3, -1, -1, -1, -1, -1], [0, 2, 4, 5, -1, -1, -1, -1]]
+    with pytest.raises(TraceError, match="more than the model's top_k 2"):
+        selection(got, np.array([15, 23]), 4, 2)

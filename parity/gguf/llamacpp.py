@@ -63,7 +63,9 @@ def layer_names(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         per_row[COMP_ROWS[r]] = (hd,)
     if cfg.has_indexer(layer):
         per_row["lid_k"] = (cfg.index_head_dim,)
-        per_row["lid_top_k"] = (cfg.index_topk,)
+        # llama.cpp stores min(top_k, compressed rows its context can hold) picks per token (256 for a short
+        # context at the real top_k 512): the count is read from the tensor, and `selection` pads to top_k
+        per_row["lid_top_k"] = (PER_TENSOR,)
     out = {key(n, layer): s for n, s in per_row.items()}
     out.update({key(n, layer, 2): per_row[n] for n in HC_TWICE})
     return out
@@ -88,9 +90,17 @@ def base_name(k: str) -> str:
     return head if head and tail.isdigit() else stem
 
 
+PER_TENSOR = -1   # a per-row shape entry whose size the tensor itself gives (its innermost axis)
+
+
 def rows(arr: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
-    """Reshape a tensor (tokens or cache rows on axis 0, singleton axes kept or dropped) to [n, *shape]."""
+    """Reshape a tensor (tokens or cache rows on axis 0, singleton axes kept or dropped) to [n, *shape];
+    a PER_TENSOR entry (only as the whole per-row shape) takes the tensor's innermost axis."""
     arr = np.asarray(arr)
+    if shape == (PER_TENSOR,):
+        if arr.ndim == 0 or arr.shape[-1] == 0:
+            raise TraceError(f"{what}: no per-row axis in a tensor of shape {arr.shape}")
+        shape = (arr.shape[-1],)
     width = int(np.prod(shape))
     if arr.size % width:
         raise TraceError(f"{what}: {arr.size} values is not a multiple of the row size {width} (shape {shape})")
@@ -110,6 +120,8 @@ def hadamard_matrix(n: int) -> np.ndarray:
 def selection(picks: np.ndarray, positions: np.ndarray, ratio: int, top_k: int) -> np.ndarray:
     """llama.cpp's `lid_top_k` rows (unsorted; entries >= (t+1)//ratio are masked picks) -> v4parity's
     ascending selection padded with -1. picks [n, top_k], positions [n] -> int [n, top_k]."""
+    if picks.shape[1] > top_k:
+        raise TraceError(f"lid_top_k holds {picks.shape[1]} picks per token, more than the model's top_k {top_k}")
     out = np.full((len(positions), top_k), -1, np.int64)
     for i, t in enumerate(positions):
         valid = np.sort(picks[i][picks[i] < (int(t) + 1) // ratio])
