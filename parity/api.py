@@ -304,6 +304,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
     from parity.contract.engine import engine_faults
+    from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
 
     say = progress or (lambda _m: None)
@@ -312,6 +313,10 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
     preflight(trace_, config, identity)
+    problems = validate(w.tensor_infos(), config).problems
+    if problems:   # judged all the same (both engines read it), but the user is told, as `inspect` tells them
+        notes = [*notes, f"`v4parity inspect` reports {len(problems)} contract problem(s) with this file, first: "
+                 f"{problems[0]}"]
     search = envelope_search if envelope_search is not None else _envelope_search(model)
     ref_options, _ = reference_options(trace_, config)
     qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
