@@ -207,8 +207,9 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
         what = f"{task['engine']} {task['model']}{'' if task['qat'] else ' qat-off'} T={task['prompt']}+{plan.decode}"
         if task["kind"] == "fault":
             what += f" fault {task['fault']} (expected layer {expected})"
-        flag = (" FALSE DEFECT" if row.get("false_defect") else
-                " MISSED" if task["kind"] == "fault" and not row["found"] else "")
+        flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
+                " (fault inert on this prompt: not counted)" if expected is None else "" if row["found"] else
+                " MISSED")
         log(f"[{i + 1}/{len(tasks)}] {what} seed {task['seed']}: {row['headline'][:120]} "
             f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}; ETA {eta / 60:.1f} min")
     plan_json = {k: v for k, v in asdict(plan).items() if k != "extra"}
