@@ -139,7 +139,7 @@ def test_cli_json_markdown_plot_and_exit_codes(tiny_f32, setup, clean_trace, tmp
     api.save_trace(clean_trace, path)
     res = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(path), "--envelope", str(ENV_F32)])
     assert res.exit_code == 0, res.output
-    assert res.stdout.split(":")[0] in ("MATCH", "NOISE")
+    assert res.stdout.split(" ")[0].rstrip(":") in ("MATCH", "NOISE") and "[layer-level]" in res.stdout.splitlines()[0]
 
 
 def test_preflight_refuses_another_model(tiny_f32, tiny_mxfp4, clean_trace, tmp_path):
