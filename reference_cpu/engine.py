@@ -98,6 +98,11 @@ class ReferenceEngine:
                               f"threads={given}")
         self.workers = Workers(threads or given or usable_cpus())
         self.store = WeightStore(self.weights, self.dtype, options.cache_gb, options.act_quant)
+        self._configure(options)
+
+    def _configure(self, options: RunOptions) -> None:
+        """Everything that follows from the run options but the weights and their cache."""
+        self.options = options
         self.numerics = Numerics(options.fp8_kv, options.fp4_indexer, options.expert_override,
                                  f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
@@ -107,6 +112,21 @@ class ReferenceEngine:
             self._set_seed(options.roundoff_seed)
         if options.approximations():
             print(f"reference engine: APPROXIMATE {', '.join(options.approximations())}", file=sys.stderr)
+
+    def variant(self, options: RunOptions) -> ReferenceEngine:
+        """Capability `Variants`: this engine under other run options, sharing the opened file, the dequantized-
+        weight cache and the threads (the cache holds plain dequantized arrays, which no option changes), so a
+        variant costs no second copy of the weights. dtype and cache_gb must stay; other changes are refused as
+        by the constructor."""
+        for name in ("dtype", "cache_gb", "device", "engine_args"):
+            if getattr(options, name) != getattr(self.options, name):
+                raise ParityError(f"the reference engine: a variant cannot change {name} "
+                                  f"({getattr(self.options, name)!r} -> {getattr(options, name)!r}); open a new engine")
+        check_options(options, self.config)
+        twin = copy.copy(self)
+        twin.store = self.store.with_act_quant(options.act_quant)
+        twin._configure(options)
+        return twin
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype)

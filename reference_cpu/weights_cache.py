@@ -85,6 +85,12 @@ class WeightStore:
         self.act_quant = act_quant
         self.input_jitter: Callable[[np.ndarray, str, int], np.ndarray] | None = None
 
+    def with_act_quant(self, act_quant: str) -> WeightStore:
+        """This store (weights and cache shared) with another `act_quant` and no input jitter."""
+        twin = copy.copy(self)
+        twin.act_quant, twin.input_jitter = act_quant, None
+        return twin
+
     def with_input_jitter(self, jitter: Callable[[np.ndarray, str, int], np.ndarray]) -> WeightStore:
         """This store (weights and cache shared) for a round-off twin: a matmul input that gets rounded (an
         approximate `act_quant`) is perturbed first, jitter(x, name, row length), so codes on a rounding

@@ -99,3 +99,17 @@ def test_declared_sub_op_inputs_are_sub_op_outputs():
     mixes = {f"{w}.{m}" for w in ("hc_attn", "hc_ffn") for m in ("post", "comb")}
     assert set(SUBOP_INPUTS) == {name for name, _ in SUBOPS}
     assert {i for inputs in SUBOP_INPUTS.values() for i in inputs} <= captures | mixes | {"carrier"}
+
+
+def test_a_variant_shares_the_cache_and_computes_as_a_new_engine(ref, tiny_f32):
+    from parity.contract.engine import Variants
+
+    assert isinstance(ref, Variants)
+    tokens = np.asarray(builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)[:16])
+    options = RunOptions(act_quant="q8_0", rope_angles="recurrence")
+    var, new = ref.variant(options), load_engine("reference", str(tiny_f32), options)
+    assert var.store.cache is ref.store.cache and var.options == options and ref.options == RunOptions()
+    assert np.array_equal(_run(var, tokens, 2).carrier, _run(new, tokens, 2).carrier)
+    assert not np.array_equal(_run(var, tokens, 2).carrier, _run(ref, tokens, 2).carrier)
+    with pytest.raises(ParityError, match="cannot change dtype"):
+        ref.variant(RunOptions(dtype="float64"))

@@ -44,7 +44,7 @@ from parity.bisect.opforce import op_verdict
 from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
-from parity.contract.engine import Engine, LayerOutput, RunOptions
+from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
 from parity.gguf.config import ModelConfig
 from parity.tracing.records import Trace
@@ -273,6 +273,8 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     notes = [*notes, *qat_notes]
     env.check_options(opts)
     ref_engine = make_reference(opts)
+    if isinstance(ref_engine, Variants):   # variants share the reference's weights and cache (no second copy)
+        make_reference = _quiet(ref_engine.variant, announced)
     L = ref_engine.config.n_layers
     st = _Stages(notes=list(notes), runs={"free": L})
     say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")

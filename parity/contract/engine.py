@@ -187,6 +187,13 @@ class RoundoffTwins(Protocol):
 
 
 @runtime_checkable
+class Variants(Protocol):
+    def variant(self, options: RunOptions) -> Engine:
+        """The same engine under other run options, sharing its opened weights and caches (no second copy of the
+        model in memory); options it cannot change that way are refused, naming them."""
+
+
+@runtime_checkable
 class CacheStats(Protocol):
     def cache_stats(self) -> dict[str, int]:
         """Statistics of the engine's weight cache (entries, bytes, budget, hits, misses, evictions)."""
