@@ -53,18 +53,22 @@ class LayerAttribution:
     free_excess: float
     worst_position: int    # argmax_t of the local error
     row_mismatch: int | None = None  # first position whose visible compressed-row count differs (structural)
+    null_departs: bool | None = None  # the round-off null's test (parity.bisect.null), when measured: it decides
 
     @property
     def kind(self) -> str:
-        """'local' defect, 'propagated' upstream drift, or 'clean'."""
-        if self.local_excess > 1 or self.row_mismatch is not None:
+        """'local' defect, 'propagated' upstream drift, or 'clean'. Local by the round-off null when it was
+        measured (the same judgement as `check`), else by the envelope."""
+        local = self.null_departs if self.null_departs is not None else self.local_excess > 1
+        if local or self.row_mismatch is not None:
             return "local"
         return "propagated" if self.free_excess > 1 else "clean"
 
 
 def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free_errors: dict[str, np.ndarray],
-              env: Envelope) -> list[LayerAttribution]:
-    """One row per teacher-forced layer, from the TF outputs and the free-running per-position errors."""
+              env: Envelope, departs: dict[int, bool] | None = None) -> list[LayerAttribution]:
+    """One row per teacher-forced layer, from the TF outputs and the free-running per-position errors;
+    `departs`: per layer, the round-off null's verdict on the local error (None: judged by the envelope)."""
     rows = []
     for l, outs in sorted(tf.items()):
         ref_out = np.concatenate([c.checkpoints[block(l)] for c in ref])
@@ -80,7 +84,8 @@ def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free
             layer=l, local=float(loc.max()), local_attn=float(loc_attn.max()), free=free, floor=floor,
             local_excess=float(env.excess(loc.max(), floor)),
             free_excess=float(env.excess(free, floor)), worst_position=int(loc.argmax()),
-            row_mismatch=int(mism[0]) if len(mism) else None))
+            row_mismatch=int(mism[0]) if len(mism) else None,
+            null_departs=None if departs is None else departs[l]))
     return rows
 
 

@@ -18,10 +18,17 @@ gives on correct runs is measured by `make bench` (docs/check.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from parity.bisect.attribution import teacher_forced
+from parity.compare.metrics import rel_l2
+from parity.contract.checkpoints import block, block_attn
+from parity.contract.engine import Engine, LayerOutput, RoundoffTwins
+from parity.contract.errors import ParityError
+from parity.tracing.runner import ChunkResult
 
 N_TWINS = 19
 ALPHA = 1e-3
@@ -100,3 +107,56 @@ def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],
                 worst = c
     p = binomial_tail(cells, 1.0 / (n + 1), exceed) if n else (0.0 if exceed else 1.0)
     return NullTest(cells, exceed, n, p, first, worst, err)
+
+
+@dataclass(frozen=True)
+class LayerNull:
+    """One layer's round-off ensemble on the candidate's inputs (`parity.bisect.null`): per carrier quantity the
+    twins' distances from their exact run, [N, T], each twin's sorted expert set per position, [N, T, K], and
+    its sorted indexer selection, [N, T, top_k] (None off CSA layers)."""
+
+    dist: dict[str, np.ndarray]
+    ids: np.ndarray | None
+    sel: np.ndarray | None = None
+
+
+def carriers(outs: Sequence[LayerOutput], layer: int) -> dict[str, np.ndarray]:
+    """A layer run's two carriers by checkpoint name, every position: blk.l.attn, blk.l -> [T, H, D]."""
+    return {block_attn(layer): np.concatenate([o.attn_carrier for o in outs]),
+            block(layer): np.concatenate([o.carrier for o in outs])}
+
+
+def sorted_ids(outs: Sequence[LayerOutput]) -> np.ndarray:
+    return np.sort(np.concatenate([o.diag.expert_ids for o in outs]), axis=1)
+
+
+def sorted_sel(outs: Sequence[LayerOutput]) -> np.ndarray | None:
+    if outs[0].diag.index_sel is None:
+        return None
+    return np.sort(np.concatenate([o.diag.index_sel for o in outs]), axis=1)
+
+
+def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, list[LayerOutput]],
+                n: int = N_TWINS, on_twin: Callable[[int], None] | None = None) -> dict[int, LayerNull]:
+    """The round-off ensembles of every layer of `exact` (engine's teacher-forced runs on the candidate's
+    inputs): n twins of `engine` (`RoundoffTwins`), each one pass over those layers. n layer-runs per layer."""
+    if not isinstance(engine, RoundoffTwins):
+        raise ParityError(f"engine {engine.name} has no round-off twins (RoundoffTwins): no measured null")
+    layers = sorted(exact)
+    base = {l: carriers(exact[l], l) for l in layers}
+    dist: dict[int, dict[str, list[np.ndarray]]] = {l: {q: [] for q in base[l]} for l in layers}
+    ids: dict[int, list[np.ndarray]] = {l: [] for l in layers}
+    sel: dict[int, list[np.ndarray]] = {l: [] for l in layers}
+    for seed in range(1, n + 1):
+        runs = teacher_forced(engine.roundoff_twin(seed), cand, layers)
+        for l in layers:
+            for q, arr in carriers(runs[l], l).items():
+                dist[l][q].append(rel_l2(base[l][q], arr))
+            ids[l].append(sorted_ids(runs[l]))
+            picks = sorted_sel(runs[l])
+            if picks is not None:
+                sel[l].append(picks)
+        if on_twin:
+            on_twin(seed)
+    return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l]),
+                         np.stack(sel[l]) if sel[l] else None) for l in layers}

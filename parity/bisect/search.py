@@ -33,10 +33,11 @@ from parity.bisect.attribution import (
     teacher_forced,
 )
 from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors
+from parity.bisect.null import N_TWINS, judge, layer_nulls
 from parity.bisect.trajectory import Trajectory, trajectory
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
-from parity.contract.engine import Engine, LayerDiag, LayerOutput
+from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
 from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
 
@@ -508,13 +509,34 @@ def _clean_summary(fs: FreeStage) -> str:
             + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
 
 
+def local_departures(ref_engine: Engine, ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]],
+                     say: Progress) -> dict[int, bool] | None:
+    """Per layer, whether the candidate's layer on the reference's inputs departs by the round-off null (the
+    reference's twins on the same inputs; `check`'s test), or None when the reference has no twins."""
+    if not isinstance(ref_engine, RoundoffTwins):
+        return None
+    say(f"round-off null: {N_TWINS} twins of the reference on its own inputs")
+    own = {l: [LayerOutput(c.checkpoints[block_attn(l)], c.checkpoints[block(l)], c.diags[l]) for c in ref]
+           for l in tf}
+    nulls = layer_nulls(ref_engine, ref, own)
+    out = {}
+    for l, outs in tf.items():
+        base = {q: np.concatenate([o.checkpoints[q] for o in ref]) for q in (block_attn(l), block(l))}
+        errs = {block_attn(l): rel_l2(base[block_attn(l)], np.concatenate([o.attn_carrier for o in outs])),
+                block(l): rel_l2(base[block(l)], np.concatenate([o.carrier for o in outs]))}
+        T = len(errs[block(l)])
+        out[l] = judge(errs, nulls[l].dist, {q: np.arange(T) for q in errs}).significant
+    return out
+
+
 def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env: Envelope, say: Progress,
              clock: _Clock, counter: Counter | None = None) -> LocalStage:
     """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
     L, P = ref_engine.config.n_layers, n_prompt
     say("teacher-forced pass: every candidate layer on the reference's inputs")
     tick = (lambda i: counter("teacher-forced pass", i + 1, len(fs.ref))) if counter is not None else None
-    attribution = attribute(fs.ref, teacher_forced(cand, fs.ref, list(range(L)), on_chunk=tick), fs.errs, env)
+    tf = teacher_forced(cand, fs.ref, list(range(L)), on_chunk=tick)
+    attribution = attribute(fs.ref, tf, fs.errs, env, local_departures(ref_engine, fs.ref, tf, say))
     runs = {"teacher_forced": 1}
     clock.lap("teacher_forced")
     if fs.max_excess[EMBED] > 1:
