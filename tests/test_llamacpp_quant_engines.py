@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parity import api
-from parity.bisect.check import candidate_chunks, replay, reference_options
+from parity.bisect.check import candidate_chunks, reference_options, replay
 from parity.bisect.inputs import candidate_subops, load_candidate
 from parity.bisect.opforce import forced_run, op_cells
 from parity.compare.metrics import rel_l2
