@@ -235,12 +235,15 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
 
     from parity.bisect.envelope import CALIBRATION_DECODE, calibration_prompt
     from parity.bisect.envelope import measure_envelope as measure
+    from parity.contract.engine import Variants
 
     clean = replace(options, inject=(), expert_override=None)
     qat = {"fp8_kv": clean.fp8_kv, "fp4_indexer": clean.fp4_indexer}
     ref = load_engine("reference", str(model), RunOptions(**qat))
     ref64 = load_engine("reference", str(model), RunOptions(dtype="float64", **qat))
-    cand = load_engine(engine, str(model), clean)
+    # the reference as its own candidate shares the float32 reference's weight cache (one copy less in memory)
+    same = engine == "reference" and isinstance(ref, Variants) and clean.dtype == "float32" and not clean.engine_args
+    cand = ref.variant(clean) if same else load_engine(engine, str(model), clean)
     cand32 = load_engine(engine, str(model), replace(clean, dtype="float32")) if clean.dtype != "float32" else None
     prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress, counter=counter)
