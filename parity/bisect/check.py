@@ -9,10 +9,12 @@ every position of the run, L = layers):
    structural check: the candidate's visible compressed-row counts vs the reference's;
 3. teacher-forced local error: where the candidate recorded full vectors at every position, the reference runs
    layer l on the candidate's own carrier entering l (its caches built from the candidate's earlier inputs)
-   and is compared with the candidate's blk.l.attn / blk.l (one layer-run per layer with an input);
-4. each layer that departs locally is explained by the hypotheses of `parity.bisect.hypotheses`, cheapest
-   first (benign numerics, then the defect library); a free-running excess without any local departure is
-   amplified sub-envelope drift, and the QAT code flip it tips over is named (2 layer-runs).
+   and is compared with the candidate's blk.l.attn / blk.l (layer-level); with the candidate's dumped sub-ops,
+   every op on the candidate's own input to it instead (op-level, `parity.bisect.opforce`). Either is judged
+   by the round-off null of `parity.bisect.null` (19 twins of the same run: 19 layer-runs a layer);
+4. each layer that departs is explained by the hypotheses of `parity.bisect.hypotheses` (benign numerics, each
+   judged by its own twins, then the defect library); ties are named; a free-running excess without any local
+   departure is amplified sub-envelope drift, and the QAT code flip it tips over is named (2 layer-runs).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 * benign numerics: named, opt-in reference variants (`RunOptions` approximate modes) that reproduce known
   engine behaviours; the approximations a trace header declares come first;
-* routing flips within the router-margin noise: the reference replays the candidate's expert ids;
+* routing flips: the reference replays the candidate's expert ids;
 * defects: the library of known porting bugs, each a fault switch of an engine that offers them through the
   protocol (`FaultSwitches`), run as a mutation of the culprit layer.
 A hypothesis explains a layer when its run of that layer on the candidate's inputs reproduces the candidate's
-recorded output inside the envelope, structure (visible rows, expert sets) included. Each costs one layer-run.
+recorded output within the round-off null (`parity.bisect.null`: its own twins for a reference variant, the
+exact run's for a mutation), with no structural difference left (visible rows; expert sets and indexer
+selections that no twin makes). A variant costs 1 + N_TWINS layer-runs, a mutation one.
 """
 
 from __future__ import annotations
