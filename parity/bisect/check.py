@@ -82,7 +82,7 @@ class CheckRow:
     free: float | None          # None: the candidate recorded no full vectors here
     free_excess: float | None
     local: float | None         # None: no teacher-forced run for this checkpoint
-    local_excess: float | None
+    local_twins: float | None   # the layer's worst cell over the largest round-off twin there (0: none outside)
     floor: float
     position: int | None        # first position outside the envelope (local first, else free)
     status: str                 # ok | outside (free only: inherited) | local | structural | not judged
@@ -110,24 +110,8 @@ class LayerLocal:
     fit: Fit
 
     @property
-    def local_attn(self) -> float | None:
-        return self.fit.err_attn
-
-    @property
-    def local(self) -> float | None:
-        return self.fit.err
-
-    @property
     def departs(self) -> bool:
         return not self.fit.explains
-
-    @property
-    def position(self) -> int | None:
-        return self.fit.position
-
-    @property
-    def structural(self) -> str | None:
-        return self.fit.structural
 
     @property
     def twin_ratio(self) -> float:
@@ -293,29 +277,30 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
     tf = (teacher_forced(ref_engine, cand, layers, on_chunk=lambda i: count("local error", i + 1, len(cand)))
           if cand is not None else {})
     st.runs["local"] = len(layers)
-    say(f"round-off null: {n_twins} twins of the reference on the candidate's inputs ({n_twins * len(layers)} "
-        "layer-runs)")
     op_level = subops is not None and cand is not None
-    nulls = (layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, n_twins))
-             if cand is not None and layers and not op_level else {})
+    nulls: dict[int, LayerNull] = {}
     if op_level:
-        say(f"op-level: every sub-op of {len(layers)} layers on the candidate's own dumped inputs")
+        say(f"op-level: every sub-op of {len(layers)} layers on the candidate's own dumped inputs, and "
+            f"{n_twins} round-off twins of each ({(1 + n_twins) * len(layers)} layer-runs)")
         local = [LayerLocal(l, op_verdict(ref_engine, cand, subops, l, n_twins).fit) for l in layers]
         st.runs["op_level"] = (1 + n_twins) * len(layers)
     else:
+        say(f"round-off null: {n_twins} twins of the reference on the candidate's inputs "
+            f"({n_twins * len(layers)} layer-runs)")
+        if cand is not None and layers:
+            nulls = layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, n_twins))
         local = local_errors(trace, tf, nulls)
         st.runs["null"] = n_twins * len(layers)
     st.notes.append(_evidence_note(op_level, cand is not None))
     for r in local:
-        for t in r.fit.ties:
-            st.causes.append(Cause("benign", "tie", r.layer, "indexer_selection" if "indexer" in t else "router", t))
+        st.causes += [Cause("benign", "tie", r.layer, sub, detail) for sub, detail in r.fit.ties]
     departing = [r for r in local if r.departs]
     tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
     if not departing and tied and cand is not None:
-        _tie_rule(trace, ref_engine, cand, tied, nulls, fault_engines, st, say)
+        _tie_rule(trace, ref_engine, cand, tf, tied, nulls, n_twins, fault_engines, st, say)
     if departing:
-        _explain(trace, ref_engine, make_reference, cand, tf, nulls, departing, env, fault_engines, st, say,
-                 subops)
+        _explain(trace, ref_engine, make_reference, cand, tf, nulls, n_twins, departing, env, fault_engines, st,
+                 say, subops)
     else:
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
     names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
@@ -359,13 +344,13 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
 
 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
-             tf: dict[int, list[LayerOutput]], nulls: dict[int, LayerNull], departing: list[LayerLocal],
-             env: Envelope, fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-             say: Progress, subops: Sequence[ChunkResult] | None = None) -> None:
+             tf: dict[int, list[LayerOutput]], nulls: dict[int, LayerNull], n_twins: int,
+             departing: list[LayerLocal], env: Envelope,
+             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages, say: Progress,
+             subops: Sequence[ChunkResult] | None = None) -> None:
     """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
     nothing benign explains is the culprit, matched against the defect library."""
     st.runs.update(hypotheses=0, defect_library=0, drill_down=0)
-    n_twins = departing[0].fit.test.twins
 
     def judge_ops(engine: Engine, layer: int) -> Fit:
         return op_verdict(engine, cand, subops, layer, n_twins).fit
@@ -374,11 +359,9 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
                            judge_ops if subops is not None else layer_judge(trace, cand, n_twins),
                            st.notes, st.runs, n_twins)
     for d in departing:
-        say(f"layer {d.layer}: {d.fit.test.summary()}" + (f", {d.structural}" if d.structural else ""))
-        if d.layer not in nulls:
-            nulls[d.layer] = layer_nulls(ref_engine, cand, {d.layer: tf[d.layer]}, n_twins)[d.layer]
-            st.runs["null"] = st.runs.get("null", 0) + n_twins
-        if subops is None and len(routing_flips(trace, tf[d.layer], d.layer)) and d.structural is None:
+        say(f"layer {d.layer}: {d.fit.test.summary()}" + (f", {d.fit.structural}" if d.fit.structural else ""))
+        _layer_null(ref_engine, cand, tf, nulls, d.layer, n_twins, st)
+        if subops is None and len(routing_flips(trace, tf[d.layer], d.layer)) and d.fit.structural is None:
             st.runs["hypotheses"] += 1
             flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, nulls[d.layer])
             if flip is not None:
@@ -404,30 +387,40 @@ def _evidence(d: LayerLocal, f: Fit) -> str:
     return (f"exact path: {d.fit.test.exceed} of {d.fit.test.cells} cells outside all {d.fit.test.twins} "
             f"round-off twins (p = {d.fit.test.p_value:.2g}, rel-L2 {d.fit.worst:.3g}) -> with the variant: "
             f"{f.test.exceed} (p = {f.test.p_value:.2g}, rel-L2 {f.worst:.3g})"
-            + (f"; {d.structural}" if d.structural else ""))
+            + (f"; {d.fit.structural}" if d.fit.structural else ""))
+
+
+def _layer_null(ref_engine: Engine, cand: list[ChunkResult], tf: dict[int, list[LayerOutput]],
+                nulls: dict[int, LayerNull], layer: int, n_twins: int, st: _Stages) -> LayerNull:
+    """The layer-level null of `layer`, measured when first needed (op-level checks measure none up front)."""
+    if layer not in nulls:
+        nulls[layer] = layer_nulls(ref_engine, cand, {layer: tf[layer]}, n_twins)[layer]
+        st.runs["null"] = st.runs.get("null", 0) + n_twins
+    return nulls[layer]
 
 
 TIE_RULE_MIN = 2   # ties a known fault must break exactly as the candidate does before they are its tie rule
 
 
-def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tied: list[LayerLocal],
-              nulls: dict[int, LayerNull], fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
-              st: _Stages, say: Progress) -> None:
+def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tf: dict[int, list[LayerOutput]],
+              tied: list[LayerLocal], nulls: dict[int, LayerNull], n_twins: int,
+              fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
+              say: Progress) -> None:
     """Ties are not defects, unless a known fault's rule breaks every one of them exactly as the candidate does
     (where the round-off twins break them either way): then the candidate follows that wrong rule."""
     st.runs.setdefault("defect_library", 0)
     for r in tied:
-        if r.layer not in nulls:
-            continue
         say(f"layer {r.layer}: {len(r.fit.ties)} ties; does a known fault's tie rule make every pick?")
-        best, n = defect_library(trace, ref_engine, cand, r.layer, nulls[r.layer], fault_engines)
+        null = _layer_null(ref_engine, cand, tf, nulls, r.layer, n_twins, st)
+        best, n = defect_library(trace, ref_engine, cand, r.layer, null, fault_engines)
         st.runs["defect_library"] += n
         if best is not None and best.fit.explains and not best.fit.ties:
-            sub = "indexer_selection" if any("indexer" in t for t in r.fit.ties) else "router"
+            sub = r.fit.ties[0][0]
             st.causes.append(Cause("defect", best.name, r.layer, sub,
                                    f"matches {best.name}: it breaks all {len(r.fit.ties)} ties as the candidate does "
                                    "(the exact rule and the round-off twins break them otherwise)"))
-            st.culprit = CheckCulprit(r.layer, sub, r.position, _decode_step(r.position, trace.header.n_prompt))
+            pos = r.fit.position
+            st.culprit = CheckCulprit(r.layer, sub, pos, _decode_step(pos, trace.header.n_prompt))
             return
 
 
@@ -450,13 +443,13 @@ def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerL
     st.runs["defect_library"] += n
     unexplained = d.fit.worst
     own = d.fit.subop
-    position = d.position
+    position = d.fit.position
     if best is not None and best.fit.explains:
         sub = own if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
         st.runs["drill_down"] += 2 if own is None else 0
         ev = (f"matches {best.name}: residual {best.fit.worst:.3g} vs unexplained {unexplained:.3g}, "
               f"{best.fit.test.exceed} vs {d.fit.test.exceed} of {d.fit.test.cells} cells outside the round-off "
-              f"twins" + (f"; {d.structural}" if d.structural else ""))
+              f"twins" + (f"; {d.fit.structural}" if d.fit.structural else ""))
         st.causes.append(Cause("defect", best.name, d.layer, sub, ev))
     else:
         sub = own
@@ -466,7 +459,7 @@ def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerL
                    "; no known fault explains any of it" if best is not None else "; no engine offers fault switches")
         st.causes.append(Cause("defect", "unexplained", d.layer, sub,
                                f"{d.fit.test.summary()} (rel-L2 {unexplained:.3g})"
-                               + (f"; {d.structural}" if d.structural else "") + closest))
+                               + (f"; {d.fit.structural}" if d.fit.structural else "") + closest))
     st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
 
 
@@ -480,15 +473,15 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
         f = None if fe is None else float(fe.max())
         fx = None if fe is None else float(env.excess(f, floor))
         lr = by_layer.get(checkpoint_layer(n)) if checkpoint_layer(n) is not None else None
-        lo = None if lr is None else (lr.local_attn if n.endswith(".attn") else lr.local)
+        lo = None if lr is None else (lr.fit.err_attn if n.endswith(".attn") else lr.fit.err)
         lx = None if lo is None or lr is None else lr.twin_ratio
         departs = lr is not None and lr.departs
         pos = None
         if fe is not None and fx is not None and fx > 1:
             pos = int(positions[int(np.argmax(fe > env.limit(floor)))])
         if departs and lr is not None:
-            pos = lr.position
-        status = ("not judged" if fe is None else "structural" if lr is not None and lr.structural and
+            pos = lr.fit.position
+        status = ("not judged" if fe is None else "structural" if lr is not None and lr.fit.structural and
                   not n.endswith(".attn") else "local" if departs else
                   "outside" if fx is not None and fx > 1 else "ok")
         rows.append(CheckRow(n, f, fx, lo, lx, floor, pos, status))

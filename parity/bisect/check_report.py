@@ -53,7 +53,7 @@ def _num(x: float | None) -> str:
 
 
 def row_cells(r: CheckRow) -> list[str]:
-    return [r.checkpoint, _num(r.free), _num(r.free_excess), _num(r.local), _num(r.local_excess), _num(r.floor),
+    return [r.checkpoint, _num(r.free), _num(r.free_excess), _num(r.local), _num(r.local_twins), _num(r.floor),
             "-" if r.position is None else str(r.position), r.status]
 
 
@@ -96,7 +96,8 @@ def to_json(report: CheckReport) -> dict[str, Any]:
 
 
 def plot(report: CheckReport, path: str) -> None:
-    """Free-running and local excess per checkpoint, the envelope at 1, the culprit marked."""
+    """Per checkpoint: the free-running excess over the envelope and the local worst cell over the largest
+    round-off twin (both outside above 1), the culprit marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,13 +105,14 @@ def plot(report: CheckReport, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 3.8))
     xs = range(len(report.table))
-    for attr, style, label in (("free_excess", "o-", "free-running"), ("local_excess", "s--", "local")):
+    for attr, style, label in (("free_excess", "o-", "free-running / envelope"),
+                               ("local_twins", "s--", "local worst cell / largest twin")):
         ys = [getattr(r, attr) for r in report.table]
         ax.semilogy([x for x, y in zip(xs, ys, strict=True) if y is not None],
                     [max(y, 1e-3) for y in ys if y is not None], style, label=label)
     ax.axhline(1, color="gray", lw=1)
     ax.set_xticks(list(xs), [r.checkpoint for r in report.table], rotation=60, fontsize=7)
-    ax.set_ylabel("excess over the envelope")
+    ax.set_ylabel("ratio (outside above 1)")
     from parity.compare.plot import wrapped_title
     from parity.contract.files import save_figure
 

@@ -66,7 +66,7 @@ class Fit:
     err: float | None          # max rel-L2 of blk.l
     test: NullTest             # exceedances over the round-off twins
     structural: str | None     # a discrete difference no twin shows (visible rows, an expert set)
-    ties: tuple[str, ...]      # discrete differences some twin also makes, with their margins
+    ties: tuple[tuple[str, str], ...]  # (sub-op, detail) of discrete differences some twin also makes
     position: int | None       # first exceeding cell's or structural difference's position
     subop: str | None = None   # op-level judgement: the op where the departure is (None: layer-level)
 
@@ -104,7 +104,7 @@ def ulps(margin: float, scale: float) -> float:
     return margin / float(np.spacing(np.float32(max(abs(scale), 1e-30))))
 
 
-def _diff(theirs: np.ndarray, mine: np.ndarray) -> str:
+def pick_diff(theirs: np.ndarray, mine: np.ndarray) -> str:
     """'+a +b -c -d': what the candidate picked beyond the reference and what it left out."""
     a, b = set(theirs.tolist()) - {-1}, set(mine.tolist()) - {-1}
     return " ".join([*(f"+{x}" for x in sorted(a - b)), *(f"-{x}" for x in sorted(b - a))])
@@ -124,7 +124,7 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
             p = int(attn["pos"][bad[0]])
             return (f"visible compressed rows {int(attn['n_comp'][bad[0]])} vs reference {int(vis[p])}", p), ()
     moe = table_rows(trace, "moe", layer)
-    ties: list[str] = []
+    ties: list[tuple[str, str]] = []
     if len(moe["pos"]):
         mine = sorted_ids(outs)[moe["pos"]]
         theirs = np.sort(moe["ids"], axis=1)
@@ -133,8 +133,8 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
             p = int(moe["pos"][i])
             m = float(margin[i])
             if twins_make(None if null.ids is None else null.ids[:, p], theirs[i], mine[i]):
-                ties.append(f"TIE: expert set at position {p}, router margin {m:.3g} "
-                            f"({ulps(m, 1.0):.3g} ulps of 1)")
+                ties.append(("router", f"TIE: expert set at position {p}, router margin {m:.3g} "
+                                       f"({ulps(m, 1.0):.3g} ulps of 1)"))
                 continue
             return (f"expert set differs at position {p} at router margin {m:.3g}, which no round-off twin "
                     "crosses", p), tuple(ties)
@@ -143,14 +143,17 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
         rows = np.flatnonzero(attn["has_sel"])
         theirs = attn["sel"][rows]
         width = mine_sel.shape[1]
+        if (theirs[:, width:] != -1).any():   # the recorded width may exceed top_k only by padding
+            raise ParityError(f"layer {layer}: the candidate's indexer selection holds more than top_k = {width} rows")
+        theirs = theirs[:, :width]
         if theirs.shape[1] < width:
             theirs = np.concatenate([theirs, np.full((len(rows), width - theirs.shape[1]), -1, theirs.dtype)], 1)
-        theirs = np.sort(theirs[:, -width:] if theirs.shape[1] > width else theirs, axis=1)
+        theirs = np.sort(theirs, axis=1)
         for i in np.flatnonzero((mine_sel[attn["pos"][rows]] != theirs).any(axis=1)):
             p = int(attn["pos"][rows][i])
             if twins_make(None if null.sel is None else null.sel[:, p], theirs[i], mine_sel[p]):
-                ties.append(f"TIE: indexer selection at position {p}: rows {_diff(theirs[i], mine_sel[p])}, each "
-                            "picked or dropped by some round-off twin too")
+                ties.append(("indexer_selection", f"TIE: indexer selection at position {p}: rows "
+                             f"{pick_diff(theirs[i], mine_sel[p])}, each picked or dropped by some round-off twin too"))
                 continue
             return (f"indexer selection differs at position {p}, which no round-off twin makes", p), tuple(ties)
     return None, tuple(ties)

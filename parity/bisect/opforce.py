@@ -17,7 +17,7 @@ import numpy as np
 
 from parity.bisect.attribution import layer_input
 from parity.bisect.envelope import DISCRETE, ROW_CAPTURES
-from parity.bisect.hypotheses import Fit, twins_make
+from parity.bisect.hypotheses import Fit, pick_diff, twins_make
 from parity.bisect.null import N_TWINS, NullTest, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import SUBOP_INPUTS, SUBOPS, block, block_attn
@@ -60,7 +60,7 @@ def op_cells(a: Sequence[LayerOutput], b: Sequence[LayerOutput], ratio: int) -> 
     for name in a[0].captures:
         if name in DISCRETE:
             continue
-        if name in ROW_CAPTURES:
+        if name in ROW_CAPTURES:   # equal counts: a count that differs is structural (`row_counts`)
             x, y = a[-1].captures[name], b[-1].captures[name]
             n = min(len(x), len(y))
             out[name] = (rel_l2(x[:n], y[:n]) if n else np.zeros(0), (np.arange(n) + 1) * max(ratio, 1) - 1)
@@ -103,12 +103,18 @@ def judge_ops(ref: Sequence[LayerOutput], twins: Sequence[Sequence[LayerOutput]]
                    {q: np.stack([s[q][0][: len(cand[q][0])] for s in spread]) for q in cand},
                    {q: p for q, (_, p) in cand.items()})
     struct, ties = None, []
+    for name in ROW_CAPTURES:
+        n_ref, n_own = len(ref[-1].captures[name]), len(own[-1].captures[name])
+        if n_ref != n_own and struct is None:
+            struct = (f"{OP_OF[name]}: the candidate emitted {n_own} {name}, the reference {n_ref} on the same inputs",
+                      (min(n_ref, n_own) + 1) * max(ratio, 1) - 1, OP_OF[name])
     for name in DISCRETE:
         mine, theirs = _picks(ref, name), _picks(own, name)
         members = np.stack([_picks(t, name) for t in twins]) if twins else None
         for p in np.flatnonzero((mine != theirs).any(axis=1)):
             if twins_make(None if members is None else members[:, p], theirs[p], mine[p]):
-                ties.append(f"TIE: {OP_OF[name]} pick at position {int(p)} (a round-off twin picks it too)")
+                ties.append((OP_OF[name], f"TIE: {OP_OF[name]} pick at position {int(p)}: "
+                             f"{pick_diff(theirs[p], mine[p])}, each picked or dropped by some round-off twin too"))
             elif struct is None:
                 struct = (f"{OP_OF[name]}: the candidate's pick at position {int(p)} differs and no round-off "
                           "twin makes it", int(p), OP_OF[name])
