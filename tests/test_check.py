@@ -27,6 +27,7 @@ from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, engine_faults, load_engine
 from parity.contract.errors import ParityError
+from parity.gguf.weights import Weights
 from parity.tracing.runner import run_sequence
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -238,7 +239,8 @@ def test_check_function_needs_full_vectors(tiny_f32, setup):
     from parity.contract.errors import TraceError
 
     with pytest.raises(TraceError, match="no full vectors"):
-        check(t, lambda o: load_engine("reference", str(tiny_f32), o), load_envelope(ENV_F32, "float32"))
+        check(t, lambda o: load_engine("reference", str(tiny_f32), o), load_envelope(ENV_F32, "float32"),
+              config=Weights(tiny_f32).config)
 
 
 # ---------------------------------------------------------------- real llama.cpp and benign numerics

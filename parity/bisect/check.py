@@ -137,20 +137,20 @@ def replay(engine: Engine, tokens: Sequence[int], chunks: Sequence[int],
     return out
 
 
-def reference_options(trace: Trace, config: ModelConfig | None = None) -> tuple[RunOptions, list[str]]:
+def reference_options(trace: Trace, config: ModelConfig) -> tuple[RunOptions, list[str]]:
     """The reference's options for a followed trace: float32, the QAT flags the header declares (on when it
     declares none, as the model defines them; said in the notes) — off, with the reason, when the model's shape
-    has no whole FP8 / FP4 blocks (`config` given: head_dim - rope_dim not a multiple of 64, indexer head dim
-    not a multiple of 32, as in transformers' tiny test configs). Declared approximations are not followed:
+    has no whole FP8 / FP4 blocks (head_dim - rope_dim not a multiple of 64, indexer head dim not a multiple of
+    32, as in transformers' tiny test configs). Declared approximations are not followed:
     they are the first hypotheses tested."""
     flags, notes = trace.header.flags, []
-    blocks = {"fp8_kv": (config.nope_dim, 64, "head_dim - rope_head_dim") if config else None,
-              "fp4_indexer": (config.index_head_dim, 32, "the indexer head dim") if config else None}
+    blocks = {"fp8_kv": (config.nope_dim, 64, "head_dim - rope_head_dim"),
+              "fp4_indexer": (config.index_head_dim, 32, "the indexer head dim")}
     qat = {}
     for name in ("fp8_kv", "fp4_indexer"):
         if name in flags:
             qat[name] = bool(flags[name])
-        elif blocks[name] is not None and blocks[name][0] % blocks[name][1]:
+        elif blocks[name][0] % blocks[name][1]:
             dim, block, what = blocks[name]
             qat[name] = False
             notes.append(f"the header declares no {name} and the model has no whole {name} blocks ({what} = {dim}, "
@@ -239,11 +239,10 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
     return None if pos is None or pos < n_prompt else pos - n_prompt
 
 
-def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *,
+def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config: ModelConfig,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS,
-          config: ModelConfig | None = None) -> CheckReport:
+          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
     own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down.
