@@ -22,6 +22,7 @@ from parity.tracing.io import read_trace, write_trace
 from parity.tracing.recorder import Recorder, resolve_full, resolve_positions
 from parity.tracing.records import Trace, TraceHeader
 from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
+from parity.tracing.subops import RECORD_NAMES, SubopRecorder
 
 TraceLike = Trace | str | os.PathLike
 
@@ -51,13 +52,14 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
           positions: str | Sequence[int] = "last",
           full: str | Sequence[str] | None = None, decode: int = 0, chunk: int | None = None, top_k: int = 20,
           options: RunOptions | None = None, forced: Sequence[int] | None = None,
-          on_chunk: Callable[[ChunkResult], None] | None = None) -> Trace:
+          on_chunk: Callable[[ChunkResult], None] | None = None, subops: bool = False) -> Trace:
     """Run `engine` (a registered name or an Engine instance) on `tokens` (+ `decode` greedy steps) and record.
 
     positions: 'last' | 'all' | list of positions of the whole run; full: 'all' | list of checkpoints
     (and 'logits') whose full vectors go to the side file; `forced`: the decode tokens to feed instead of
     the engine's own argmax (teacher forcing, e.g. another trace's generated tokens); `on_chunk` sees
-    every chunk result as it comes (progress bars, logit dumps).
+    every chunk result as it comes (progress bars, logit dumps); `subops`: also record every layer's sub-op
+    outputs (`parity.tracing.subops`, for op-level checks; needs positions 'all').
     """
     options = options or RunOptions()
     eng = load_engine(engine, str(model), options) if isinstance(engine, str) else engine
@@ -74,24 +76,31 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
     pos = resolve_positions(positions, n_total)
     full_names = resolve_full(full, eng.config.n_layers)
     rec = Recorder(trace_checkpoints(eng.config.n_layers), pos, full_names, top_k, eng.config.hc_mult)
+    if subops and pos != list(range(n_total)):
+        raise TraceError(f"sub-op records need every position (op-level forcing runs each op on all of them): "
+                         f"trace with --positions all, not {len(pos)} of {n_total} positions")
+    sub = SubopRecorder(pos) if subops else None
 
     def each(r: ChunkResult) -> None:
         rec.add(r)
+        if sub:
+            sub.add(r)
         if on_chunk:
             on_chunk(r)
 
     if forced is not None and len(forced) != decode:
         raise TraceError(f"{len(forced)} forced decode tokens for {decode} decode steps")
-    results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, forced=forced, on_chunk=each)
+    results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, forced=forced, capture=subops,
+                           on_chunk=each)
     all_tokens = np.concatenate([r.tokens for r in results]).tolist()
     header = TraceHeader(
         engine=eng.name, engine_version=eng.version, model=eng.identity, dtype=eng.options.dtype,
         n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
         chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
         checkpoints=trace_checkpoints(eng.config.n_layers), full=full_names,
-        flags=eng.options.flags(),
+        flags=eng.options.flags(), subops=list(RECORD_NAMES) if subops else [],
     )
-    return Trace(header, **rec.tables(), vectors=rec.vectors())
+    return Trace(header, **rec.tables(), vectors=rec.vectors(), subops=sub.arrays() if sub else None)
 
 
 def follow(path_or_trace: TraceLike) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from parity.tracing.importers import LCP_RE, import_ds4, import_llamacpp, llamac
 from parity.tracing.io import read_trace
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
+from parity.tracing.subops import subop_chunks
 
 
 class CheckPreflightError(ParityError):
@@ -45,8 +46,14 @@ def load_candidate(source: str | os.PathLike, config: ModelConfig, identity: dic
 
 def candidate_subops(source: Any, trace: Trace, config: ModelConfig,
                      tokens: Sequence[int] | None) -> tuple[list[ChunkResult] | None, list[str]]:
-    """The candidate's own sub-op captures, chunk by chunk, when it was imported from a complete llama.cpp capture
-    file (every mapped tensor, all logits); else None and, for an incomplete capture, a note saying why."""
+    """The candidate's own sub-op captures, chunk by chunk on its own chunking: from the trace's sub-op records
+    (`v4parity trace --subops`, or a C engine's side file) or from a complete llama.cpp capture file (every mapped
+    tensor, all logits); else None and, for incomplete records or capture, a note saying why."""
+    if trace.header.subops:
+        try:
+            return subop_chunks(trace, config), []
+        except TraceError as e:
+            return None, [f"no op-level verdict from the trace's sub-op records: {e}"]
     if trace.header.flags.get("imported") != "llama.cpp capture" or not isinstance(source, (str, os.PathLike)):
         return None, []
     try:

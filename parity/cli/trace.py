@@ -85,6 +85,9 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
               help="last | all | comma list of positions. Default: last; with --decode N > 0, the prompt's last "
                    "position and every decode position. Not with --follow (it replays the followed trace's).")
 @click.option("--full", default=None, help="Also store full vectors: 'all' or e.g. blk.2,blk.2.attn,final_norm,logits.")
+@click.option("--subops", is_flag=True,
+              help="Also store every layer's sub-op outputs (side file; `check` then judges op by op). Needs "
+                   "--positions all; engines that capture sub-ops: reference, torch.")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
               help="Greedy decode steps (not with --follow).")
 @click.option("--chunk", default=None, type=click.IntRange(1),
@@ -108,7 +111,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
               help="Trace file (.trace text; .npz binary). Full vectors go to <stem>.vectors.npz.")
 @json_option()
 @json_errors
-def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, decode, chunk,
+def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, subops, decode,
+          chunk,
           no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
           lcp_threads, engine_arg, top_k, dump_logprobs, dump_ctx,
           output, as_json) -> None:
@@ -119,12 +123,15 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     \b
     Example: v4parity trace --engine reference -m tiny.gguf --tokens 0,5,7 --decode 4 -o ref.trace
              v4parity trace --engine torch -m tiny.gguf --follow ref.trace -o torch.trace
+             v4parity trace --engine torch -m tiny.gguf --tokens 0,5,7 --positions all --full all --subops -o t.trace
     """
     from parity import api
     from parity.cli.progress import Progress
     from parity.contract.engine import RunOptions
 
     output = _trace_path(output)
+    if subops and not follow and positions != "all":
+        raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
     if (dump_logprobs is None) != (dump_ctx is None):
         raise click.UsageError("--dump-logprobs and --dump-ctx go together (the dump records its run's ctx)")
     if follow:
@@ -159,7 +166,8 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
             progress(stage, done[0], total)
 
         progress(stage, 0, total)
-        t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, **run)
+        t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, subops=subops,
+                      **run)
     if dump_logprobs:  # an older dump never stays beside the new trace (a run killed before the dump leaves none)
         Path(dump_logprobs).unlink(missing_ok=True)
     path = api.save_trace(t, output)

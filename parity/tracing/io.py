@@ -4,8 +4,8 @@ Text (`docs/trace-format.md`): a header block (`v4parity-trace 1` ... `end`) the
 line (`ckpt`, `hc`, `moe`, `attn`), writable with fprintf. Binary: an uncompressed zip of `.npy`
 columns (`ckpt.fp`, `moe.ids`, ...) plus `header.json`. `read_trace` detects the form from the
 first bytes. Every write is atomic (temp file + rename) and deterministic (same trace, same bytes:
-fixed float formatting, canonical row order, fixed zip timestamps). Full vectors go to a side
-file `<stem>.vectors.npz` next to the trace (present when the header lists `full` checkpoints).
+fixed float formatting, canonical row order, fixed zip timestamps). Full vectors and sub-op records go to a side
+file `<stem>.vectors.npz` next to the trace (present when the header lists `full` checkpoints or `subops`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from parity.contract.errors import TraceError
 from parity.contract.files import atomic_write_bytes
 from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
 from parity.tracing.stats import FP_DIM
+from parity.tracing.subops import check_records, record_members
 from parity.tracing.validate import INT32_MAX, check_tables, header_from_dict
 from parity.tracing.zipstore import ZIP_MAGIC, StoredZip
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 HEADER_KEYS = ("engine", "model", "model_data", "dtype", "hc", "dim", "top_k", "tokens", "n_prompt", "chunks", "decode",
-               "positions", "checkpoints", "full", "flags")
-OPTIONAL_KEYS = ("model_data",)  # absent in traces whose model identity predates the data hash
+               "positions", "checkpoints", "full", "subops", "flags")
+OPTIONAL_KEYS = ("model_data", "subops")  # absent in traces whose model identity predates the data hash / without
+# sub-op records
 TRACE_ID = "trace_sha256"  # side-file member binding it to its trace
 REGEN_HINT = "re-run `v4parity trace ...` (or your engine's writer) to regenerate it"
 
@@ -89,15 +91,21 @@ def write_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) 
         data = format_text(trace).encode()
     else:
         data = npz_bytes(_binary_columns(trace), {"header.json": _header_json(trace.header).encode()})
-    if trace.header.full:
+    h = trace.header
+    if h.full or h.subops:
         side = vectors_path(path)
         if side == path:
             raise TraceError(f"{path}: the trace and its vectors side file would share a name; pick another name")
-        if not trace.vectors:
-            raise TraceError(f"trace lists full vectors for {trace.header.full} but holds none to write")
-        write_npz(side, {"positions": np.asarray(trace.header.positions, np.int64),
+        if h.full and not trace.vectors:
+            raise TraceError(f"trace lists full vectors for {h.full} but holds none to write")
+        records = record_members(h)
+        absent = [m for m in records if m not in (trace.subops or {})]
+        if absent:
+            raise TraceError(f"trace lists sub-op records {h.subops} but holds no {absent[0]} to write")
+        write_npz(side, {"positions": np.asarray(h.positions, np.int64),
                          TRACE_ID: np.asarray([content_id(data)]),
-                         **{n: trace.vectors[n] for n in trace.header.full}})
+                         **{n: trace.vectors[n] for n in h.full},    # type: ignore[index]
+                         **{m: trace.subops[m] for m in records}})   # type: ignore[index]
     return atomic_write_bytes(path, data)
 
 
@@ -119,8 +127,10 @@ def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
             raise TraceError(f"{path}: field 'file': not UTF-8 text (byte {e.start})") from None
         trace = parse_text(text, str(path))
         trace_id = lambda: content_id(raw)  # noqa: E731
-    if load_vectors and trace.header.full:
-        trace.vectors = _read_vectors(vectors_path(path), trace.header, trace_id)
+    if load_vectors and (trace.header.full or trace.header.subops):
+        vectors, subops = _read_vectors(vectors_path(path), trace.header, trace_id)
+        trace.vectors = vectors if trace.header.full else None
+        trace.subops = subops if trace.header.subops else None
     return trace
 
 
@@ -163,6 +173,7 @@ def format_header(h: TraceHeader) -> list[str]:
         "positions " + " ".join(map(str, h.positions)),
         "checkpoints " + " ".join(h.checkpoints),
         "full " + (" ".join(h.full) or "-"),
+        *(["subops " + " ".join(h.subops)] if h.subops else []),
         "flags " + json.dumps(h.flags, sort_keys=True, separators=(",", ":")),
         "end",
     ]
@@ -318,7 +329,8 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
          "n_hc": one_int("hc"), "dim": one_int("dim"), "top_k": one_int("top_k"), "tokens": int_list("tokens"),
          "n_prompt": one_int("n_prompt"), "chunks": int_list("chunks"), "decode": one_int("decode"),
          "positions": int_list("positions"), "checkpoints": words("checkpoints")[1],
-         "full": [] if full == ["-"] else full, "flags": flags, "version": version}
+         "full": [] if full == ["-"] else full, "flags": flags, "version": version,
+         **({"subops": words("subops")[1]} if "subops" in raw else {})}
 
     def fail(key: str, msg: str) -> TraceError:
         text_key = TEXT_KEY.get(key, key)
@@ -529,10 +541,14 @@ def _header_from_json(text: str, fail: Callable[[str, str], TraceError]) -> Trac
     return header_from_dict({k: v for k, v in d.items() if k != "format"}, fail)
 
 
-def _read_vectors(path: Path, h: TraceHeader, trace_id: Callable[[], str]) -> dict[str, np.ndarray]:
-    """The side file's arrays, checked against the header and bound to the trace by its content id."""
+def _read_vectors(path: Path, h: TraceHeader,
+                  trace_id: Callable[[], str]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The side file's (full vectors, sub-op records), checked against the header and bound to the trace by its
+    content id."""
     if not path.is_file():
-        raise TraceError(f"{path}: field 'full': the trace lists full vectors but this side file does not exist")
+        field = "full" if h.full else "subops"
+        raise TraceError(f"{path}: field '{field}': the trace lists {'full vectors' if h.full else 'sub-op records'} "
+                         "but this side file does not exist")
     z = StoredZip(path)
     names = z.npy_names()
     if TRACE_ID in names:  # side files written before the binding carry no id and are read as they are
@@ -545,13 +561,19 @@ def _read_vectors(path: Path, h: TraceHeader, trace_id: Callable[[], str]) -> di
     positions = z.array("positions", "positions")
     if positions.dtype.kind not in "iu" or positions.tolist() != h.positions:
         raise z.fail("positions", "side file positions do not match the trace header")
-    vec = {n: z.array(n, n) for n in names if n not in ("positions", TRACE_ID)}
-    missing = [n for n in h.full if n not in vec]
+    records = record_members(h)
+    extra = sorted(set(z.members) - {f"{n}.npy" for n in [*h.full, *records, "positions", TRACE_ID]})
+    if extra:
+        raise z.fail(extra[0][:40], "member not listed in the trace header's 'full' or 'subops'")
+    missing = [n for n in h.full if n not in names]
     if missing:
         raise z.fail("vectors", f"no arrays for {missing}")
-    extra = sorted(set(z.members) - {f"{n}.npy" for n in [*h.full, "positions", TRACE_ID]})
-    if extra:
-        raise z.fail(extra[0][:40], "member not listed in the trace header's 'full'")
+    absent = [m for m in records if m not in names]
+    if absent:
+        raise z.fail(absent[0], f"sub-op record missing ({len(absent)} of {len(records)} listed by 'subops' absent)")
+    vec = {n: z.array(n, n) for n in h.full}
+    subops = {m: z.array(m, m) for m in records}
+    check_records(h, subops, z.fail)
     for name, arr in vec.items():
         want = (None,) if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
         if arr.dtype != np.float32:
@@ -561,4 +583,4 @@ def _read_vectors(path: Path, h: TraceHeader, trace_id: Callable[[], str]) -> di
                                f"{len(want)} dimension(s)")
         if want != (None,) and arr.shape[1:] != want:
             raise z.fail(name, f"rows of shape {arr.shape[1:]}, expected {want} (header hc, dim)")
-    return vec
+    return vec, subops

@@ -6,8 +6,8 @@ A `Trace` is a header (engine, model identity, tokens, schedule, flags) plus fou
 * `hc`    one row per (layer, sub-layer, position): the HC pre[H], post[H] and comb[H*H] mixes;
 * `moe`   one row per (layer, position): selected expert ids, their final weights, router margin;
 * `attn`  one row per (layer, position): compressed rows visible and the indexer's selection.
-Optional full vectors (`vectors`: name -> [P, H, D] / [P, D], row i = header.positions[i]) live in a
-side file.
+Optional full vectors (`vectors`: name -> [P, H, D] / [P, D], row i = header.positions[i]) and sub-op records
+(`subops`: side-file member name -> array, `parity.tracing.subops`) live in a side file.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ class TraceHeader:
     full: list[str]                # checkpoints (and "logits") with full vectors in <stem>.vectors.npz
     flags: dict[str, Any]          # RunOptions.flags() plus anything else that changes numerics
     version: int = FORMAT_VERSION
+    subops: list[str] = field(default_factory=list)  # sub-op record names (every layer) in the side file
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """The header as `header.json` holds it (`subops` only when there are records: older files lack it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "subops" or self.subops}
         d["format"] = FORMAT_NAME
         return d
 
@@ -115,6 +117,7 @@ class Trace:
     moe: Table
     attn: Table
     vectors: dict[str, np.ndarray] | None = field(default=None, compare=False)
+    subops: dict[str, np.ndarray] | None = field(default=None, compare=False)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Trace) and self.header == other.header and self.ckpt == other.ckpt

@@ -21,6 +21,7 @@ from parity.contract.checkpoints import FINAL_NORM, layers_of, trace_checkpoints
 from parity.contract.errors import TraceError, quote
 from parity.tracing.records import FORMAT_VERSION, SORT_KEYS, SUBLAYERS, TABLES, Table, TraceHeader
 from parity.tracing.stats import FP_DIM
+from parity.tracing.subops import check_names
 
 Fail = Callable[[str, str], TraceError]
 
@@ -41,7 +42,9 @@ HEADER_FIELDS: dict[str, tuple[str, int, int]] = {
     "tokens": ("ints", 0, INT32_MAX), "n_prompt": ("int", 1, INT32_MAX), "chunks": ("ints", 1, INT32_MAX),
     "decode": ("int", 0, INT32_MAX), "positions": ("ints", 0, INT32_MAX), "checkpoints": ("strs", 0, 0),
     "full": ("strs", 0, 0), "flags": ("dict", 0, 0), "version": ("int", FORMAT_VERSION, FORMAT_VERSION),
+    "subops": ("strs", 0, 0),
 }
+OPTIONAL_FIELDS = ("subops",)   # absent in traces without sub-op records (and in every trace written before them)
 
 
 def _is_int(v: Any) -> bool:
@@ -70,15 +73,16 @@ def header_from_dict(d: Any, fail: Fail) -> TraceHeader:
     """A `TraceHeader` from a decoded JSON object, every field typed and range-checked, then `check_header`."""
     if not isinstance(d, dict):
         raise fail("header.json", "must be a JSON object")
-    missing = [n for n in HEADER_FIELDS if n not in d]
+    missing = [n for n in HEADER_FIELDS if n not in d and n not in OPTIONAL_FIELDS]
     if missing:
         raise fail(missing[0], f"required header field(s) missing: {', '.join(missing)}")
     unknown = sorted(k for k in d if k not in HEADER_FIELDS)
     if unknown:
         raise fail(str(unknown[0])[:40], f"unknown header field(s) {quote(unknown, 40)}")
     for key in HEADER_FIELDS:
-        _check_field(key, d[key], fail)
-    h = TraceHeader(**{n: d[n] for n in HEADER_FIELDS})
+        if key in d:
+            _check_field(key, d[key], fail)
+    h = TraceHeader(**{n: d[n] for n in HEADER_FIELDS if n in d})
     check_header(h, fail)
     return h
 
@@ -125,6 +129,7 @@ def check_header(h: TraceHeader, fail: Fail) -> None:
     if extra or len(set(h.full)) != len(h.full):
         raise fail("full", f"full vectors for checkpoint(s) {quote(extra or h.full, 40)} that are not in 'checkpoints' "
                            "or listed twice")
+    check_names(h.subops, fail)
 
 
 def _widths(h: TraceHeader, tables: dict[str, Table]) -> dict[str, int]:
