@@ -8,6 +8,7 @@ approximate bfloat16 path also returns float32).
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +22,17 @@ import torch
 from gpu_engine.attention import LayerCache, new_layer_cache
 from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
+from gpu_engine.draft import (
+    Ring,
+    confidence,
+    dspark_main,
+    dspark_stage,
+    main_kv,
+    markov_chain,
+    mtp_input,
+    mtp_pairs,
+    ring_write,
+)
 from gpu_engine.faults import FAULTS, Faults, compose
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
@@ -35,6 +47,7 @@ from gpu_engine.ops import (
 )
 from gpu_engine.weights import UNQUANTIZED, DeviceWeights
 from parity.contract.cpus import usable_cpus
+from parity.contract.draft import DSparkRound, MTPOutput
 from parity.contract.engine import (
     LayerDiag,
     LayerOutput,
@@ -45,6 +58,9 @@ from parity.contract.engine import (
     refuse_roundoff,
 )
 from parity.contract.errors import ParityError
+from parity.gguf.config import ModelConfig
+from parity.gguf.drafter import Drafter, merged_weights, open_drafter
+from parity.gguf.weights import Weights
 
 __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 512  # kept dequantized dense matrices (speed only: the cached values are the exact dequantization)
@@ -124,7 +140,7 @@ class TorchEngine:
     faults = FAULTS  # capability: the porting bugs RunOptions.inject can switch on
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB,
-                 expert_threads: int | None = None) -> None:
+                 expert_threads: int | None = None, draft: str | None = None) -> None:
         check_options(options, cache_mb)
         if expert_threads is not None and expert_threads < 1:
             raise ParityError(f"torch engine: expert_threads must be >= 1, got {expert_threads}")
@@ -137,11 +153,15 @@ class TorchEngine:
         self._pool = ThreadPoolExecutor(self.expert_threads) if self.expert_threads > 1 else None
         run = thread_map(self._pool) if self._pool else map
         native = self.device.type == "cpu" and cpu_kernels(options) == "native"
+        trunk = Weights(str(model_path))
+        # the draft head (`draft`: a drafter GGUF): its blocks are layers L.. of drafter.model_config
+        self.drafter: Drafter | None = open_drafter(draft, trunk.config) if draft is not None else None
         self.w = DeviceWeights(str(model_path), self.device, self.act, self.mm, cache_mb, ACT_QUANT[options.act_quant],
-                               load_kernels() if native else None, run, self.expert_threads)
+                               load_kernels() if native else None, run, self.expert_threads,
+                               trunk if self.drafter is None else merged_weights(trunk, self.drafter))
         kernels = ", native CPU kernels" if native else ""
         self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type}{kernels})"
-        self.config = self.cfg = cfg = self.w.config
+        self.config = self.cfg = cfg = trunk.config
         self.identity = self.w.source.identity()
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
         self._check_hash_tables()
@@ -261,6 +281,104 @@ class TorchEngine:
                                  else np.full((n, cfg.index_topk), -1, dtype=np.int64))
         captures.update(expert_ids=diag.expert_ids, expert_weights=diag.expert_weights)
         return captures
+
+    # -- draft heads (spec v4-mtp-dspark §2-§3) ---------------------------------------------------------------
+    def _draft(self, kind: str) -> ModelConfig:
+        """The drafter's model config, when this engine was opened with a drafter of `kind` (else an error)."""
+        if self.drafter is None or self.drafter.config.kind != kind:
+            got = "no drafter" if self.drafter is None else f"a {self.drafter.config.kind} drafter"
+            raise ParityError(f"torch engine: {kind} needs an engine opened with a {kind} drafter (draft=FILE); "
+                              f"this one has {got}")
+        if self.options.expert_override is not None:
+            raise ParityError("torch engine: expert_override replays trunk layers; the draft heads do not take it")
+        if self.options.approximations():  # the heads' own projections multiply dense matrices, unrounded
+            raise ParityError(f"torch engine: {', '.join(self.options.approximations())} is not implemented for "
+                              "the draft heads")
+        return self.drafter.model_config
+
+    def _draft_plan(self, layer: int) -> LayerPlan:
+        return LayerPlan(layer, 0, self._freqs(0))
+
+    def new_mtp_state(self) -> TorchState:
+        """Fresh caches of the MTP block (layer L: its own raw window; the trunk layers stay unused)."""
+        cfg = self._draft("mtp")
+        return TorchState([new_layer_cache(cfg, cfg.ratio(l), self.device, self.act) for l in range(cfg.n_layers)])
+
+    def mtp_forward(self, state: TorchState, carriers: np.ndarray, tokens: np.ndarray, start_pos: int,
+                    pairing: str = "prev") -> MTPOutput:
+        """The MTP block on the prev / same pairs of trunk rows of consecutive positions (as the reference's)."""
+        self._draft("mtp")
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "mtp_forward")
+        G, tau = mtp_pairs(np.asarray(carriers), tokens, pairing)
+        if len(tau) == 0:
+            raise ParityError(f"mtp_forward: {len(tokens)} rows make no {pairing} pair")
+        with torch.inference_mode():
+            return self._mtp_rows(state, self._in(G), torch.from_numpy(tau).to(self.device), start_pos)
+
+    def mtp_chain(self, state: TorchState, last: MTPOutput, start_pos: int, depth: int) -> list[MTPOutput]:
+        """Depths 2..depth after the pair `last`: X1 of depth k with its first-argmax draft, on a copy of `state`."""
+        scratch = TorchState([copy.copy(c) for c in state.layers])  # tensors are replaced, never written in place
+        G, logits, outs = last.carrier[-1:], last.logits[-1], []
+        with torch.inference_mode():
+            for k in range(depth - 1):
+                tau = torch.tensor([int(np.argmax(logits))], device=self.device)
+                out = self._mtp_rows(scratch, self._in(G), tau, start_pos + k)
+                outs.append(out)
+                G, logits = out.carrier, out.logits[0]
+        return outs
+
+    def _mtp_rows(self, state: TorchState, G: torch.Tensor, tau: torch.Tensor, start_pos: int) -> MTPOutput:
+        """X0 = mtp_input(E[τ], G); X1 = Block_L(X0); logits = W_out norm(HC_head_mtp(X1))."""
+        w, cfg, L = self.w, self._draft("mtp"), self.cfg.n_layers
+        cache = state.layers[L]
+        if cache.pos != start_pos:
+            raise ParityError(f"mtp: the MTP ring holds positions < {cache.pos}, call starts at {start_pos}")
+        X0 = mtp_input(w.rows("token_embd.weight", tau), G, w.vector("mtp.enorm.weight"),
+                       w.vector("mtp.hnorm.weight"), w.matrix("mtp.e_proj.weight", self.act),
+                       w.matrix("mtp.h_proj.weight", self.act), cfg.norm_eps)
+        res = block_forward(w, cfg, self.ops, self._draft_plan(L), cache, X0, tau, start_pos, None, False)
+        z = hc_head(res.carrier, w.matrix("mtp.hc_head_fn.weight", self.act), w.vector("mtp.hc_head_scale.weight"),
+                    w.vector("mtp.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
+        logits = w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight")
+        return MTPOutput(*(self._out(t) for t in (X0, res.attn_carrier, res.carrier, logits, res.routing.ids)))
+
+    def new_dspark_state(self) -> list[Ring]:
+        """One empty W-slot ring of committed main KV rows per DSpark stage."""
+        cfg = self._draft("dspark")
+        return [Ring.empty(cfg.window_size, cfg.head_dim, self.device, self.act)
+                for _ in range(self.drafter.config.n_blocks)]
+
+    def dspark_round(self, state: list[Ring], taps: np.ndarray, start_pos: int, anchor: int) -> DSparkRound:
+        """Write the main rows of positions start_pos..p into each stage's ring, then draft the block [anchor,
+        ν × (B-1)] at p+1..p+B from start position p = start_pos + c - 1 (as the reference's)."""
+        cfg, dc, w, L = self._draft("dspark"), self.drafter.config, self.w, self.cfg.n_layers
+        p = int(start_pos) + len(taps) - 1
+        if p < 1:
+            raise ParityError("dspark_round: a draft needs start position p >= 1 (a 1-token prompt cannot draft)")
+        block = check_tokens(np.array([anchor] + [dc.noise_token_id] * (dc.block_size - 1)), cfg.vocab_size,
+                             "dspark_round")
+        with torch.inference_mode():
+            pos = torch.arange(int(start_pos), p + 1, device=self.device)
+            M = dspark_main(self._in(taps), w.matrix("dspark.main_proj.weight", self.act),
+                            w.vector("dspark.main_norm.weight"), cfg.norm_eps)
+            plans = [self._draft_plan(L + k) for k in range(dc.n_blocks)]
+            for k, plan in enumerate(plans):
+                state[k] = ring_write(state[k], main_kv(w, cfg, self.ops, plan, M, pos), pos)
+            tok = torch.from_numpy(block).to(self.device)
+            X = w.rows("token_embd.weight", tok)[:, None, :].expand(-1, cfg.hc_mult, -1)
+            stages, ids = [], []
+            for k, plan in enumerate(plans):
+                _, X, r = dspark_stage(w, cfg, self.ops, plan, state[k], X, tok, p)
+                stages.append(self._out(X))
+                ids.append(self._out(r.ids))
+            z = hc_head(X, w.matrix("dspark.hc_head_fn.weight", self.act), w.vector("dspark.hc_head_scale.weight"),
+                        w.vector("dspark.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
+            base = w.linear(rms_norm(z, w.vector("dspark.norm.weight"), cfg.norm_eps), "output.weight")
+            w2 = w.matrix("dspark.markov_w2.weight", self.act)
+            drafts, biased, u = markov_chain(base, int(anchor), w.matrix("dspark.markov_w1.weight", self.act), w2)
+            conf = confidence(z, u, w.matrix("dspark.conf_proj.weight", self.act))
+            return DSparkRound(self._out(M[-1]), stages, ids, self._out(base), self._out(u @ w2.T),
+                               self._out(biased), self._out(conf), self._out(drafts))
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cfg, w = self.cfg, self.w

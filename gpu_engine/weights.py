@@ -163,8 +163,8 @@ class DeviceWeights:
 
     def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0,
                  act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: Kernels | None = None,
-                 run: MapOp = map, threads: int = 1) -> None:
-        self.source = Weights(path)
+                 run: MapOp = map, threads: int = 1, source: Weights | None = None) -> None:
+        self.source = Weights(path) if source is None else source   # `source`: the file at `path` already opened
         self.run, self.threads = run, threads  # how a dense matvec's row ranges are run
         self.kernels = kernels if device.type == "cpu" else None
         self.act_quant = act_quant

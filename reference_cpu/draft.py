@@ -7,15 +7,24 @@ The MTP block and each DSpark stage are otherwise an ordinary ratio-0 layer (`re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from parity.contract.engine import LayerDiag, LayerOutput
 from parity.contract.errors import ParityError
-from reference_cpu.attention import sink_attention
+from parity.gguf.config import ModelConfig
+from reference_cpu.attention import grouped_output, kv_latent, sink_attention
+from reference_cpu.hc import hc_post, hc_pre
 from reference_cpu.linear import Weight, linear
+from reference_cpu.model import Numerics, Tap, moe, project_qkv, stored
 from reference_cpu.norms import rms_norm
+from reference_cpu.quant_sim import fp8_sim_nope
+from reference_cpu.rope import RopeTable, apply_rope
+from reference_cpu.threads import Workers
+from reference_cpu.weights_cache import WeightStore
 
 PAIRINGS = ("prev", "same")
 
@@ -127,3 +136,51 @@ def dspark_attend(q: np.ndarray, block_k: np.ndarray, ring: Ring, p: int, window
     """
     keys = np.concatenate([ring.rows[ring_visible(ring, p, window)], block_k])
     return np.stack([sink_attention(q[j], keys, sink, scale) for j in range(len(q))])
+
+
+def main_kv(store: WeightStore, cfg: ModelConfig, layer: int, M: np.ndarray, pos: np.ndarray, rope: RopeTable,
+            num: Numerics) -> np.ndarray:
+    """K_M = FP8SIM(RoPE(RMSNorm_kv_norm(W_kv M), pos)) of a stage, as its ring stores it (§3.4).
+
+    M [c, D] main rows, pos [c] -> [c, hd].
+    """
+    p = f"blk.{layer}."
+    k = apply_rope(kv_latent(M, store.matrix(p + "attn_kv.weight"), store.dense(p + "attn_kv_a_norm.weight"),
+                             cfg.norm_eps), pos, rope)
+    return stored(fp8_sim_nope(k, cfg.nope_dim) if num.fp8_kv else k, num)
+
+
+def hc_pre_of(store: WeightStore, cfg: ModelConfig, X: np.ndarray,
+              prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """HC_pre with the weights `prefix`fn / scale / base ('blk.l.hc_attn_' or 'blk.l.hc_ffn_').  X [n, H, D]."""
+    return hc_pre(X, store.matrix(prefix + "fn.weight"), store.dense(prefix + "scale.weight"),
+                  store.dense(prefix + "base.weight"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+
+def dspark_stage(store: WeightStore, cfg: ModelConfig, layer: int, ring: Ring, X: np.ndarray, tokens: np.ndarray,
+                 p: int, rope: RopeTable, num: Numerics, workers: Workers) -> LayerOutput:
+    """One DSpark stage on the B block slots at positions p+1..p+B: an ordinary ratio-0 block whose attention keys
+    are the stage's ring (committed rows ≤ p) ⊕ the block's own rows, bidirectional (§3.3-§3.4); nothing is stored.
+
+    X [B, H, D], tokens [B] (anchor, noise…) -> LayerOutput (attention half-carrier, carrier, diagnostics).
+    """
+    pre, B, eps = f"blk.{layer}.", len(X), cfg.norm_eps
+    pos, tap = p + 1 + np.arange(B), Tap(None)
+    u, pre_a, post_a, comb_a = hc_pre_of(store, cfg, X, pre + "hc_attn_")
+    x = rms_norm(u, store.dense(pre + "attn_norm.weight"), eps)
+    _qr, _q, _kv, q_rot, block_k = project_qkv(store, cfg, pre, x, pos, rope, num, tap)
+    o = dspark_attend(q_rot, block_k, ring, p, cfg.window_size, store.dense(pre + "attn_sinks.weight"),
+                      1.0 / math.sqrt(cfg.head_dim))
+    a = grouped_output(apply_rope(o, pos, rope, inverse=True), store.matrix(pre + "attn_output_a.weight"),
+                       store.matrix(pre + "attn_output_b.weight"), cfg.o_groups, workers)
+    Y = hc_post(a, X, post_a, comb_a)
+    v, pre_f, post_f, comb_f = hc_pre_of(store, cfg, Y, pre + "hc_ffn_")
+    xf = rms_norm(v, store.dense(pre + "ffn_norm.weight"), eps)
+    f, ids, weights, margin = moe(store, cfg, layer, xf, tokens, int(pos[0]), num, tap, workers)
+    X_out = hc_post(f, Y, post_f, comb_f)
+    if not np.isfinite(X_out).all():
+        raise ParityError(f"DSpark stage layer {layer}: non-finite carrier (block at positions {pos[0]}..{pos[-1]})")
+    diag = LayerDiag(hc_attn=(pre_a, post_a, comb_a), hc_ffn=(pre_f, post_f, comb_f), expert_ids=ids,
+                     expert_weights=weights, router_margin=margin, n_comp_visible=np.zeros(B, np.int64),
+                     index_sel=None)
+    return LayerOutput(attn_carrier=Y, carrier=X_out, diag=diag)

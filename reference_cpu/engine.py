@@ -18,12 +18,26 @@ from functools import partial
 import numpy as np
 
 from parity.contract.cpus import usable_cpus
+from parity.contract.draft import DSparkRound, MTPOutput
 from parity.contract.engine import LayerOutput, RunOptions, check_qat_shapes, check_tokens
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
+from parity.gguf.drafter import Drafter, merged_weights, open_drafter
 from parity.gguf.weights import Weights
 from reference_cpu.allocator import keep_freed_memory
 from reference_cpu.dequant import dequantize
+from reference_cpu.draft import (
+    Ring,
+    confidence,
+    dspark_main,
+    dspark_stage,
+    first_max,
+    main_kv,
+    markov_chain,
+    mtp_input,
+    mtp_pairs,
+    ring_write,
+)
 from reference_cpu.hc import hc_head, hc_init
 from reference_cpu.linear import linear
 from reference_cpu.model import Numerics, Tap, block_forward
@@ -83,11 +97,15 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def __init__(self, model_path: str, options: RunOptions, threads: int | None = None) -> None:
+    def __init__(self, model_path: str, options: RunOptions, threads: int | None = None,
+                 draft: str | None = None) -> None:
         keep_freed_memory()  # speed only: dequantized arrays reuse freed pages instead of faulting fresh ones
         self.weights = Weights(model_path)
-        self.identity = self.weights.identity()
         self.config: ModelConfig = self.weights.config
+        # the draft head (`draft`: a drafter GGUF): its blocks are layers L.. of drafter.model_config
+        self.drafter: Drafter | None = open_drafter(draft, self.config) if draft is not None else None
+        source = self.weights if self.drafter is None else merged_weights(self.weights, self.drafter)
+        self.identity = source.identity()
         check_options(options, self.config)
         self.options = options
         self.dtype = np.dtype(DTYPES[options.dtype])
@@ -97,7 +115,7 @@ class ReferenceEngine:
             raise ParityError(f"the reference engine: threads={threads} contradicts the engine argument "
                               f"threads={given}")
         self.workers = Workers(threads or given or usable_cpus())
-        self.store = WeightStore(self.weights, self.dtype, options.cache_gb, options.act_quant)
+        self.store = WeightStore(source, self.dtype, options.cache_gb, options.act_quant)
         self._configure(options)
 
     def _configure(self, options: RunOptions) -> None:
@@ -107,6 +125,10 @@ class ReferenceEngine:
                                  f16_round if options.kv_cache == "f16" else None)
         self.rope = [RopeTable.build(layer_rope_spec(self.config, l), self.dtype, options.rope_angles)
                      for l in range(self.config.n_layers)]
+        if self.drafter is not None:
+            dcfg = self.drafter.model_config
+            self.rope += [RopeTable.build(layer_rope_spec(dcfg, l), self.dtype, options.rope_angles)
+                          for l in range(self.config.n_layers, dcfg.n_layers)]
         self.jitter = None
         if options.roundoff_seed is not None:
             self._set_seed(options.roundoff_seed)
@@ -186,6 +208,93 @@ class ReferenceEngine:
                     cfg.hc_eps)
         final = rms_norm(z, s.dense("output_norm.weight"), cfg.norm_eps)
         return final, linear(final, s.matrix("output.weight"))
+
+    # -- draft heads (spec v4-mtp-dspark §2-§3) ---------------------------------------------------------------
+    def _draft(self, kind: str) -> ModelConfig:
+        """The drafter's model config, when this engine was opened with a drafter of `kind` (else an error)."""
+        if self.drafter is None or self.drafter.config.kind != kind:
+            got = "no drafter" if self.drafter is None else f"a {self.drafter.config.kind} drafter"
+            raise ParityError(f"the reference engine: {kind} needs an engine opened with a {kind} drafter "
+                              f"(draft=FILE); this one has {got}")
+        if self.options.expert_override is not None:
+            raise ParityError("the reference engine: expert_override replays trunk layers; the draft heads do not "
+                              "take it")
+        return self.drafter.model_config
+
+    def new_mtp_state(self) -> SequenceState:
+        """Fresh caches of the MTP block (layer L: its own window of W-1 raw rows; the trunk layers stay unused)."""
+        return SequenceState.empty(self._draft("mtp"), self.dtype)
+
+    def mtp_forward(self, state: SequenceState, carriers: np.ndarray, tokens: np.ndarray, start_pos: int,
+                    pairing: str = "prev") -> MTPOutput:
+        """The MTP block on the pairs of trunk rows of consecutive positions q0.. (carriers X^(L) [n, H, D], tokens
+        t [n]): prev pairs X^(L)_{q-1} with t_q (n-1 pairs), same X^(L)_q with t_q (n pairs), §2.3. A pair's MTP
+        position is its carrier's position, start_pos = q0: the MTP ring runs 0, 1, … in both pairings."""
+        self._draft("mtp")
+        tokens = check_tokens(tokens, self.config.vocab_size, "mtp_forward")
+        G, tau = mtp_pairs(np.asarray(carriers), tokens, pairing)
+        if len(tau) == 0:
+            raise ParityError(f"mtp_forward: {len(tokens)} rows make no {pairing} pair")
+        return self._mtp_rows(state, G, tau, start_pos)
+
+    def mtp_chain(self, state: SequenceState, last: MTPOutput, start_pos: int, depth: int) -> list[MTPOutput]:
+        """Depths 2..depth after the pair `last` (its last row): depth k+1 feeds the block's own output carrier X1
+        of depth k with its draft d_k = first argmax of its logits, at the next MTP position (start_pos = the
+        position after `last`'s, §2.4). The chain rows go to a copy of `state` (scratch rows, §2.5 replay)."""
+        scratch = copy.deepcopy(state)
+        G, logits, outs = last.carrier[-1:], last.logits[-1], []
+        for k in range(depth - 1):
+            out = self._mtp_rows(scratch, G, np.array([first_max(logits)]), start_pos + k)
+            outs.append(out)
+            G, logits = out.carrier, out.logits[0]
+        return outs
+
+    def _mtp_rows(self, state: SequenceState, G: np.ndarray, tau: np.ndarray, start_pos: int) -> MTPOutput:
+        """X0 = mtp_input(E[τ], G); X1 = Block_L(X0); logits = W_out norm(HC_head_mtp(X1)) (§2.2)."""
+        s, cfg, L = self.store, self._draft("mtp"), self.config.n_layers
+        X0 = mtp_input(s.rows("token_embd.weight", tau), G.astype(self.dtype, copy=False),
+                       s.dense("mtp.enorm.weight"), s.dense("mtp.hnorm.weight"), s.matrix("mtp.e_proj.weight"),
+                       s.matrix("mtp.h_proj.weight"), cfg.norm_eps)
+        out = block_forward(s, cfg, L, state.layers[L], X0, tau, int(start_pos), self.rope[L], self.numerics,
+                            Tap(None), self.workers)
+        z = hc_head(out.carrier, s.matrix("mtp.hc_head_fn.weight"), float(s.dense("mtp.hc_head_scale.weight")[0]),
+                    s.dense("mtp.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
+        logits = linear(rms_norm(z, s.dense("mtp.norm.weight"), cfg.norm_eps), s.matrix("output.weight"))
+        return MTPOutput(X0, out.attn_carrier, out.carrier, logits, out.diag.expert_ids)
+
+    def new_dspark_state(self) -> list[Ring]:
+        """One empty W-slot ring of committed main KV rows per DSpark stage."""
+        cfg = self._draft("dspark")
+        return [Ring.empty(cfg.window_size, cfg.head_dim, self.dtype) for _ in range(self.drafter.config.n_blocks)]
+
+    def dspark_round(self, state: list[Ring], taps: np.ndarray, start_pos: int, anchor: int) -> DSparkRound:
+        """Write the main rows of positions start_pos..p (taps [c, m·D], `draft.dspark_taps` of the trunk rows;
+        prefill: every prompt row; later: every newly committed row, §3.5) into each stage's ring, then draft the
+        block [anchor, ν × (B-1)] at positions p+1..p+B from start position p = start_pos + c - 1 (§3.3)."""
+        cfg, dc, s, L = self._draft("dspark"), self.drafter.config, self.store, self.config.n_layers
+        taps = np.asarray(taps).astype(self.dtype, copy=False)
+        pos = int(start_pos) + np.arange(len(taps))
+        p = int(pos[-1])
+        if p < 1:
+            raise ParityError("dspark_round: a draft needs start position p >= 1 (a 1-token prompt cannot draft)")
+        M = dspark_main(taps, s.matrix("dspark.main_proj.weight"), s.dense("dspark.main_norm.weight"), cfg.norm_eps)
+        for k in range(dc.n_blocks):
+            state[k] = ring_write(state[k], main_kv(s, cfg, L + k, M, pos, self.rope[L + k], self.numerics), pos)
+        block = check_tokens(np.array([anchor] + [dc.noise_token_id] * (dc.block_size - 1)), cfg.vocab_size,
+                             "dspark_round")
+        X, stages, ids = hc_init(s.rows("token_embd.weight", block), cfg.hc_mult), [], []
+        for k in range(dc.n_blocks):
+            out = dspark_stage(s, cfg, L + k, state[k], X, block, p, self.rope[L + k], self.numerics, self.workers)
+            X = out.carrier
+            stages.append(X)
+            ids.append(out.diag.expert_ids)
+        z = hc_head(X, s.matrix("dspark.hc_head_fn.weight"), float(s.dense("dspark.hc_head_scale.weight")[0]),
+                    s.dense("dspark.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
+        base = linear(rms_norm(z, s.dense("dspark.norm.weight"), cfg.norm_eps), s.matrix("output.weight"))
+        w2 = s.matrix("dspark.markov_w2.weight")
+        drafts, biased, u = markov_chain(base, int(anchor), s.dense("dspark.markov_w1.weight"), w2)
+        return DSparkRound(M[-1], stages, ids, base, linear(u, w2), biased,
+                           confidence(z, u, s.matrix("dspark.conf_proj.weight")), drafts)
 
     def cache_stats(self) -> dict[str, int]:
         """Capability: statistics of the dequantized-weight LRU cache."""
