@@ -435,3 +435,11 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
         if forced is None:
             forced = [int(t) for t in np.concatenate([r.tokens for r in runs[name]])[len(tokens):]]
     return arbitrate_runs(runs, len(tokens), tolerance)
+
+
+def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[str, Any]:
+    """`inspect -m MODEL --draft FILE`: the drafter's head, keys and tensors and whether it fits the trunk
+    (`parity.gguf.drafter_report.inspect_drafter`; `validation.ok` False names the problem)."""
+    from parity.gguf.drafter_report import inspect_drafter as drafter_report
+
+    return drafter_report(model, draft)

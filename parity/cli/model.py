@@ -6,6 +6,7 @@ import click
 
 from parity.cli.common import echo_json, json_errors, json_option, model_option
 from parity.gguf.synth import PRESETS, QUANTS
+from parity.gguf.synth_draft import DRAFT_QUANTS
 
 
 @click.command()
@@ -15,17 +16,42 @@ from parity.gguf.synth import PRESETS, QUANTS
               help="f32: all F32; real-mix: the real release's per-class types; mxfp4: MXFP4 experts.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed -> same bytes).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="GGUF file to write.")
+@click.option("--draft", type=click.Choice(["mtp", "dspark"]), default=None,
+              help="Also write a tiny drafter for the model: the MTP block or a 3-stage DSpark drafter "
+                   "(needs --draft-layout and --draft-out), e.g. v4parity synth -o tiny.gguf --draft mtp "
+                   "--draft-layout llamacpp --draft-out tiny-mtp.gguf")
+@click.option("--draft-layout", type=click.Choice(["ds4", "llamacpp", "dflash"]), default=None,
+              help="Drafter file layout: MTP ds4 | llamacpp, DSpark ds4 (deepseek4-dspark) | dflash "
+                   "(docs/drafters.md).")
+@click.option("--draft-out", type=click.Path(dir_okay=False), default=None, help="Drafter GGUF file to write.")
+@click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="f32", show_default=True,
+              help="f32: all F32; q8_0: block and projection matrices Q8_0, the rest F32.")
 @json_option()
 @json_errors
-def synth(preset: str, quant: str, seed: int, output: str, as_json: bool) -> None:
+def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, draft_layout: str | None,
+          draft_out: str | None, draft_quant: str, as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
     Example: v4parity synth --preset tiny --quant real-mix -o tiny.gguf
     """
     from parity.gguf.synth import synthesize
 
+    layout = _draft_layout(draft, draft_layout, draft_out)
     path = synthesize(output, preset, quant, seed)
     size = path.stat().st_size
+    if layout is not None:
+        from parity.gguf.synth_draft import synthesize_drafter
+
+        dpath = synthesize_drafter(draft_out, path, draft, layout, seed, draft_quant)
+        dsize = dpath.stat().st_size
+        if as_json:
+            echo_json({"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed,
+                       "draft": {"wrote": str(dpath), "bytes": dsize, "kind": draft, "layout": layout,
+                                 "quant": draft_quant}})
+        else:
+            click.echo(f"wrote {path} ({size:,} bytes; preset={preset} quant={quant} seed={seed})")
+            click.echo(f"wrote {dpath} ({dsize:,} bytes; drafter {draft} layout={layout} quant={draft_quant})")
+        return
     if as_json:
         echo_json({"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed})
     else:
@@ -35,15 +61,31 @@ def synth(preset: str, quant: str, seed: int, output: str, as_json: bool) -> Non
 @click.command()
 @model_option()
 @click.option("--tensors", is_flag=True, help="Also list every tensor (name, shape, type, bytes).")
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Inspect this drafter GGUF (MTP or DSpark, any layout) instead and validate it against the model: "
+                   "head kind, layout, blocks, keys, tensors; exit 1 naming the problem on a bad pair. "
+                   "e.g. v4parity inspect -m tiny.gguf --draft tiny-mtp.gguf")
 @json_option(help="Print the whole report (tensors included) as JSON (errors too).")
 @json_errors
-def inspect(model: str, tensors: bool, as_json: bool) -> None:
+def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None:
     """Show config (derived values marked), layer schedule, the tensor count and validation result.
 
     \b
     Exit codes: 0 valid, 1 the file does not satisfy the deepseek4 contract, 2 unreadable metadata.
     Example: v4parity inspect -m tiny.gguf --tensors
     """
+    if draft is not None:
+        from parity import api
+        from parity.gguf.drafter_report import print_drafter_inspection
+
+        report = api.inspect_drafter(model, draft)
+        if as_json:
+            echo_json(report)
+        else:
+            print_drafter_inspection(report, tensors=tensors)
+        if not report["validation"]["ok"]:
+            raise SystemExit(1)
+        return
     from parity.gguf.report import inspect_model, print_inspection
 
     report = inspect_model(model)
@@ -53,6 +95,20 @@ def inspect(model: str, tensors: bool, as_json: bool) -> None:
         print_inspection(report, tensors=tensors)
     if not report["validation"]["ok"]:
         raise SystemExit(1)
+
+
+def _draft_layout(draft: str | None, layout: str | None, out: str | None) -> str | None:
+    """--draft / --draft-layout / --draft-out -> the drafter layout name (None: no drafter); all three or none."""
+    if draft is None and layout is None and out is None:
+        return None
+    if draft is None or layout is None or out is None:
+        raise click.UsageError("--draft, --draft-layout and --draft-out go together")
+    name = {("mtp", "ds4"): "ds4-mtp", ("mtp", "llamacpp"): "llamacpp-mtp", ("dspark", "ds4"): "ds4-dspark",
+            ("dspark", "dflash"): "dflash"}.get((draft, layout))
+    if name is None:
+        raise click.UsageError(f"--draft-layout {layout} is not a {draft} layout "
+                               f"(mtp: ds4, llamacpp; dspark: ds4, dflash)")
+    return name
 
 
 COMMANDS = [synth, inspect]
