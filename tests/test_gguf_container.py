@@ -180,7 +180,7 @@ def test_real_mix_uses_the_release_types_and_random_blocks_hit_the_intended_scal
     for spec in expected_tensors(cfg):
         if not spec.required:
             continue
-        assert w.info(spec.name).ggml_type == tensor_type(spec, "real-mix"), spec.name
+        assert w.info(spec.name).ggml_type == tensor_type(spec, "real-mix", cfg.n_layers), spec.name
         if w.info(spec.name).ggml_type in (Q.Q2_K, Q.Q4_K, Q.IQ2_XXS):
             _, std = init_weight(spec, cfg, np.random.default_rng(0))
             got = w.tensor(spec.name)

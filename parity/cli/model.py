@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from parity.cli.common import echo_json, json_errors, json_option, model_option
+from parity.gguf.lcp_layouts import FTYPES
 from parity.gguf.synth import PRESETS, QUANTS
 from parity.gguf.synth_draft import DRAFT_QUANTS
 
@@ -13,7 +14,10 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
               help="Model dimensions (tiny: 6 layers, every feature fires in ~300 tokens).")
 @click.option("--quant", type=click.Choice(QUANTS), default="f32", show_default=True,
-              help="f32: all F32; real-mix: the real release's per-class types; mxfp4: MXFP4 experts.")
+              metavar="[f32|real-mix|mxfp4|lcp-FTYPE]",
+              help="f32: all F32; real-mix: the real release's per-class types; mxfp4: MXFP4 experts; "
+                   "lcp-FTYPE: each tensor in the type llama.cpp's quantizer writes at that file type, FTYPE "
+                   f"one of {', '.join(FTYPES)} (k-quants and IQ4 as random valid blocks).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed -> same bytes).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="GGUF file to write.")
 @click.option("--draft", type=click.Choice(["mtp", "dspark"]), default=None,
@@ -32,7 +36,9 @@ def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, dr
           draft_out: str | None, draft_quant: str, as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
+    \b
     Example: v4parity synth --preset tiny --quant real-mix -o tiny.gguf
+             v4parity synth --preset tiny --quant lcp-Q4_K_M -o tiny-q4_k_m.gguf
     """
     from parity.gguf.synth import synthesize
 
@@ -68,7 +74,8 @@ def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, dr
 @json_option(help="Print the whole report (tensors included) as JSON (errors too).")
 @json_errors
 def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None:
-    """Show config (derived values marked), layer schedule, the tensor count and validation result.
+    """Show config (derived values marked), layer schedule, the tensor count, the type mix, which engines read
+    it, the layout (llama.cpp quantizer types that differ from the release's) and the validation result.
 
     \b
     Exit codes: 0 valid, 1 the file does not satisfy the deepseek4 contract, 2 unreadable metadata.

@@ -1,7 +1,10 @@
 """The exact tensor set a deepseek4 GGUF must hold, derived from its `ModelConfig` (spec §4).
 
 `expected_tensors(cfg)` lists every tensor with its numpy shape (reversed ne) and the ggml types
-allowed for it; `validate(tensors, cfg)` reports *all* problems at once.
+the release allows for it; `validate(tensors, cfg)` reports *all* problems at once. A tensor llama.cpp's
+quantizer re-types (`parity.gguf.lcp_layouts.quantizes`) may also hold any type that quantizer writes
+(`lcp_layouts.WRITTEN_TYPES`): that is reported as the file's layout (which llama.cpp file type gives
+exactly its types), not as a problem. Any other type (a quantized norm, a non-I32 hash table) is a problem.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 from gguf.constants import GGMLQuantizationType as Q
 
+from parity.gguf import lcp_layouts
 from parity.gguf.config import ModelConfig
 from parity.gguf.container import TensorInfo, tensor_nbytes
 
@@ -120,7 +124,12 @@ def layout_bytes(specs: list[TensorSpec], types: dict[str, Q]) -> int:
 
 @dataclass(frozen=True)
 class ValidationReport:
+    """Contract problems; `differs`: tensors in a type llama.cpp's quantizer writes that the release does not
+    use; `layout`: one line naming that layout (None when no tensor differs)."""
+
     problems: tuple[str, ...]
+    differs: tuple[str, ...]
+    layout: str | None
 
     @property
     def ok(self) -> bool:
@@ -129,7 +138,7 @@ class ValidationReport:
 
 def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationReport:
     """Compare the file's tensor table with the contract; collect every problem, do not stop at one."""
-    problems = []
+    problems, differs = [], []
     specs = {s.name: s for s in expected_tensors(cfg)}
     for name, spec in specs.items():
         info = tensors.get(name)
@@ -139,13 +148,38 @@ def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationR
             continue
         if info.shape != spec.shape:
             problems.append(f"tensor {name}: shape {info.shape}, expected {spec.shape}")
-        if info.ggml_type not in spec.types:
-            allowed = ", ".join(sorted(t.name for t in spec.types))
-            problems.append(f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed})")
+        if info.ggml_type in spec.types:
+            continue
+        if lcp_layouts.quantizes(name, spec.ne) and info.ggml_type in lcp_layouts.WRITTEN_TYPES:
+            differs.append(name)
+            continue
+        allowed = ", ".join(sorted(t.name for t in spec.types))
+        why = ("nor a type llama.cpp's quantizer writes" if lcp_layouts.quantizes(name, spec.ne)
+               else "llama.cpp's quantizer never re-types it")
+        problems.append(f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed}; {why})")
     for name in tensors:
         if name not in specs:
             problems.append(f"unexpected tensor {name}")
-    return ValidationReport(tuple(problems))
+    return ValidationReport(tuple(problems), tuple(differs), layout_line(tensors, cfg, len(differs)))
+
+
+def lcp_file_types(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> list[str]:
+    """The llama.cpp file types (`lcp_layouts.FTYPES`) whose quantizer gives every tensor it re-types exactly
+    the type the file holds."""
+    specs = [s for s in expected_tensors(cfg) if s.name in tensors and lcp_layouts.quantizes(s.name, s.ne)]
+    return [ft for ft in lcp_layouts.FTYPES
+            if all(tensors[s.name].ggml_type == lcp_layouts.tensor_type(s.name, s.ne, ft, cfg.n_layers)
+                   for s in specs)]
+
+
+def layout_line(tensors: Mapping[str, TensorInfo], cfg: ModelConfig, n_differ: int) -> str | None:
+    """The `layout:` line of a file with `n_differ` tensors in types the release does not use (None for 0)."""
+    if not n_differ:
+        return None
+    fts = lcp_file_types(tensors, cfg)
+    style = (f"llama.cpp quantizer {'/'.join(fts)}-style" if fts
+             else "types llama.cpp's quantizer writes, no single llama.cpp file type's mix")
+    return f"{style}, differs from the release in {n_differ} tensor(s)"
 
 
 def type_mix(tensors: Mapping[str, TensorInfo]) -> list[dict[str, int | str]]:

@@ -17,7 +17,8 @@ def layer_kind(ratio: int) -> str:
 def inspect_model(path: str, engines: Sequence[str] = ENGINES) -> dict[str, Any]:
     """Everything `v4parity inspect` shows, as plain data: config, schedule, tensors, the type mix (count and
     bytes per ggml type), whether each engine in `engines` reads every type (`parity.gguf.support`), and the
-    contract validation."""
+    contract validation (problems; `layout`/`differs`: types llama.cpp's quantizer writes that differ from the
+    release's, `parity.gguf.inventory.validate`)."""
     w = Weights(path)
     cfg = w.config
     infos = w.tensor_infos()
@@ -26,7 +27,8 @@ def inspect_model(path: str, engines: Sequence[str] = ENGINES) -> dict[str, Any]
         {"name": n, "shape": list(w.info(n).shape), "type": w.info(n).type_name, "bytes": w.info(n).nbytes}
         for n in w.names
     ]
-    problems = list(validate(infos, cfg).problems)
+    v = validate(infos, cfg)
+    problems = list(v.problems)
     return {
         "file": w.identity(),
         "config": cfg.to_dict() | {"derived": cfg.derived},
@@ -40,7 +42,7 @@ def inspect_model(path: str, engines: Sequence[str] = ENGINES) -> dict[str, Any]
         "total_bytes": sum(t["bytes"] for t in tensors),
         "type_mix": mix,
         "engines": support([int(r["id"]) for r in mix], engines),
-        "validation": {"ok": not problems, "problems": problems},
+        "validation": {"ok": not problems, "problems": problems, "layout": v.layout, "differs": list(v.differs)},
     }
 
 
@@ -83,6 +85,8 @@ def print_inspection(report: dict[str, Any], tensors: bool = True) -> None:
     for e in report["engines"]:
         con.print(engine_line(e))
     v = report["validation"]
+    if v["layout"]:
+        con.print(f"layout: {v['layout']} (information, not a problem)")
     if v["ok"]:
         con.print("[green]validation: OK[/] (all expected tensors present with allowed shapes and types)")
     else:

@@ -7,7 +7,10 @@ staying inside what other deepseek4 loaders accept (ratios 0/4/128, hc 4, 20 Sin
 head_dim - rope_dim a multiple of 64, indexer head dim a multiple of 64 and != head_dim).
 
 Quant layouts: `f32` (everything F32), `real-mix` (the real release's per-class types), `mxfp4`
-(routed experts MXFP4, the rest F32). Same preset, quant and seed give a byte-identical file.
+(routed experts MXFP4, the rest F32), `lcp-<FTYPE>` (each tensor in the type llama.cpp's quantizer at that
+file type writes from the f32 file, `parity.gguf.lcp_layouts`). Types gguf-py quantizes (F16, BF16, Q4_0,
+Q5_0, Q5_1, Q8_0, MXFP4) are quantized from the float weights; the k-quants and IQ4_XS/IQ4_NL hold random
+valid blocks (`parity.gguf.quant_blocks`). Same preset, quant and seed give a byte-identical file.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import numpy as np
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as Q
 
+from parity.gguf import lcp_layouts
 from parity.gguf.config import ModelConfig
 from parity.gguf.container import VT, TensorData, Value, write_gguf
 from parity.gguf.inventory import REAL_RELEASE_TYPES, TensorSpec, expected_tensors
 from parity.gguf.quant_blocks import RANDOM_BLOCK_TYPES, random_blocks
 from parity.gguf.vocab import CHAT_TEMPLATE, synthetic_vocab
 
-QUANTS = ("f32", "real-mix", "mxfp4")
+LCP_PREFIX = "lcp-"
+QUANTS = ("f32", "real-mix", "mxfp4", *(LCP_PREFIX + f for f in lcp_layouts.FTYPES))
 
 
 @dataclass(frozen=True)
@@ -187,9 +192,13 @@ def tid2eid(cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
     return np.stack([rng.permutation(E)[:K] for _ in range(cfg.vocab_size)]).astype(np.int32)
 
 
-def tensor_type(spec: TensorSpec, quant: str) -> Q:
+def tensor_type(spec: TensorSpec, quant: str, n_layers: int) -> Q:
+    """The ggml type layout `quant` stores tensor `spec` in (`n_layers`: the model's, for llama.cpp's per-layer
+    choices)."""
     if spec.klass == "i32":
         return Q.I32
+    if quant.startswith(LCP_PREFIX):   # llama.cpp keeps an unquantized tensor's source type: F32 here
+        return lcp_layouts.tensor_type(spec.name, spec.ne, quant[len(LCP_PREFIX):], n_layers) or Q.F32
     if quant == "real-mix":
         return REAL_RELEASE_TYPES[spec.klass]
     if quant == "mxfp4" and spec.klass in ("expert_gate_up", "expert_down"):
@@ -224,7 +233,7 @@ def synthesize(path: str | Path, preset: str = "tiny", quant: str = "f32", seed:
             continue
         # per-tensor stream: a tensor's values do not depend on the others or on the quant layout
         rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
-        qtype = tensor_type(spec, quant)
+        qtype = tensor_type(spec, quant, cfg.n_layers)
         if spec.klass == "i32":
             arr, std = tid2eid(cfg, rng), 0.0
         else:
