@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
@@ -253,7 +255,7 @@ def detect_layout(tensor_names: list[str], source: str) -> str:
     return next(iter(found))
 
 
-def _one_of(m: _Meta, spellings: tuple[str, ...], read) -> tuple[str, object]:
+def _one_of(m: _Meta, spellings: tuple[str, ...], read: Callable[[str], Any]) -> tuple[str, Any]:
     """(key, value) of the spelling present; all present spellings must agree; none present is an error."""
     present = [k for k in spellings if k in m.kv]
     if not present:
