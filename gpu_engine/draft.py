@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_engine.model import (
@@ -54,6 +55,14 @@ def mtp_input(e_row: Tensor, carrier: Tensor, enorm_w: Tensor, hnorm_w: Tensor, 
 def dspark_taps(carriers: Sequence[Tensor]) -> Tensor:
     """T = concat_l mean_s X^(l+1)[s] (stream mean of each tapped layer's output).  m x [T, H, D] -> [T, m·D]."""
     return torch.cat([c.mean(dim=1) for c in carriers], dim=-1)
+
+
+def check_taps(taps: np.ndarray, m: int, dim: int) -> np.ndarray:
+    """taps must be [c >= 1, m·D] (the rows `dspark_taps` makes): anything else is an error naming the shape."""
+    if taps.ndim != 2 or len(taps) < 1 or taps.shape[1] != m * dim:
+        raise ParityError(f"dspark_round: taps of shape {taps.shape}, expected (c >= 1, {m * dim}) = "
+                          f"{m} tapped layers x D = {dim}")
+    return taps
 
 
 def dspark_main(taps: Tensor, main_proj: Tensor, main_norm_w: Tensor, eps: float) -> Tensor:

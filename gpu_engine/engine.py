@@ -24,6 +24,7 @@ from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
 from gpu_engine.draft import (
     Ring,
+    check_taps,
     confidence,
     dspark_main,
     dspark_stage,
@@ -309,7 +310,11 @@ class TorchEngine:
         """The MTP block on the prev / same pairs of trunk rows of consecutive positions (as the reference's)."""
         self._draft("mtp")
         tokens = check_tokens(tokens, self.cfg.vocab_size, "mtp_forward")
-        G, tau = mtp_pairs(np.asarray(carriers), tokens, pairing)
+        carriers = np.asarray(carriers)
+        if carriers.shape != (len(tokens), self.cfg.hc_mult, self.cfg.dim):
+            raise ParityError(f"mtp_forward: carriers of shape {carriers.shape} for {len(tokens)} tokens, expected "
+                              f"({len(tokens)}, {self.cfg.hc_mult}, {self.cfg.dim})")
+        G, tau = mtp_pairs(carriers, tokens, pairing)
         if len(tau) == 0:
             raise ParityError(f"mtp_forward: {len(tokens)} rows make no {pairing} pair")
         with torch.inference_mode():
@@ -317,6 +322,8 @@ class TorchEngine:
 
     def mtp_chain(self, state: TorchState, last: MTPOutput, start_pos: int, depth: int) -> list[MTPOutput]:
         """Depths 2..depth after the pair `last`: X1 of depth k with its first-argmax draft, on a copy of `state`."""
+        if depth < 1:
+            raise ParityError(f"mtp_chain: depth must be >= 1, got {depth}")
         scratch = TorchState([copy.copy(c) for c in state.layers])  # tensors are replaced, never written in place
         G, logits, outs = last.carrier[-1:], last.logits[-1], []
         with torch.inference_mode():
@@ -352,6 +359,7 @@ class TorchEngine:
         """Write the main rows of positions start_pos..p into each stage's ring, then draft the block [anchor,
         ν × (B-1)] at p+1..p+B from start position p = start_pos + c - 1 (as the reference's)."""
         cfg, dc, w, L = self._draft("dspark"), self.drafter.config, self.w, self.cfg.n_layers
+        taps = check_taps(np.asarray(taps), len(dc.target_layer_ids), cfg.dim)
         p = int(start_pos) + len(taps) - 1
         if p < 1:
             raise ParityError("dspark_round: a draft needs start position p >= 1 (a 1-token prompt cannot draft)")

@@ -62,6 +62,14 @@ def dspark_taps(carriers: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([c.mean(axis=1) for c in carriers], axis=-1)
 
 
+def check_taps(taps: np.ndarray, m: int, dim: int) -> np.ndarray:
+    """taps must be [c >= 1, m·D] (the rows `dspark_taps` makes): anything else is an error naming the shape."""
+    if taps.ndim != 2 or len(taps) < 1 or taps.shape[1] != m * dim:
+        raise ParityError(f"dspark_round: taps of shape {taps.shape}, expected (c >= 1, {m * dim}) = "
+                          f"{m} tapped layers x D = {dim}")
+    return taps
+
+
 def dspark_main(taps: np.ndarray, main_proj: Weight, main_norm_w: np.ndarray, eps: float) -> np.ndarray:
     """M = RMSNorm_main_norm(W_main T) (§3.3).  taps [T, m·D], main_proj [D, m·D] -> [T, D]."""
     return rms_norm(linear(taps, main_proj), main_norm_w, eps)

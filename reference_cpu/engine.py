@@ -28,6 +28,7 @@ from reference_cpu.allocator import keep_freed_memory
 from reference_cpu.dequant import dequantize
 from reference_cpu.draft import (
     Ring,
+    check_taps,
     confidence,
     dspark_main,
     dspark_stage,
@@ -232,7 +233,11 @@ class ReferenceEngine:
         position is its carrier's position, start_pos = q0: the MTP ring runs 0, 1, … in both pairings."""
         self._draft("mtp")
         tokens = check_tokens(tokens, self.config.vocab_size, "mtp_forward")
-        G, tau = mtp_pairs(np.asarray(carriers), tokens, pairing)
+        carriers = np.asarray(carriers)
+        if carriers.shape != (len(tokens), self.config.hc_mult, self.config.dim):
+            raise ParityError(f"mtp_forward: carriers of shape {carriers.shape} for {len(tokens)} tokens, expected "
+                              f"({len(tokens)}, {self.config.hc_mult}, {self.config.dim})")
+        G, tau = mtp_pairs(carriers, tokens, pairing)
         if len(tau) == 0:
             raise ParityError(f"mtp_forward: {len(tokens)} rows make no {pairing} pair")
         return self._mtp_rows(state, G, tau, start_pos)
@@ -241,6 +246,8 @@ class ReferenceEngine:
         """Depths 2..depth after the pair `last` (its last row): depth k+1 feeds the block's own output carrier X1
         of depth k with its draft d_k = first argmax of its logits, at the next MTP position (start_pos = the
         position after `last`'s, §2.4). The chain rows go to a copy of `state` (scratch rows, §2.5 replay)."""
+        if depth < 1:
+            raise ParityError(f"mtp_chain: depth must be >= 1, got {depth}")
         scratch = copy.deepcopy(state)
         G, logits, outs = last.carrier[-1:], last.logits[-1], []
         for k in range(depth - 1):
@@ -272,7 +279,7 @@ class ReferenceEngine:
         prefill: every prompt row; later: every newly committed row, §3.5) into each stage's ring, then draft the
         block [anchor, ν × (B-1)] at positions p+1..p+B from start position p = start_pos + c - 1 (§3.3)."""
         cfg, dc, s, L = self._draft("dspark"), self.drafter.config, self.store, self.config.n_layers
-        taps = np.asarray(taps).astype(self.dtype, copy=False)
+        taps = check_taps(np.asarray(taps), len(dc.target_layer_ids), cfg.dim).astype(self.dtype, copy=False)
         pos = int(start_pos) + np.arange(len(taps))
         p = int(pos[-1])
         if p < 1:

@@ -118,8 +118,11 @@ def test_ds4_and_dflash_layouts_give_identical_rounds(tiny_f32, drafters, engine
         np.testing.assert_array_equal(ra.confidence, rb.confidence)
 
 
-def test_a_round_needs_a_start_position_after_the_first(engines, trunk):
+def test_a_round_needs_a_start_position_after_the_first_and_taps_of_every_tapped_layer(engines, trunk):
     tokens, taps = trunk
     eng = engines["torch"]
     with pytest.raises(ParityError, match="start position p >= 1"):
         eng.dspark_round(eng.new_dspark_state(), taps[:1], 0, int(tokens[1]))
+    for e in engines.values():
+        with pytest.raises(ParityError, match=r"taps of shape \(3, 512\), expected \(c >= 1, 768\)"):
+            e.dspark_round(e.new_dspark_state(), taps[:3, :512], 0, int(tokens[3]))

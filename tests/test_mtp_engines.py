@@ -144,3 +144,6 @@ def test_draft_methods_need_the_matching_drafter(tiny_f32, engines, trunk):
         plain.mtp_forward(plain.new_state(), X, tokens, 0)
     with pytest.raises(ParityError, match="dspark needs .* a mtp drafter"):
         engines["torch"].new_dspark_state()
+    for eng in engines.values():
+        with pytest.raises(ParityError, match=r"carriers of shape \(19, 4, 256\) for 20 tokens"):
+            eng.mtp_forward(eng.new_mtp_state(), X[1:], tokens, 0)
