@@ -10,6 +10,9 @@ trace (as in tests/test_check.py), and its sub-op is where the fault acts by its
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,7 @@ from parity.contract.checkpoints import SUBOPS, block
 from parity.contract.engine import RunOptions, load_engine
 from parity.contract.errors import TraceError
 from parity.gguf.weights import Weights
-from parity.tracing.io import vectors_path, write_npz
+from parity.tracing.io import TRACE_ID, vectors_path, write_npz
 from parity.tracing.runner import run_sequence
 from parity.tracing.subops import POS, RECORD_NAMES, ROW_RECORDS, member, subop_chunks
 from parity.tracing.zipstore import StoredZip
@@ -183,3 +186,63 @@ def test_emitted_rows_carry_the_last_position_of_their_chunk(clean):
     for l in range(t.n_layers):
         for q in ROW_RECORDS:
             assert set(t.subops[member(l, q) + POS].tolist()) <= ends
+
+
+def test_a_side_file_written_from_c_as_the_docs_show_reads_back_equal(clean, tmp_path):
+    """docs/trace-format.md's `v4p_npy`, compiled, writes every side-file array of the clean trace from its raw
+    bytes; packed with `zip -0` (no trace_sha256: the unbound form) the trace reads back with equal records."""
+    if not (shutil.which("cc") and shutil.which("zip")):
+        pytest.skip("needs a C compiler (cc) and zip")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trace-format.md").read_text()
+    block = re.search(r"```c\n(/\* one \.npy.*?\n})\n", doc, re.S)
+    assert block, "docs/trace-format.md lost its v4p_npy example"
+    main = r"""
+int main(int argc, char **argv) {   /* argv: name descr shape nbytes, repeated; data from raw/<name> */
+    for (int i = 1; i + 3 < argc; i += 4) {
+        char src[512], dst[512];
+        size_t nbytes = strtoull(argv[i + 3], 0, 10);
+        void *data = malloc(nbytes + 1);
+        snprintf(src, sizeof src, "raw/%s", argv[i]);
+        FILE *f = fopen(src, "rb");
+        if (!f || fread(data, 1, nbytes, f) != nbytes) return 1;
+        fclose(f);
+        snprintf(dst, sizeof dst, "side/%s.npy", argv[i]);
+        v4p_npy(dst, argv[i + 1], argv[i + 2], data, nbytes);
+        free(data);
+    }
+    return 0;
+}
+"""
+    (tmp_path / "w.c").write_text("#include <stdio.h>\n#include <stdlib.h>\n#include <stdint.h>\n"
+                                  + block.group(1) + main)
+    subprocess.run(["cc", "-O0", "-o", str(tmp_path / "w"), str(tmp_path / "w.c")], check=True)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "side").mkdir()
+    args = []
+    for name, a in _side(clean[0]).items():
+        if name == TRACE_ID:
+            continue
+        (tmp_path / "raw" / name).write_bytes(np.ascontiguousarray(a).tobytes())
+        shape = "(" + ", ".join(map(str, a.shape)) + ("," if a.ndim == 1 else "") + ")"
+        args += [name, a.dtype.str, shape, str(a.nbytes)]
+    subprocess.run([str(tmp_path / "w"), *args], cwd=tmp_path, check=True)
+    path = tmp_path / "c.trace"
+    path.write_bytes(clean[0].read_bytes())
+    subprocess.run(f"zip -0 -q {vectors_path(path)} *.npy", shell=True, cwd=tmp_path / "side", check=True)
+    back = api.load_trace(path)
+    assert back.subops.keys() == clean[1].subops.keys()
+    assert all(back.subops[k].tobytes() == a.tobytes() and back.subops[k].dtype == a.dtype
+               for k, a in clean[1].subops.items())
+
+
+def test_a_header_with_subops_matches_the_json_schema(clean):
+    import jsonschema
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "parity" / "schema" / "trace.schema.json").read_text())
+    header = clean[1].header.to_dict()
+    assert header["subops"] == list(RECORD_NAMES)
+    jsonschema.validate(header, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**header, "subops": ["q_pth"]}, schema)
+    no_records = {k: v for k, v in header.items() if k != "subops"}   # optional, as in every older trace
+    jsonschema.validate(no_records, schema)

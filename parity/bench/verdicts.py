@@ -1,7 +1,8 @@
 """How often `v4parity check` is right: false DEFECTs on correct runs, detection of injected faults.
 
 Correct candidates: the torch engine with its QAT simulations on (default `RunOptions`) on the tiny F32 and tiny
-real-mix models at several prompt lengths, the clean QAT-off torch runs that serve as the faults' baselines, and
+real-mix models at several prompt lengths (traced without and with sub-op records, `trace --subops`: layer-level
+and op-level verdicts), the clean QAT-off torch runs that serve as the faults' baselines, and
 llama.cpp captures of the tiny F32 model quantized by llama.cpp's own quantizer. Faulty candidates: every torch
 fault switch on several prompts, QAT simulations on and off; a fault counts as found when `check` says DEFECT and
 names that fault at the first layer whose recorded output differs bitwise from the clean torch trace on the same
@@ -34,11 +35,13 @@ LLAMACPP_TYPES = ("F16", "BF16", "Q8_0", "MXFP4_MOE", "Q4_K_M", "Q2_K")
 @dataclass(frozen=True)
 class VerdictPlan:
     """What `run_verdicts` runs. torch_lengths: prompt length -> number of seeded prompts, per model of
-    torch_models; llamacpp_types x llamacpp_seeds captures of `llamacpp_length` tokens; faults (None: every torch
-    fault) x fault_prompts prompts of `fault_length` tokens, once per QAT setting of fault_qat. Every run adds
-    `decode` greedy steps (the faulty runs are forced onto their clean run's tokens)."""
+    torch_models; subop_lengths: the same with sub-op records (op-level); llamacpp_types x llamacpp_seeds captures
+    of `llamacpp_length` tokens; faults (None: every torch fault) x fault_prompts prompts of `fault_length` tokens,
+    once per QAT setting of fault_qat. Every run adds `decode` greedy steps (the faulty runs are forced onto their
+    clean run's tokens)."""
 
     torch_lengths: dict[int, int]
+    subop_lengths: dict[int, int] = field(default_factory=dict)
     torch_models: tuple[str, ...] = MODELS
     llamacpp_types: tuple[str, ...] = LLAMACPP_TYPES
     llamacpp_seeds: int = 3
@@ -53,8 +56,10 @@ class VerdictPlan:
 
 
 PLANS = {
-    # >= 50 correct runs: 2 x 16 torch, 5 clean QAT-off baselines, 6 x 3 llama.cpp captures; 11 x 5 x 2 faulty
-    "default": VerdictPlan(torch_lengths={40: 7, 150: 4, 300: 3, 600: 2}),
+    # >= 50 correct runs: 2 x 16 torch, 2 x 10 of them again with sub-op records (the first seeds: same prompts),
+    # 5 clean QAT-off baselines, 6 x 3 llama.cpp captures; 11 x 5 x 2 faulty
+    "default": VerdictPlan(torch_lengths={40: 7, 150: 4, 300: 3, 600: 2},
+                           subop_lengths={40: 3, 150: 3, 300: 2, 600: 2}),
     # the pipeline in a few minutes: numbers not meaningful
     "quick": VerdictPlan(torch_lengths={40: 1, 150: 1}, llamacpp_types=("Q8_0",), llamacpp_seeds=1,
                          faults=("no-decode-compression", "rope-split-halves"), fault_prompts=1, fault_qat=(True,)),
@@ -118,9 +123,10 @@ def _tasks(plan: VerdictPlan, faults: Sequence[str]) -> list[dict[str, Any]]:
     """Every run of the plan, in order (correct runs first), as descriptions."""
     tasks: list[dict[str, Any]] = []
     for model in plan.torch_models:
-        for n, seeds in sorted(plan.torch_lengths.items()):
+        for subops, lengths in ((False, plan.torch_lengths), (True, plan.subop_lengths)):
             tasks += [{"kind": "correct", "engine": "torch", "model": model, "qat": True, "fault": None,
-                       "prompt": n, "seed": plan.seed0 + s} for s in range(seeds)]
+                       "prompt": n, "seed": plan.seed0 + s, "subops": subops}
+                      for n, seeds in sorted(lengths.items()) for s in range(seeds)]
     fault_seeds = [plan.seed0 + 1000 + i for i in range(plan.fault_prompts)]
     if False in plan.fault_qat and faults:   # the clean QAT-off baselines are correct runs too
         tasks += [{"kind": "correct", "engine": "torch", "model": "f32", "qat": False, "fault": None,
@@ -178,7 +184,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
             api.capture_llamacpp(model, tokens, path, decode=plan.decode)
         elif task["kind"] == "correct":
             api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
-                                     options=opts), path)
+                                     options=opts, subops=task.get("subops", False)), path)
         else:
             key = (task["qat"], task["seed"])
             if key not in clean:
@@ -204,7 +210,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
         rows.append(row)
         done = time.perf_counter() - t0
         eta = done / (i + 1) * (len(tasks) - i - 1)
-        what = f"{task['engine']} {task['model']}{'' if task['qat'] else ' qat-off'} T={task['prompt']}+{plan.decode}"
+        what = f"{_group(task)} T={task['prompt']}+{plan.decode}"
         if task["kind"] == "fault":
             what += f" fault {task['fault']} (expected layer {expected})"
         flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
@@ -253,13 +259,14 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     n_fd = sum(r["false_defect"] for r in correct)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in correct:
-        groups.setdefault(f"{r['engine']} {r['model']}{'' if r['qat'] else ' qat-off'}", []).append(r)
+        groups.setdefault(_group(r), []).append(r)
     per_group = {g: {"verdicts": _count(rs), "false_defects": sum(r["false_defect"] for r in rs), **_times(rs)}
                  for g, rs in groups.items()}
     by_length: dict[str, dict[str, Any]] = {}
     for r in correct:
         if r["engine"] == "torch" and r["qat"]:
-            by_length.setdefault(r["model"], {}).setdefault(str(r["prompt"]), []).append(r)
+            key = r["model"] + (" --subops (op-level)" if r.get("subops") else "")
+            by_length.setdefault(key, {}).setdefault(str(r["prompt"]), []).append(r)
     per_fault: dict[str, dict[str, Any]] = {}
     for r in faulty:
         f = per_fault.setdefault(r["fault"], {"n": 0, "acting": 0, "detected": 0, "found": 0})
@@ -290,6 +297,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                  "by_length": {m: {n: _times(rs) for n, rs in sorted(d.items(), key=lambda kv: int(kv[0]))}
                                for m, d in by_length.items()}},
     }
+
+
+def _group(r: dict[str, Any]) -> str:
+    """A correct candidate's group: engine, model, QAT off, sub-op records."""
+    return f"{r['engine']} {r['model']}{'' if r['qat'] else ' qat-off'}{' --subops' if r.get('subops') else ''}"
 
 
 def _count(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
