@@ -19,7 +19,7 @@ from parity import api
 from parity.cli import cli
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions, load_engine
-from parity.gguf import lcp_layouts, synth
+from parity.gguf import lcp_layouts, support, synth
 from parity.gguf.container import GGUFFile, TensorData, tensor_nbytes, write_gguf
 from parity.gguf.inventory import lcp_file_types, validate
 from parity.gguf.quant_blocks import RANDOM_BLOCK_TYPES, random_blocks
@@ -56,10 +56,12 @@ def test_lcp_layout_gives_every_tensor_llamacpps_type(llamacpp_quantized, model_
 
 @pytest.fixture(scope="module")
 def deep_f32(tmp_path_factory):
-    """The tiny preset with 17 layers: llama.cpp's n_layers/8 (= 2) and /16 (= 1) layer rules fire."""
+    """The tiny preset with 17 layers (and 4 experts, to stay small): llama.cpp's n_layers/8 (= 2) and /16 (= 1)
+    layer rules fire."""
     require("llama_cpp")
     path = tmp_path_factory.mktemp("deep") / "deep-f32.gguf"
-    deep = dataclasses.replace(synth.PRESETS["tiny"], compress_ratios=(0, 0, *(4, 128) * 7, 4))
+    deep = dataclasses.replace(synth.PRESETS["tiny"], compress_ratios=(0, 0, *(4, 128) * 7, 4), n_routed_experts=4,
+                               n_activated_experts=2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(synth.PRESETS, "deep", deep)
         synth.synthesize(path, "deep", "f32", seed=0)
@@ -112,6 +114,14 @@ def test_random_blocks_of_every_drawn_type_hit_the_scale(qtype):
     assert vals.shape == (16, 512) and np.isfinite(vals).all()
     assert abs(vals.std() / 0.05 - 1) < 0.10
     assert abs(vals.mean()) < 0.1 * 0.05
+
+
+@pytest.mark.parametrize("engine", ("reference", "torch"))
+def test_both_engines_read_every_type_the_quantizer_writes(engine):
+    # validate accepts these on any tensor llama.cpp re-types: each must run in both engines
+    got = support.engine_reads(engine, lcp_layouts.WRITTEN_TYPES)
+    assert got["available"] and got["runs"], {t: ok for t, ok in got["reads"].items() if not ok}
+    assert len(got["reads"]) == 25
 
 
 @pytest.mark.parametrize("ftype", ("Q8_0", "Q4_K_M"))

@@ -1,7 +1,8 @@
 """The ggml type llama.cpp's quantizer gives each deepseek4 tensor, per llama.cpp file type (ftype).
 
-Mirrors `src/llama-quant.cpp` (llama.cpp, the copy under llama-cpp-python 0.3.36), for a source file whose
-weights are all F32 and default quantize parameters (no importance matrix, no overrides, not `pure`):
+Mirrors llama.cpp's `src/llama-quant.cpp` (read at ggml-org/llama.cpp 007dbbf; the tests compare it with the
+quantizer built into llama-cpp-python 0.3.36) for a source file whose weights are all F32 and default quantize
+parameters (no importance matrix, no overrides, not `pure`):
 * `tensor_allows_quantization`: only tensors with >= 2 dimensions whose name ends in "weight" are quantized,
   never a `_norm.weight`, the router `ffn_gate_inp.weight` or the hash table `ffn_gate_tid2eid.weight`
   (`NEVER_QUANTIZED`); every other tensor keeps its source type (1-D HC scales/bases, `attn_sinks`,
@@ -41,7 +42,8 @@ FALLBACK = {
 }
 
 # Every type llama.cpp's quantizer writes for some ftype (default table, per-tensor picks, fallbacks, F16/F32
-# for odd rows) that gguf-py knows, hence both v4parity engines dequantize (Q8_K is an activation type only).
+# for odd rows) that both v4parity engines dequantize (tested; not Q8_K, an activation type only, nor the
+# NVFP4 / Q1_0 / Q2_0 types of newer llama.cpp versions).
 WRITTEN_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
     Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0,
