@@ -52,9 +52,11 @@ class FakeEngine:
 
     version = "0"
 
-    def __init__(self, options: RunOptions | None = None, defect: tuple | None = None, name: str = "fake"):
+    def __init__(self, options: RunOptions | None = None, defect: tuple | None = None, name: str = "fake",
+                 twin: int | None = None):
         options = options or RunOptions()
         self.name, self.options, self.defect, self.config = name, options, defect, FakeConfig()
+        self.twin = twin   # a round-off twin: every sub-op output times 1 + r * 4 ulps, r seeded per (twin, op)
         self.dt = np.float64 if options.dtype == "float64" else np.float32
         rng = np.random.default_rng(7)
         w = lambda *s: rng.standard_normal(s) / np.sqrt(s[-2] if len(s) > 1 else 1)  # noqa: E731
@@ -66,8 +68,14 @@ class FakeEngine:
     def _hit(self, layer: int, sub: str) -> bool:
         return self.defect is not None and self.defect[:2] == (layer, sub)
 
+    def roundoff_twin(self, seed: int) -> FakeEngine:
+        return FakeEngine(self.options, self.defect, self.name, twin=seed)
+
     def _out(self, layer: int, sub: str, x: np.ndarray) -> np.ndarray:
         x = x.astype(self.dt)
+        if self.twin is not None:
+            rng = np.random.default_rng([self.twin, layer, *sub.encode()])
+            x = x * (1 + rng.uniform(-1, 1, x.shape) * 4 * 2.0**-24).astype(self.dt)
         hit = self._hit(layer, sub) and len(self.defect) == 2
         return x + self.dt(DELTA) * np.roll(x, 1, axis=-1) if hit else x
 

@@ -416,7 +416,8 @@ def test_a_dumped_op_that_departs_is_named_op_level(llama_cpp, tiny_f32, setup, 
 
 
 def _inflated_envelope(path: Path, factor: float) -> Path:
-    """The committed tiny-f32 envelope with every checkpoint floor multiplied by `factor` (an unlucky calibration)."""
+    """The committed tiny-f32 envelope with every checkpoint floor multiplied by `factor` (an edited or inherited
+    floor)."""
     doc = json.loads(ENV_F32.read_text())
     for section in doc["dtypes"].values():
         for name in section["checkpoints"]:
@@ -425,7 +426,7 @@ def _inflated_envelope(path: Path, factor: float) -> Path:
     return path
 
 
-def test_an_error_in_one_layer_is_a_defect_there_from_any_directory_with_any_envelope(
+def test_an_error_in_one_layer_is_a_defect_there_from_any_directory_and_an_inflated_envelope_is_refused(
         tiny_f32, clean_trace, tmp_path, monkeypatch):
     # a 2e-3 relative error added to layer 3's output carrier at every position: the local verdict rests on the
     # round-off twins, not on the envelope, so an envelope whose floors are 1000x too large cannot hide it, and
@@ -437,12 +438,14 @@ def test_an_error_in_one_layer_is_a_defect_there_from_any_directory_with_any_env
     scale = 2e-3 * np.linalg.norm(x.reshape(len(x), -1), axis=1) / np.linalg.norm(noise.reshape(len(x), -1), axis=1)
     vec[block(3)] = x + noise * scale[:, None, None].astype(np.float32)
     bad = replace(clean_trace, vectors=vec)
-    envelopes = [ENV_F32, _inflated_envelope(tmp_path / "inflated.envelope.json", 1e3)]
-    for where, env in zip((tmp_path, TRACES.parent), envelopes, strict=True):
+    for where in (tmp_path, TRACES.parent):
         monkeypatch.chdir(where)
-        r = api.check(bad, tiny_f32, envelope=env)
+        r = api.check(bad, tiny_f32, envelope=ENV_F32)
         assert (r.verdict, r.culprit.layer, r.causes[-1].name) == ("DEFECT", 3, "unexplained"), r.headline
         assert r.judged == "layer-level" and r.headline.endswith("[layer-level]")
+    # an envelope whose floors are 1000x too large is refused: its own round-off null contradicts them
+    with pytest.raises(ParityError, match="round-off null contradicts"):
+        api.check(bad, tiny_f32, envelope=_inflated_envelope(tmp_path / "inflated.envelope.json", 1e3))
 
 
 def test_flagless_candidate_on_a_shape_without_fp8_blocks_runs_the_sims_off(clean_trace):

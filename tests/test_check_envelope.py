@@ -64,3 +64,20 @@ def test_envelope_of_another_model_is_refused(traces):
     other = Path(__file__).resolve().parent.parent / "traces" / "tiny-mxfp4.envelope.json"
     res = _run("diff", traces["ref"], traces["torch"], "--envelope", other, "--json")
     assert res.exit_code == 2 and "measured on model" in json.loads(res.stdout)["error"]
+
+
+def test_gate_and_diff_follow_checks_verdict_with_a_model(traces, tiny_f32, tmp_path):
+    # one judgement everywhere: with --check-model, `gate` and `diff` give `check`'s verdict on B (the round-off
+    # null on its own prompt), whatever the tolerance table says
+    tol = tmp_path / "tight.json"
+    tol.write_text(json.dumps({"default": {"rel_tol": 1e-9, "norm_tol": 1e-9}}))
+    res = _run("gate", "--golden", traces["ref"], "--tolerances", tol, "--candidate", traces["torch"],
+               "--check-model", tiny_f32, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["passed"] and doc["check"]["verdict"] in ("MATCH", "NOISE")
+    assert doc["cases"][-1]["checkpoint"] == "check" and not all(c["passed"] for c in doc["cases"][:-1])
+    res = _run("diff", traces["ref"], traces["sink"], "--check-model", tiny_f32)
+    assert res.exit_code == 1, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("check (decides the exit status): DEFECT"))
+    assert "sink-dropped" in line and "layer 0" in line, line

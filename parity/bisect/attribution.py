@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, block, block_attn
 from parity.contract.engine import Engine, LayerOutput
 from parity.tracing.runner import ChunkResult
+
+if TYPE_CHECKING:   # the envelope measures its floors with the null, which runs layers with `teacher_forced`
+    from parity.bisect.envelope import Envelope
 
 
 def layer_input(chunk: ChunkResult, layer: int) -> np.ndarray:

@@ -1,15 +1,25 @@
 """Noise-floor envelope: the benign drift per checkpoint and per sub-op capture, measured, not guessed.
 
-A quantity passes when `err <= K * floor + EPS` (`gate`), where `floor` is the largest per-position
-relative L2 seen between benign pairs of runs on a calibration prompt:
-* `oracle`: reference float32 vs reference float64 (the reference's own round-off, QAT code flips included);
+A quantity passes when `err <= K * floor + EPS` (`gate`), where `floor` is the largest per-position relative
+L2 seen between benign pairs of runs on a calibration prompt:
+* `oracle`: reference float32 vs reference float64 (the reference's own round-off);
 * `rechunk`: the candidate engine, one batched prefill vs a chunked prefill (summation order, cache layout);
 * `dtype` (bf16 sections only): candidate bfloat16 vs the same candidate in float32.
+A pair is one run: a QAT code flip (or a routing/selection flip) in it would make the whole envelope wide. So the
+round-off null measures the pairs: N_TWINS Monte-Carlo twins of the float32 reference (`RoundoffTwins`, the null
+`check` judges by, parity.bisect.null), each free-running against the exact reference, give per quantity the
+worst position of each twin (`null`). The quietest twin is plain round-off (with QAT on most twins flip some code
+somewhere: median 0.2 rel-L2 at tiny real-mix's last layer, quietest 5e-6). A float32 pair (oracle; rechunk of
+a float32 candidate) above K times the quietest twin (+ EPS) is not plain round-off: it is left out of that
+floor and listed in `excluded`; a quantity every pair left is floored at the quietest twin. The dtype pair
+measures the candidate's own precision, which the float32 null cannot, and always counts. A stored envelope is
+checked against its own null when loaded (`contradictions`): a floor above that limit and above the pairs the
+float32 null does not cover is refused with the reason, as is a file measured before the null (version 1).
+Judging flips is `check`'s job (on the candidate's own prompt); the envelope is the engine-free screen of
+`diff` / `gate` / `arbitrate`.
 K = 10: on 30 random clean prompts (tiny f32, real-mix, mxfp4; docs/bisect.md) the err/floor ratio of the
 prompts that stayed inside the envelope was 1.2-11 (median 1.4), while every injected fault sits > 1e3 floors
-out; prompts with a QAT code flip exceed any K (up to 1e5 floors) and are told apart by the drill-down's flip
-recognition, not by the gate, so a tighter K costs more NOISE verdicts, never a false DEFECT.
-EPS = 1e-6 (~16 float32 ulps) covers quantities whose floor measures 0.
+out. EPS = 1e-6 (~16 float32 ulps) covers quantities whose floor measures 0.
 Envelopes are stored next to golden traces as `traces/<name>.envelope.json`, one section per candidate dtype.
 """
 
@@ -24,15 +34,16 @@ from typing import Any
 
 import numpy as np
 
+from parity.bisect.null import N_TWINS
 from parity.compare.metrics import max_abs, rel_l2
 from parity.contract.checkpoints import LOGITS
-from parity.contract.engine import Engine, RunOptions
+from parity.contract.engine import Engine, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_bytes
 from parity.gguf.weights import same_model
 from parity.tracing.runner import ChunkResult, run_sequence, stack
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2   # 2: floors measured by the round-off null
 K = 10.0
 EPS = 1e-6
 MARGIN_EPS = 1e-6   # router-key gaps are O(1) (sqrt-softplus scores): ~16 float32 ulps
@@ -69,7 +80,9 @@ class Envelope:
     subops: dict[str, float]
     router_margin: dict[str, float]       # per layer: largest |margin_ref - margin_other| on benign pairs
     logit_rel: float                      # largest logit_rel_rows on benign pairs
-    components: dict[str, dict[str, float]] = field(default_factory=dict)  # pair -> checkpoint -> floor
+    components: dict[str, dict[str, float]] = field(default_factory=dict)  # pair -> quantity -> floor
+    null: dict[str, list[float]] = field(default_factory=dict)   # quantity -> each twin's worst position, sorted
+    excluded: dict[str, list[str]] = field(default_factory=dict)  # pair -> quantities it left out (not round-off)
     calibration: dict = field(default_factory=dict)  # prompt length, decode steps, chunking used
     k: float = K
     eps: float = EPS
@@ -205,15 +218,45 @@ def pair_floors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[
     return out
 
 
+F32_PAIRS = ("oracle", "rechunk")   # pairs whose arithmetic the float32 null covers (rechunk: float32 candidates)
+
+
+def null_limit(twins: Sequence[float], k: float = K, eps: float = EPS) -> float:
+    """The largest floor a float32 benign pair may give and still be plain round-off: k * quietest twin + eps."""
+    return k * float(min(twins)) + eps
+
+
+def merge_floors(null: dict[str, list[float]], pairs: dict[str, dict[str, float]],
+                 f32_pairs: Sequence[str]) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """Per quantity: floor = max(every pair not excluded), the quietest twin when none is left; a float32 pair
+    above `null_limit` is
+    excluded; a quantity a pair did not measure (an engine without that capture) takes no part. Returns (floors,
+    pair -> excluded quantities)."""
+    def beyond(name: str, key: str) -> bool:
+        return name in f32_pairs and pairs[name][key] > null_limit(null[key])
+
+    floors, excluded = {}, {}
+    for key, twins in null.items():
+        kept = [f[key] for name, f in pairs.items() if key in f and not beyond(name, key)]
+        floors[key] = max(kept) if kept else float(min(twins))
+    for name in f32_pairs:
+        out = sorted(key for key in null if key in pairs.get(name, {}) and beyond(name, key))
+        if out:
+            excluded[name] = out
+    return floors, excluded
+
+
 def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequence[int], decode: int = 0,
-                     chunk: int = 5, cand_f32: Engine | None = None,
+                     chunk: int = 5, cand_f32: Engine | None = None, n_twins: int = N_TWINS,
                      progress: Callable[[str], None] | None = None,
                      counter: Callable[[str, int, int | None], None] | None = None) -> Envelope:
-    """Run the benign pairs on `prompt` (+ `decode` greedy steps of the float32 reference, teacher-forced on
-    every side) and keep the largest floor of each quantity. `cand_f32` (the candidate in float32) adds the
-    `dtype` pair for a bf16 candidate. `counter(stage, done, total)` counts the finished runs."""
+    """The round-off null (`n_twins` twins of `ref32`) and the benign pairs on `prompt` (+ `decode` greedy steps
+    of the float32 reference, teacher-forced on every side); floors by `merge_floors`. `cand_f32` (the candidate
+    in float32) adds the `dtype` pair for a bf16 candidate. `counter(stage, done, total)` counts finished runs."""
+    if not isinstance(ref32, RoundoffTwins):
+        raise ParityError(f"engine {ref32.name} has no round-off twins (RoundoffTwins): no measured envelope")
     say = progress or (lambda _m: None)
-    n_runs, done = 4 + (cand_f32 is not None), [0]
+    n_runs, done = 4 + n_twins + (cand_f32 is not None), [0]
 
     def counted(result: list[ChunkResult]) -> list[ChunkResult]:
         done[0] += 1
@@ -228,6 +271,8 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
     def run(engine: Engine, ch: int | None) -> list[ChunkResult]:
         return counted(run_sequence(engine, prompt, decode, chunk=ch, forced=forced, capture=True))
 
+    say(f"envelope: {n_twins} round-off twins of the reference (the null)")
+    twins = [pair_floors(base, run(ref32.roundoff_twin(seed), None)) for seed in range(1, n_twins + 1)]
     say("envelope: reference float64")
     pairs = {"oracle": (base, run(ref64, None))}
     say(f"envelope: {cand.name} {cand.options.dtype}, prefill in one chunk and in chunks of {chunk}")
@@ -237,10 +282,11 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
         say(f"envelope: {cand_f32.name} float32 (dtype pair)")
         pairs["dtype"] = (run(cand_f32, None), one)
     floors = {name: pair_floors(a, b) for name, (a, b) in pairs.items()}
-    merged: dict[str, float] = {}
-    for f in floors.values():
-        for key, v in f.items():
-            merged[key] = max(merged.get(key, 0.0), v)
+    null = {key: sorted(t[key] for t in twins) for key in twins[0]}
+    merged, excluded = merge_floors(null, floors, f32_pairs(cand.options.dtype))
+    for name, keys in excluded.items():
+        say(f"envelope: the {name} pair is not round-off at {len(keys)} quantit{'y' if len(keys) == 1 else 'ies'} "
+            f"({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}): left out of the floor")
     ckpt_names = [*base[0].checkpoints, LOGITS]
     return Envelope(
         dtype=cand.options.dtype,
@@ -248,10 +294,42 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
         subops={k: v for k, v in merged.items() if ":" in k and not k.startswith("margin:")},
         router_margin={k.split(":", 1)[1]: v for k, v in merged.items() if k.startswith("margin:")},
         logit_rel=merged["logit_rel"],
-        components={name: {n: f[n] for n in ckpt_names} for name, f in floors.items()},
+        components=floors,
         calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk, "pairs": sorted(pairs),
-                     "engine": cand.name, "fp8_kv": cand.options.fp8_kv, "fp4_indexer": cand.options.fp4_indexer},
+                     "twins": n_twins, "engine": cand.name, "fp8_kv": cand.options.fp8_kv,
+                     "fp4_indexer": cand.options.fp4_indexer},
+        null=null,
+        excluded=excluded,
     )
+
+
+def f32_pairs(dtype: str) -> tuple[str, ...]:
+    """The benign pairs whose arithmetic is float32 for a candidate of `dtype` (the null's precision)."""
+    return F32_PAIRS if dtype == "float32" else ("oracle",)
+
+
+def stored_floors(env: Envelope) -> dict[str, float]:
+    """Every floor of an envelope by the quantity keys of `pair_floors`."""
+    return {**env.checkpoints, **env.subops, "logit_rel": env.logit_rel,
+            **{f"margin:{k}": v for k, v in env.router_margin.items()}}
+
+
+def contradictions(env: Envelope) -> list[str]:
+    """The floors its own null contradicts: above `null_limit` and above every pair the float32 null does not
+    cover (`f32_pairs`: the dtype pair, a bf16 candidate's rechunk); a quantity with no twins is one too. Empty
+    for an envelope `measure_envelope` wrote."""
+    out = []
+    for key, floor in stored_floors(env).items():
+        twins = env.null.get(key)
+        if not twins:
+            out.append(f"{key}: no round-off twins measured")
+            continue
+        own = [f.get(key, 0.0) for name, f in env.components.items() if name not in f32_pairs(env.dtype)]
+        allowed = max([null_limit(twins, env.k, env.eps), *own])
+        if floor > allowed:
+            out.append(f"{key}: floor {floor:.3g} > {allowed:.3g} ({env.k:g} x the quietest of {len(twins)} "
+                       f"round-off twins, {min(twins):.3g}, + {env.eps:g})")
+    return out
 
 
 # ---------------------------------------------------------------- storage
@@ -275,7 +353,9 @@ def read_envelope(path: Path) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ParityError(f"cannot read envelope {path}: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != "v4parity-envelope" or doc.get("version") != ENVELOPE_VERSION:
-        raise ParityError(f"{path}: not a v4parity envelope of version {ENVELOPE_VERSION}; "
+        version = doc.get("version") if isinstance(doc, dict) else None
+        why = " (version 1 floors predate the round-off null)" if version == 1 else ""
+        raise ParityError(f"{path}: not a v4parity envelope of version {ENVELOPE_VERSION}{why}; "
                           "regenerate it with `v4parity envelope`")
     return doc
 
@@ -294,7 +374,13 @@ def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | No
     if set(section) != want:
         raise ParityError(f"{path}: {dtype} section has missing fields {sorted(want - set(section))} / unknown fields "
                           f"{sorted(set(section) - want)}; regenerate it with `v4parity envelope`")
-    return Envelope(**section)
+    env = Envelope(**section)
+    wrong = contradictions(env)
+    if wrong:
+        raise ParityError(f"{path}: {dtype} section has {len(wrong)} floor(s) its round-off null contradicts ("
+                          f"{'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}): an inherited or edited floor "
+                          "would hide real errors; regenerate it with `v4parity envelope`")
+    return env
 
 
 # ---------------------------------------------------------------- judging a diff (`diff` / `gate --envelope`)

@@ -72,14 +72,17 @@ class NullTest:
     first: Cell | None            # the earliest exceeding cell (position order, then quantity order)
     worst: Cell | None            # the exceeding cell farthest outside (largest err / twin max)
     err: float                    # the candidate's largest distance over all cells
+    nonfinite: int = 0            # cells where the candidate is NaN / inf: round-off never gives one
 
     @property
     def significant(self) -> bool:
-        return self.p_value < ALPHA
+        return self.nonfinite > 0 or self.p_value < ALPHA
 
     def summary(self) -> str:
         """'X of C cells outside all N twins (p = ...)', plus the worst cell."""
         s = f"{self.exceed} of {self.cells} cells outside all {self.twins} round-off twins (p = {self.p_value:.2g})"
+        if self.nonfinite:
+            s += f", {self.nonfinite} of them non-finite"
         if self.worst is not None:
             w = self.worst
             s += f"; worst {w.quantity} at position {w.position}: {w.err:.3g} vs twins' {w.twin_max:.3g}"
@@ -89,11 +92,14 @@ class NullTest:
 def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],
           positions: Mapping[str, np.ndarray]) -> NullTest:
     """The stated test over every cell: cand[q] [T_q] candidate distances, twins[q] [N, T_q] twin distances (both
-    from the exact run R0), positions[q] [T_q] the position of each cell (rows: the emitting position)."""
+    from the exact run R0), positions[q] [T_q] the position of each cell (rows: the emitting position). A
+    non-finite candidate cell is outside (distance inf) and makes the test significant on its own."""
     n = min((len(t) for t in twins.values()), default=0)
-    cells, exceed, first, worst, err = 0, 0, None, None, 0.0
+    cells, exceed, first, worst, err, nonfinite = 0, 0, None, None, 0.0, 0
     for q, e in cand.items():
         e = np.asarray(e, np.float64)
+        nonfinite += int((~np.isfinite(e)).sum())
+        e = np.where(np.isfinite(e), e, np.inf)
         top = np.asarray(twins[q], np.float64).max(axis=0) if len(twins[q]) else np.zeros_like(e)
         out = np.flatnonzero(e > top)
         cells += len(e)
@@ -106,7 +112,7 @@ def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],
             if worst is None or c.ratio > worst.ratio:
                 worst = c
     p = binomial_tail(cells, 1.0 / (n + 1), exceed) if n else (0.0 if exceed else 1.0)
-    return NullTest(cells, exceed, n, p, first, worst, err)
+    return NullTest(cells, exceed, n, p, first, worst, err, nonfinite)
 
 
 @dataclass(frozen=True)

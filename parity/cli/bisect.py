@@ -79,7 +79,8 @@ def numerics_opts(fn):
 @json_errors
 def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as_json):
     """Measure the noise envelope of ENGINE on MODEL: reference f32 vs f64, the engine with two prefill
-    chunkings (and, for bf16, bf16 vs its own f32) on a seeded calibration prompt.
+    chunkings (and, for bf16, bf16 vs its own f32) on a seeded calibration prompt, each checked against 19
+    round-off twins of the reference (a float32 pair beyond 10x the quietest twin is left out of the floor).
 
     Example: v4parity envelope -m tiny-f32.gguf --engine torch --dtype bfloat16
     """

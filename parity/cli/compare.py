@@ -18,6 +18,10 @@ norm_opt = click.option("--norm-tol", type=float, default=None, help="|RMS ratio
 envelope_opt = click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
                              help="Judge by this noise envelope (measured on A's model): NOISE inside it, DRIFT "
                                   "outside; the exit status follows the envelope.")
+check_opt = click.option("--check-model", "check_model", type=click.Path(exists=True, dir_okay=False), default=None,
+                         help="Judge B (the candidate) by `v4parity check` against this model's reference: the "
+                              "round-off null on B's own prompt, the verdict `check` gives; the exit status "
+                              "follows it (DEFECT 1, MATCH / NOISE 0).")
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -59,15 +63,19 @@ def _plot_path(output: str) -> str:
 @html_option()
 @click.option("--no-fail", is_flag=True, help="Exit 0 even when a checkpoint drifts (the default exit is 1).")
 @envelope_opt
+@check_opt
 @json_errors
-def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path, no_fail, envelope_path) -> None:
+def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path, no_fail, envelope_path,
+         check_model) -> None:
     """Compare exactly two traces, A (reference) and B (candidate): per checkpoint each metric's worst
     value and the first drifting checkpoint.
 
     \b
     Exit codes: 0 all checkpoints agree, 1 a checkpoint drifts (0 with --no-fail),
                 2 preflight refusal (token ids, model, checkpoint sets or positions differ) or bad input.
+    With --envelope / --check-model the exit status follows that judgement instead.
     Example: v4parity diff ref.trace torch.trace --markdown diff.md
+    Example: v4parity diff ref.trace torch.trace --check-model tiny-f32.gguf
     """
     from parity.compare.printers import print_report, to_markdown, worst_rows
 
@@ -79,14 +87,17 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
 
         write_report(html_path, report)
     judged = _judge(report, envelope_path)
+    checked = _check(b, check_model, envelope_path)
     if as_json:
         echo_json({**report.to_dict(), "worst": worst_rows(report)}
-                  | ({"envelope": _judged_dict(judged)} if judged else {}))
+                  | ({"envelope": _judged_dict(judged)} if judged else {}) | _check_dict(checked))
     elif markdown_path != "-":
         print_report(report, wide=wide)
         for line in judged.lines() if judged else ():
             click.echo(line)
-    if (not judged.passed if judged else not report) and not no_fail:
+        _echo_check(checked)
+    passed = (checked.verdict != "DEFECT" if checked is not None else judged.passed if judged else bool(report))
+    if not passed and not no_fail:
         raise SystemExit(1)
 
 
@@ -157,11 +168,14 @@ def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
 @json_option(help="Print the result as JSON instead of Markdown (errors too).")
 @force_opt
 @envelope_opt
+@check_opt
 @json_errors
-def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, envelope_path) -> None:
+def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, envelope_path, check_model) -> None:
     """CI gate: exit 0 when the candidate matches the golden trace within tolerances, 1 otherwise, 2 if incomparable.
+    With --check-model the gate follows `check`'s verdict (the tolerance table stays as evidence).
 
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --junit gate.xml
+    Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --check-model tiny-f32.gguf
     """
     from parity.api import load_trace
     from parity.compare import gate as g
@@ -172,6 +186,11 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
                             names=(golden, candidate))
     except PreflightError as e:
         _preflight_exit(e, as_json)
+    checked = _check(candidate, check_model, envelope_path)
+    if checked is not None:
+        from parity.bisect.check_report import headline
+
+        result = g.with_verdict(result, checked.verdict, headline(checked))
     md = g.markdown(result)
     if junit:
         atomic_write_text(junit, g.junit_xml(result))
@@ -179,12 +198,37 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
         write_text(markdown_path, md)
     judged = _judge(result.report, envelope_path)
     if as_json:
-        echo_json(result.to_dict() | ({"envelope": _judged_dict(judged)} if judged else {}))
+        echo_json(result.to_dict() | ({"envelope": _judged_dict(judged)} if judged else {}) | _check_dict(checked))
     elif markdown_path != "-":
         click.echo(md)
         for line in judged.lines() if judged else ():
             click.echo(line)
-    raise SystemExit(0 if (judged.passed if judged else result) else 1)
+    passed = result.passed if checked is not None else judged.passed if judged else result.passed
+    raise SystemExit(0 if passed else 1)
+
+
+def _check(candidate, model, envelope_path):
+    """`check`'s report for the candidate trace against `model` (progress on stderr), or None without a model."""
+    if model is None:
+        return None
+    from parity import api
+    from parity.cli.progress import Progress
+
+    bar = Progress()
+    return api.check(candidate, model, envelope=envelope_path, progress=bar.note, counter=bar)
+
+
+def _check_dict(report) -> dict:
+    from parity.bisect.check_report import to_json
+
+    return {"check": to_json(report)} if report is not None else {}
+
+
+def _echo_check(report) -> None:
+    if report is not None:
+        from parity.bisect.check_report import headline
+
+        click.echo(f"check (decides the exit status): {headline(report)}")
 
 
 def _judge(report, envelope_path):

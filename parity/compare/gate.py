@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
@@ -146,6 +146,15 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
     return GateResult(all(c["passed"] for c in cases), cases, report, *names)
 
 
+def with_verdict(r: GateResult, verdict: str, headline: str) -> GateResult:
+    """The gate judged by `check`'s verdict (the round-off null on the candidate's own prompt): one more case,
+    `check`, and `passed` follows it (MATCH / NOISE pass, DEFECT fails); the tolerance cases stay as evidence."""
+    ok = verdict != "DEFECT"
+    case = {"checkpoint": "check", "passed": ok, "problems": [] if ok else [headline], "method": "round-off null",
+            "verdict": verdict, "headline": headline}
+    return replace(r, passed=ok, cases=[*r.cases, case])
+
+
 def junit_xml(r: GateResult) -> str:
     """JUnit XML: one testsuite, one testcase per checkpoint (failures carry the problems)."""
     fails = sum(not c["passed"] for c in r.cases)
@@ -173,9 +182,11 @@ def markdown(r: GateResult) -> str:
                   ""]
     lines += ["| checkpoint | status | method | max rel-L2 | rel_tol | max abs(RMS ratio - 1) | norm_tol |",
               "|---|---|---|---|---|---|---|"]
+    verdicts = [c for c in r.cases if "verdict" in c]
+    lines = [*lines, *(f"`check` (decides the gate): {c['headline']}" for c in verdicts), *([""] if verdicts else [])]
     lines += [f"| {c['checkpoint']} | {'pass' if c['passed'] else '**FAIL**'} | {c['method']} | {c['max_rel_l2']:.3e} "
               f"| {c['rel_tol']:g} | {'-' if c['max_norm_dev'] is None else format(c['max_norm_dev'], '.3e')} "
-              f"| {c['norm_tol']:g} |" for c in r.cases]
+              f"| {c['norm_tol']:g} |" for c in r.cases if "verdict" not in c]
     for c in r.cases:
-        lines += [f"- `{c['checkpoint']}`: {p}" for p in c["problems"]]
+        lines += [f"- `{c['checkpoint']}`: {p}" for p in c["problems"] if "verdict" not in c]
     return "\n".join(lines) + "\n"
