@@ -228,3 +228,43 @@ def test_unsupported_types_in_the_tensor_table_are_gguf_errors(tmp_path):
     path.write_bytes(blob)
     with pytest.raises(GGUFError, match="unknown ggml type 31|unsupported ggml type"):
         GGUFFile(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Name and key lengths are capped before decoding (issue 28 item 12)
+
+def _name_length_to_end(kind: str) -> bytes:
+    """An 8 MiB file whose first key (or, after one valid key, first tensor name) declares the rest of the file."""
+    rest = b"x" * SIZE
+    if kind == "key":
+        return _gguf([struct.pack("<Q", len(rest)) + rest], n_kv=1)
+    return _gguf([_kv("a", VT.U8, b"\0")], n_tensors=1, tail=struct.pack("<Q", len(rest)) + rest)
+
+
+@pytest.mark.parametrize(("kind", "what", "cap"), [("key", "metadata key #0", 65535),
+                                                    ("tensor", "tensor name #0", 63)])
+def test_a_name_length_corrupted_to_the_rest_of_the_file_is_refused_before_decoding(tmp_path, kind, what, cap):
+    path = tmp_path / f"{kind}.gguf"
+    path.write_bytes(_name_length_to_end(kind))
+    with pytest.raises(GGUFError, match=rf"{what} at offset \d+ declares {SIZE} bytes, at most {cap} allowed"):
+        GGUFFile(path)
+    peak = _peak_of(lambda: GGUFFile(path))
+    assert peak < MiB, f"{kind}: peak {peak / MiB:.2f} MiB for a {SIZE / MiB:.0f} MiB file (the span was decoded)"
+
+
+@pytest.mark.parametrize(("kind", "n"), [("key", 65535), ("tensor", 63)])
+def test_names_at_the_cap_are_read(tmp_path, kind, n):
+    """The caps are the limits themselves: the GGUF spec's 65535-byte key, ggml's 63 bytes + NUL tensor name."""
+    name = b"k" * n
+    if kind == "key":
+        blob = _gguf([struct.pack("<Q", n) + name + struct.pack("<I", int(VT.U8)) + b"\0"])
+    else:
+        info = struct.pack("<Q", n) + name + struct.pack("<IQIQ", 1, 32, 0, 0)
+        blob = _gguf([], n_tensors=1, tail=info + bytes(-(24 + len(info)) % 32) + bytes(128))
+    path = tmp_path / f"{kind}.gguf"
+    path.write_bytes(blob)
+    f = GGUFFile(path)
+    assert name.decode() in (f.kv if kind == "key" else f.tensors)
+    path.write_bytes(blob.replace(struct.pack("<Q", n) + name, struct.pack("<Q", n + 1) + name + b"k", 1))
+    with pytest.raises(GGUFError, match=f"declares {n + 1} bytes, at most {n} allowed"):
+        GGUFFile(path)

@@ -61,6 +61,10 @@ ISSUE_TEXT = {
                         "checkpoints"),
     "arabic-digit-layer": (lambda t: t.replace("blk.1 final_norm", "blk.1 blk.١ final_norm"), "checkpoints"),
     "long-unknown-key": (lambda t: t.replace("dtype float32", "dtype float32\n" + "x" * 100000 + " 1"), "x" * 40),
+    # issue 28 item 12: non-finite numbers decoded to floats that `diff --json` could not write back
+    "flags-1e999": (lambda t: t.replace('flags {"seed":3}', 'flags {"a":1e999}'), "flags"),
+    "flags-nan": (lambda t: t.replace('flags {"seed":3}', 'flags {"a":NaN}'), "flags"),
+    "flags-minus-infinity": (lambda t: t.replace('flags {"seed":3}', 'flags {"a":[-Infinity]}'), "flags"),
 }
 
 
@@ -112,6 +116,17 @@ def test_binary_reader_enforces_the_text_rules(tmp_path, case):
     header_edit, columns_edit, field = ISSUE_BINARY[case]
     path = _npz_with(tmp_path, toy_trace(3), header_edit, columns_edit)
     with pytest.raises(TraceError, match=rf"t\.npz: field '{field}'"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("value", ["1e999", "-1e400", "NaN", "Infinity"])
+def test_a_non_finite_number_in_a_binary_header_is_a_trace_error(tmp_path, value):
+    header = json.loads(_header_json(toy_trace(3).header))
+    header["flags"] = {"a": "@"}
+    path = tmp_path / "t.npz"
+    text = json.dumps(header).replace('"@"', value)
+    path.write_bytes(npz_bytes(_binary_columns(toy_trace(3)), {"header.json": text.encode()}))
+    with pytest.raises(TraceError, match=rf"t\.npz: field 'header.json': invalid JSON .*{value}.*finite"):
         read_trace(path)
 
 

@@ -34,6 +34,10 @@ MAX_DIMS = 4
 # (peak <= 2 x file size + 16 MiB, tests/test_fuzz_gguf.py); real files are far below them.
 MAX_KV = 1 << 14
 MAX_TENSORS = 1 << 14
+# Name lengths are capped before a byte is decoded (a length corrupted to the rest of the file is refused, not
+# decoded): the GGUF spec caps keys at 65535 bytes; ggml stores a tensor name in char[GGML_MAX_NAME = 64] with its NUL.
+MAX_KEY_BYTES = (1 << 16) - 1
+MAX_TENSOR_NAME_BYTES = 63
 
 
 class VT(IntEnum):
@@ -131,8 +135,12 @@ class _Cursor:
         self.pos += size
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, max_bytes: int | None = None) -> str:
+        """A u64 length then that many UTF-8 bytes; a length over `max_bytes` is refused before decoding."""
         n = self.scalar(VT.U64, f"{what} length")
+        if max_bytes is not None and n > max_bytes:
+            raise GGUFError(f"{self.path}: {what} at offset {self.pos - 8} declares {n} bytes, at most {max_bytes} "
+                            "allowed (a corrupt length)")
         self.need(n, what)
         raw = self.buf[self.pos : self.pos + n]  # decoded from the mapping, no intermediate copy
         self.pos += n
@@ -247,14 +255,14 @@ class GGUFFile:
                             f"accepts ({MAX_KV} / {MAX_TENSORS}; a V4 shard has < 100 / < 3000)")
         self.kv: dict[str, Value] = {}
         for i in range(n_kv):
-            key = cur.string(f"metadata key #{i}")
+            key = cur.string(f"metadata key #{i}", MAX_KEY_BYTES)
             if key in self.kv:
                 raise GGUFError(f"{self.path}: duplicate metadata key {quote(key)}")
             self.kv[key] = cur.value(cur.scalar(VT.U32, f"type of {quote(key)}"), f"metadata {quote(key)}")
         self.alignment = self._alignment()
         infos = []
         for i in range(n_tensors):
-            name = cur.string(f"tensor name #{i}")
+            name = cur.string(f"tensor name #{i}", MAX_TENSOR_NAME_BYTES)
             n_dims = cur.scalar(VT.U32, f"n_dims of {quote(name)}")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise GGUFError(f"{self.path}: tensor {quote(name)} has n_dims={n_dims} (allowed 1..{MAX_DIMS})")

@@ -266,6 +266,23 @@ def parse_number(s: str, fail: Callable[[str], TraceError]) -> float:
     raise fail(f"expected a number, got {s[:40]!r}")
 
 
+def _finite_json_number(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"number {s[:40]} is beyond float64 (JSON numbers are finite)")
+    return v
+
+
+def _no_json_constant(s: str) -> None:
+    raise ValueError(f"{s} is not a JSON number (JSON numbers are finite)")
+
+
+def _strict_json(text: str) -> Any:
+    """`json.loads` refusing what JSON has no room for: NaN, Infinity and numbers beyond float64 (`1e999`) raise
+    ValueError instead of decoding to a float that no JSON writer can write back."""
+    return json.loads(text, parse_float=_finite_json_number, parse_constant=_no_json_constant)
+
+
 def _parse_header(lines: list[_Line], source: str) -> tuple[TraceHeader, int]:
     """Header lines up to `end` -> (header, index of the first record line)."""
     first = lines[0] if lines else _Line(source, 1, "")
@@ -319,9 +336,9 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
         model["data_sha256"] = words("model_data", 1)[1][0]
     lf, flags_text = raw["flags"]
     try:
-        flags = json.loads(flags_text)
+        flags = _strict_json(flags_text)
     except (ValueError, RecursionError) as e:
-        raise lf.fail("flags", f"not a JSON object: {str(e)[:80]}") from None
+        raise lf.fail("flags", f"invalid JSON: {str(e)[:80]}") from None
     if not isinstance(flags, dict):
         raise lf.fail("flags", "must be a JSON object like {} or {\"fp8_kv\":true}")
     _, full = words("full")
@@ -530,7 +547,7 @@ def _read_binary(path: Path) -> tuple[Trace, StoredZip]:
 
 def _header_from_json(text: str, fail: Callable[[str, str], TraceError]) -> TraceHeader:
     try:
-        d = json.loads(text)
+        d = _strict_json(text)
     except (ValueError, RecursionError) as e:
         raise fail("header.json", f"invalid JSON ({str(e)[:80]})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
