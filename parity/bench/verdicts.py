@@ -37,8 +37,8 @@ class VerdictPlan:
     """What `run_verdicts` runs. torch_lengths: prompt length -> number of seeded prompts, per model of
     torch_models; subop_lengths: the same with sub-op records (op-level); llamacpp_types x llamacpp_seeds captures
     of `llamacpp_length` tokens; faults (None: every torch fault) x fault_prompts prompts of `fault_length` tokens,
-    once per QAT setting of fault_qat. Every run adds `decode` greedy steps (the faulty runs are forced onto their
-    clean run's tokens)."""
+    once per QAT setting of fault_qat and per value of fault_subops (with sub-op records or not). Every run adds
+    `decode` greedy steps (the faulty runs are forced onto their clean run's tokens)."""
 
     torch_lengths: dict[int, int]
     subop_lengths: dict[int, int] = field(default_factory=dict)
@@ -50,6 +50,7 @@ class VerdictPlan:
     fault_prompts: int = 5
     fault_length: int = 40
     fault_qat: tuple[bool, ...] = (True, False)
+    fault_subops: tuple[bool, ...] = (False,)
     decode: int = 8
     seed0: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -135,9 +136,10 @@ def _tasks(plan: VerdictPlan, faults: Sequence[str]) -> list[dict[str, Any]]:
         tasks += [{"kind": "correct", "engine": "llamacpp", "model": f"lcp-{ft}", "qat": False, "fault": None,
                    "prompt": plan.llamacpp_length, "seed": plan.seed0 + s} for s in range(plan.llamacpp_seeds)]
     for qat in plan.fault_qat:
-        for fault in faults:
-            tasks += [{"kind": "fault", "engine": "torch", "model": "f32", "qat": qat, "fault": fault,
-                       "prompt": plan.fault_length, "seed": s} for s in fault_seeds]
+        for subops in plan.fault_subops:
+            for fault in faults:
+                tasks += [{"kind": "fault", "engine": "torch", "model": "f32", "qat": qat, "fault": fault,
+                           "prompt": plan.fault_length, "seed": s, "subops": subops} for s in fault_seeds]
     return tasks
 
 
@@ -198,7 +200,8 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
             forced = ref.header.tokens[len(tokens):]
             api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
                                      forced=forced, options=RunOptions(fp8_kv=task["qat"], fp4_indexer=task["qat"],
-                                                                       inject=(task["fault"],))), path)
+                                                                       inject=(task["fault"],)),
+                                     subops=task.get("subops", False)), path)
             expected = first_acting_layer(ref, api.load_trace(path))
         report = api.check(path, model)
         row = _row(report, **task, decode=plan.decode, wall_s=time.perf_counter() - t)
@@ -269,7 +272,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             by_length.setdefault(key, {}).setdefault(str(r["prompt"]), []).append(r)
     per_fault: dict[str, dict[str, Any]] = {}
     for r in faulty:
-        f = per_fault.setdefault(r["fault"], {"n": 0, "acting": 0, "detected": 0, "found": 0})
+        f = per_fault.setdefault(r["fault"] + (" --subops" if r.get("subops") else ""),
+                                 {"n": 0, "acting": 0, "detected": 0, "found": 0})
         f["n"] += 1
         f["acting"] += r["expected_layer"] is not None
         f["detected"] += r["detected"]
