@@ -17,6 +17,7 @@ from trace_samples import toy_trace
 
 from parity import api
 from parity.compare.differ import PreflightError
+from parity.compare.printers import layer_differences
 from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.errors import TraceError
 from parity.tracing.io import write_trace
@@ -120,6 +121,12 @@ def _pair(seed: int, storable: bool = False, nan: bool = True) -> tuple[Trace, T
     n_comp = lp[1] // 2
     has_sel = lp[0] % 2 == 0
     sel_b = _selection(rng, sel)
+    twice = np.flatnonzero(((sel >= 0).sum(axis=1) >= 1) & ((sel < 0).sum(axis=1) >= 1))
+    for i in twice[::3]:  # B selects one of A's rows twice (the same set, another list); at twice[::6] A does too
+        sel_b[i] = sel[i]
+        sel_b[i, np.flatnonzero(sel[i] < 0)[0]] = sel[i, np.flatnonzero(sel[i] >= 0)[0]]
+    for i in twice[::6]:
+        sel[i] = sel_b[i]
     if storable:
         sel[~has_sel], sel_b[~has_sel] = -1, -1
         sel_b[sel_b < -1] = -1
@@ -171,7 +178,8 @@ def _plain_layers(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
     def at(layer):
         return layers.setdefault(layer, {"layer": layer, "hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1,
                                          "weight_max_abs": 0.0, "order_mismatch": 0, "margin_max_abs": 0.0,
-                                         "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0})
+                                         "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0,
+                                         "sel_dup_a": 0, "sel_dup_b": 0})
 
     def joined(tab_a, tab_b, key):
         ia, ib = index(tab_a, key), index(tab_b, key)
@@ -208,8 +216,10 @@ def _plain_layers(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
         e = at(k[0])
         if int(a.attn["n_comp"][ia[k]]) != int(b.attn["n_comp"][ib[k]]):
             e["n_comp_mismatch"] += 1
-        sa = {v for v in a.attn["sel"][ia[k]].tolist() if v >= 0}
-        sb = {v for v in b.attn["sel"][ib[k]].tolist() if v >= 0}
+        sa = sorted(v for v in a.attn["sel"][ia[k]].tolist() if v >= 0)  # lists: a row selected twice counts twice
+        sb = sorted(v for v in b.attn["sel"][ib[k]].tolist() if v >= 0)
+        e["sel_dup_a"] += len(set(sa)) < len(sa)
+        e["sel_dup_b"] += len(set(sb)) < len(sb)
         if sa != sb or bool(a.attn["has_sel"][ia[k]]) != bool(b.attn["has_sel"][ib[k]]):
             e["sel_mismatch"] += 1
     return pd.DataFrame([layers[k] for k in sorted(layers)], columns=list(at(0)))
@@ -252,7 +262,7 @@ def test_layer_diagnostics_match_a_row_by_row_implementation(seed):
     pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
     # the random pair exercises every kind of difference, not only agreement
     for c in ("expert_flips", "sel_mismatch", "n_comp_mismatch", "weight_max_abs", "order_mismatch",
-              "margin_max_abs", "unmatched"):
+              "margin_max_abs", "unmatched", "sel_dup_a", "sel_dup_b"):
         assert (expected[c] > 0).any(), c
     hc = expected["hc_max_abs"]
     assert hc[0] == np.inf and hc[3] == np.inf and ((hc > 0) & (hc < np.inf)).any()  # 2..3: NaN, 1: finite
@@ -264,8 +274,9 @@ def test_layer_diagnostics_of_identical_tables_are_zero():
     r = api.diff(a, a)
     expected = _plain_layers(a, a, list(range(P)))
     pd.testing.assert_frame_equal(r.layers, expected, check_exact=True)
-    assert (r.layers.drop(columns=["layer", "first_flip_pos"]) == 0).all().all()
+    assert (r.layers.drop(columns=["layer", "first_flip_pos", "sel_dup_a", "sel_dup_b"]) == 0).all().all()
     assert (r.layers["first_flip_pos"] == -1).all()
+    assert (r.layers["sel_dup_a"] > 0).any() and (r.layers["sel_dup_a"] == r.layers["sel_dup_b"]).all()
     assert r.exact
     a.hc["pre"][0, 0] = a.moe["w"][0, 0] = np.nan  # NaN never compares equal, not even with itself
     r = api.diff(a, a)
@@ -449,3 +460,23 @@ def test_a_table_only_one_trace_recorded_is_named_not_silently_skipped():
     assert report.warnings == ["routing (expert ids, weights, margins): only A (toy) recorded them, so they are not "
                                "compared"]
     assert api.diff(a, a).warnings == []
+
+
+@pytest.mark.parametrize("side", ["A", "B"])
+def test_a_compressed_row_selected_twice_is_a_selection_mismatch_and_named(side):
+    """Selections compare as the sorted lists they are: [0, 0, -1] is not [0, -1, -1] (equal as sets), and the
+    layer's report names the side that selects a row twice."""
+    ok = toy_trace(7)
+    twice = copy.deepcopy(ok)
+    row = int(np.flatnonzero(twice.attn["has_sel"])[0])
+    assert twice.attn["sel"][row].tolist() == [0, -1, -1]
+    twice.attn["sel"][row] = [0, 0, -1]
+    a, b = (twice, ok) if side == "A" else (ok, twice)
+    r = api.diff(a, b)
+    layer = int(twice.attn["layer"][row])
+    e = r.layers.set_index("layer").loc[layer]
+    assert (e["sel_mismatch"], e["sel_dup_a"], e["sel_dup_b"]) == (1, int(side == "A"), int(side == "B"))
+    assert not r.exact
+    words = dict(layer_differences(r))[layer]
+    assert f"{side} selects a compressed row twice in 1 indexer selection(s)" in words
+    assert "1 indexer selection mismatch(es)" in words

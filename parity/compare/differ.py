@@ -336,7 +336,7 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
 
 
 LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "order_mismatch",
-                 "margin_max_abs", "n_comp_mismatch", "sel_mismatch", "unmatched"]
+                 "margin_max_abs", "n_comp_mismatch", "sel_mismatch", "unmatched", "sel_dup_a", "sel_dup_b"]
 _BLOCK = 1024  # rows per block when comparing [rows, S] indexer selections (temporaries stay in cache)
 _NO_DIFF = {"hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1, "weight_max_abs": 0.0, "order_mismatch": 0,
             "margin_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0}
@@ -353,14 +353,17 @@ def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
     recorded" (hash layers, imports) and margins are compared where both sides recorded one.
     hc_max_abs = max |b - a| over pre/post/comb; expert_flips = rows whose expert-id sets differ;
     weight_max_abs = max |b - a| of the weights of the same expert id, over rows with equal id multisets;
-    order_mismatch = rows with equal sets but another sequence of ids; sel_mismatch = rows whose indexer selection
-    sets (entries >= 0) or has-selection flags differ.
+    order_mismatch = rows with equal sets but another sequence of ids; sel_mismatch = rows whose indexer selections
+    (entries >= 0, compared as sorted lists: a compressed row selected twice counts twice) or has-selection flags
+    differ; sel_dup_a / sel_dup_b = rows whose selection in A / B lists a compressed row more than once (a top-k
+    bug on that side, counted whether or not the other side agrees; not a difference, so not part of `exact`).
     """
     keep = np.asarray(positions)
     out: dict[int, dict[str, Any]] = {}
 
     def entries(layers: np.ndarray) -> list[dict[str, Any]]:
-        return [out.setdefault(layer, {"layer": layer, **_NO_DIFF}) for layer in layers.tolist()]
+        return [out.setdefault(layer, {"layer": layer, **_NO_DIFF, "sel_dup_a": 0, "sel_dup_b": 0})
+                for layer in layers.tolist()]
 
     for table, key in (("hc", ("layer", "sub", "pos")), ("moe", ("layer", "pos")), ("attn", ("layer", "pos"))):
         joined = _join(getattr(a, table), getattr(b, table), key, keep)
@@ -390,7 +393,7 @@ def _hc_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) 
 def _moe_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
     ids_a, ids_b = a.moe["ids"][ia], b.moe["ids"][ib]
     same = _rows_equal(ids_a, ids_b)
-    flip = _sets_differ(ids_a, ids_b, same, nonneg=False)
+    flip = _sets_differ(ids_a, ids_b, same)
     weight = np.zeros(len(ia))
     multiset = np.zeros(len(ia), bool)
     if ids_a.shape[1] == ids_b.shape[1]:
@@ -419,13 +422,13 @@ def _moe_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any)
 def _attn_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
     n_comp = a.attn["n_comp"][ia] != b.attn["n_comp"][ib]
     blocks = [(ia[i:i + _BLOCK], ib[i:i + _BLOCK]) for i in range(0, len(ia), _BLOCK)]
-    sel = np.concatenate([_sel_differ(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks])
+    parts = [_sel_compare(_take(a.attn["sel"], ja), _take(b.attn["sel"], jb)) for ja, jb in blocks]
+    sel, dup_a, dup_b = (np.concatenate(c) for c in zip(*parts, strict=True))
     sel |= a.attn["has_sel"][ia] != b.attn["has_sel"][ib]
     layers, starts = _runs(a.attn["layer"][ia])
-    n_comp_count = np.add.reduceat(n_comp.astype(np.int64), starts).tolist()
-    sel_count = np.add.reduceat(sel.astype(np.int64), starts).tolist()
-    for e, nc, ns in zip(entries(layers), n_comp_count, sel_count, strict=True):
-        e.update(n_comp_mismatch=nc, sel_mismatch=ns)
+    counts = [np.add.reduceat(x.astype(np.int64), starts).tolist() for x in (n_comp, sel, dup_a, dup_b)]
+    for e, nc, ns, da, db in zip(entries(layers), *counts, strict=True):
+        e.update(n_comp_mismatch=nc, sel_mismatch=ns, sel_dup_a=da, sel_dup_b=db)
 
 
 def _join(ta: Any, tb: Any, key: tuple[str, ...], keep: np.ndarray) -> pd.DataFrame:
@@ -463,13 +466,21 @@ def _rows_equal(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (x == y).all(axis=1)
 
 
-def _sel_differ(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """set(x[i] >= 0) != set(y[i] >= 0) per row (indexer selections, -1 = empty slot).  [n, S] x 2 -> bool [n]"""
-    return _sets_differ(x, y, _rows_equal(x, y), nonneg=True)
+def _sel_compare(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indexer selections (negative = empty slot) as the sorted lists of their entries >= 0, per row.
+
+    x [n, S], y [n, S'] int -> (sorted(x[i] >= 0) != sorted(y[i] >= 0), x[i] lists a value twice, y[i] lists a
+    value twice), each bool [n]. Lists, not sets: a compressed row selected twice is not the row selected once.
+    """
+    sx, sy = (np.sort(np.maximum(v, -1), axis=1) for v in (x, y))
+    width = max(sx.shape[1], sy.shape[1])
+    pad = lambda s: np.pad(s, ((0, 0), (width - s.shape[1], 0)), constant_values=-1)  # noqa: E731
+    dup = lambda s: ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)  # noqa: E731
+    return (pad(sx) != pad(sy)).any(axis=1), dup(sx), dup(sy)
 
 
-def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray, nonneg: bool) -> np.ndarray:
-    """set(x[i]) != set(y[i]) per row, or of the values >= 0 only when `nonneg`; rows known equal (`same`) skip.
+def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray) -> np.ndarray:
+    """set(x[i]) != set(y[i]) per row; rows known equal (`same`) skip.
 
     x [n, p], y [n, q] int -> bool [n]. Sets compare as canonical rows: sorted, duplicates replaced by the row
     minimum, sorted again, left-padded with the minimum to a common width (equal sets <=> equal rows).
@@ -477,18 +488,15 @@ def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray, nonneg: bool) -
     out = ~same
     rows = np.flatnonzero(out)
     if len(rows):
-        cx, cy = _canonical_set(x[rows], nonneg), _canonical_set(y[rows], nonneg)
+        cx, cy = _canonical_set(x[rows]), _canonical_set(y[rows])
         width = max(cx.shape[1], cy.shape[1])
         out[rows] = (_pad_left(cx, width) != _pad_left(cy, width)).any(axis=1)
     return out
 
 
-def _canonical_set(x: np.ndarray, nonneg: bool) -> np.ndarray:
-    """A row form that depends only on the row's value set (and width); see `_sets_differ`.  [n, p] -> [n, p(+1)]"""
-    x = x.astype(np.int64)
-    if nonneg:  # every negative becomes -1, and each row gets one -1 more: the set is {-1} + its values >= 0
-        x = np.concatenate([np.full((len(x), 1), -1), np.maximum(x, -1)], axis=1)
-    s = np.sort(x, axis=1)
+def _canonical_set(x: np.ndarray) -> np.ndarray:
+    """A row form that depends only on the row's value set (and width); see `_sets_differ`.  [n, p] -> [n, p]"""
+    s = np.sort(x.astype(np.int64), axis=1)
     if s.shape[1] > 1:
         s[:, 1:] = np.where(s[:, 1:] == s[:, :-1], s[:, :1], s[:, 1:])
         s.sort(axis=1)

@@ -153,6 +153,8 @@ _LAYER_WORDS = (
     ("n_comp_mismatch", lambda e: f"{e.n_comp_mismatch} visible-compressed-row count mismatch(es)"),
     ("sel_mismatch", lambda e: f"{e.sel_mismatch} indexer selection mismatch(es)"),
     ("unmatched", lambda e: f"{e.unmatched} diagnostic row(s) only one trace holds"),
+    ("sel_dup_a", lambda e: f"A selects a compressed row twice in {e.sel_dup_a} indexer selection(s)"),
+    ("sel_dup_b", lambda e: f"B selects a compressed row twice in {e.sel_dup_b} indexer selection(s)"),
 )
 
 
