@@ -15,13 +15,26 @@
 #include <immintrin.h>
 #endif
 
-enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_Q2_K = 10, T_Q4_K = 12, T_IQ2_XXS = 16, T_BF16 = 30, T_MXFP4 = 39 };
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_Q8_K = 15, T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19,
+    T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22, T_IQ4_XS = 23, T_IQ1_M = 29, T_BF16 = 30, T_TQ1_0 = 34, T_TQ2_0 = 35,
+    T_MXFP4 = 39
+};
 
 typedef struct {
     const float *f16;         /* [65536] value of every half-precision bit pattern */
     const int8_t *iq2_signed; /* [32768][8] grid[g] * sign pattern k at row g * 128 + k */
     const float *mxfp4;       /* [16] doubled E2M1 values */
     const float *e8m0_half;   /* [256] 2^(e - 128) */
+    const float *iq2_xs;      /* [65536][8] grid[w & 511] * signs(ksigns[w >> 9]) at row w */
+    const float *iq2_s;       /* [2048 * 16][4] half h of grid row g times the signs of nibble s at (2g + h) * 16 + s */
+    const float *iq3_xxs;     /* [256 * 16][4] grid row g times the signs of nibble s at g * 16 + s */
+    const float *iq3_s;       /* [512 * 16][4] the same for IQ3_S's grid */
+    const float *iq1;         /* [4096][8] grid[g] + 1/8 at row g, grid[g] - 1/8 at row 2048 + g */
+    const float *iq4;         /* [16] IQ4_NL values */
+    const float *tq1;         /* [256][5] the base-3 digits of byte b (as ggml extracts them) minus 1 at row b */
+    const int32_t *ksigns;    /* [128] even-parity sign bytes */
 } tables;
 
 static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
@@ -132,6 +145,251 @@ static void mxfp4(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     }
 }
 
+/* The 32 codes of a 16-byte nibble group, low nibbles first: codes[j] = q[j] & 15, codes[16 + j] = q[j] >> 4. */
+static inline void nibbles(const uint8_t *q, uint8_t *codes) {
+    for (int j = 0; j < 16; j++) { codes[j] = q[j] & 15; codes[16 + j] = q[j] >> 4; }
+}
+
+static void q4_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
+        const v16 d = splat16(t->f16[u16(b)]);
+        const v16u8 q = load16(b + 2), eight = (v16u8){8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
+        put16(o, d * from_i8((q & 15) - eight));       /* q - 8 wraps to the int8 value */
+        put16(o + 16, d * from_i8((q >> 4) - eight));
+    }
+}
+
+static void q4_1(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 20, o += 32) {
+        const v16 d = splat16(t->f16[u16(b)]), m = splat16(t->f16[u16(b + 2)]);
+        const v16u8 q = load16(b + 4);
+        put16(o, d * from_u8(q & 15) + m);
+        put16(o + 16, d * from_u8(q >> 4) + m);
+    }
+}
+
+/* Q5_0 / Q5_1 codes: nibble j (low nibbles first) with bit j of the little-endian 32-bit qh as bit 4. */
+static inline void q5_codes(const uint8_t *qh, const uint8_t *qs, uint8_t *codes) {
+    const uint32_t h = u32(qh);
+    nibbles(qs, codes);
+    for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((h >> j) & 1) << 4);
+}
+
+static void q5_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    uint8_t c[32];
+    for (int64_t i = 0; i < nb; i++, b += 22, o += 32) {
+        const float d = t->f16[u16(b)];
+        q5_codes(b + 2, b + 6, c);
+        for (int j = 0; j < 32; j++) o[j] = d * (float)((int)c[j] - 16);
+    }
+}
+
+static void q5_1(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    uint8_t c[32];
+    for (int64_t i = 0; i < nb; i++, b += 24, o += 32) {
+        const float d = t->f16[u16(b)], m = t->f16[u16(b + 2)];
+        q5_codes(b + 4, b + 8, c);
+        for (int j = 0; j < 32; j++) o[j] = d * (float)c[j] + m;
+    }
+}
+
+static void q3_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 110) {
+        const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+        const float d = t->f16[u16(b + 108)];
+        for (int half = 0; half < 2; half++, qs += 32)
+            for (int shift = 0; shift < 4; shift++) {
+                const int plane = 4 * half + shift;  /* hmask bit of these 32 values */
+                for (int part = 0; part < 2; part++, o += 16) {
+                    const int k = 2 * plane + part;  /* 16-value sub-block */
+                    const int low = (k < 8 ? sc[k] : sc[k - 8] >> 4) & 15, high = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+                    const float dl = d * (float)((low | (high << 4)) - 32);
+                    for (int j = 0; j < 16; j++) {
+                        const int l = 16 * part + j;
+                        const int q = ((qs[l] >> (2 * shift)) & 3) - (((hm[l] >> plane) & 1) ? 0 : 4);
+                        o[j] = dl * (float)q;
+                    }
+                }
+            }
+    }
+}
+
+static void q5_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 176) {
+        const float d = t->f16[u16(b)], dmin = t->f16[u16(b + 2)];
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int j = 0; j < 8; j++, o += 32) {  /* 32-value sub-block j: nibble j & 1 of qs[32 * (j / 2) ..], qh bit j */
+            uint8_t s, m;
+            k4_scale_min(b + 4, j, &s, &m);
+            const float dl = d * (float)s, ml = dmin * (float)m;
+            const uint8_t *q = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; l++) {
+                const int code = ((q[l] >> (4 * (j & 1))) & 15) | (((qh[l] >> j) & 1) << 4);
+                o[l] = dl * (float)code - ml;
+            }
+        }
+    }
+}
+
+static void q6_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const float d = t->f16[u16(b + 208)];
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
+            for (int v = 0; v < 128; v += 16, o += 16) {  /* value v of this half: ql nibble v / 64, qh bits v / 32 */
+                const float dl = d * (float)sc[8 * half + v / 16];
+                for (int j = 0; j < 16; j++) {
+                    const int w = v + j;
+                    const int code = ((ql[w % 64] >> (4 * (w / 64))) & 15) | (((qh[w % 32] >> (2 * (w / 32))) & 3) << 4);
+                    o[j] = dl * (float)(code - 32);
+                }
+            }
+        }
+    }
+}
+
+static void q8_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    (void)t;
+    for (int64_t i = 0; i < nb; i++, b += 292) {
+        float d;
+        memcpy(&d, b, 4);
+        const v16 dv = splat16(d);
+        for (int h = 0; h < 16; h++, o += 16) put16(o, from_i8(load16(b + 4 + 16 * h)) * dv);
+    }
+}
+
+static void tq1_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 54, o += 256) {
+        const float d = t->f16[u16(b + 52)];
+        for (int p = 0; p < 5; p++) {
+            for (int j = 0; j < 32; j++) o[32 * p + j] = d * t->tq1[5 * b[j] + p];
+            for (int j = 0; j < 16; j++) o[160 + 16 * p + j] = d * t->tq1[5 * b[32 + j] + p];
+        }
+        for (int p = 0; p < 4; p++)
+            for (int j = 0; j < 4; j++) o[240 + 4 * p + j] = d * t->tq1[5 * b[48 + j] + p];
+    }
+}
+
+static void tq2_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    const v16u8 one = (v16u8){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    for (int64_t i = 0; i < nb; i++, b += 66) {
+        const v16 d = splat16(t->f16[u16(b + 64)]);
+        for (int half = 0; half < 2; half++)
+            for (int shift = 0; shift < 8; shift += 2)
+                for (int part = 0; part < 2; part++, o += 16)
+                    put16(o, d * from_i8(((load16(b + 32 * half + 16 * part) >> shift) & 3) - one));
+    }
+}
+
+static void iq4_nl(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    uint8_t c[32];
+    for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
+        const float d = t->f16[u16(b)];
+        nibbles(b + 2, c);
+        for (int j = 0; j < 32; j++) o[j] = d * t->iq4[c[j]];
+    }
+}
+
+static void iq4_xs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    uint8_t c[32];
+    for (int64_t i = 0; i < nb; i++, b += 136) {
+        const float d = t->f16[u16(b)];
+        const uint16_t sh = u16(b + 2);
+        for (int g = 0; g < 8; g++, o += 32) {
+            const int ls = ((b[4 + g / 2] >> (4 * (g & 1))) & 15) | (((sh >> (2 * g)) & 3) << 4);
+            const float dl = d * (float)(ls - 32);
+            nibbles(b + 8 + 16 * g, c);
+            for (int j = 0; j < 32; j++) o[j] = dl * t->iq4[c[j]];
+        }
+    }
+}
+
+/* o[0 .. n) = s * row[0 .. n): one grid row (already signed) times its scale. */
+static inline void scaled(float *o, const float *row, int n, float s) { for (int j = 0; j < n; j++) o[j] = s * row[j]; }
+
+/* db = d*(0.5+s)*0.25 for the 4-bit scale s of 16 values (IQ2_XS, IQ2_S), low nibble first. */
+static inline float iq2_scale(float d, const uint8_t *scales, int k) {
+    return d * (0.5f + (float)((scales[k / 2] >> (4 * (k & 1))) & 15)) * 0.25f;
+}
+
+static void iq2_xs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 74) {
+        const float d = t->f16[u16(b)];
+        for (int l = 0; l < 32; l++, o += 8) scaled(o, t->iq2_xs + 8 * u16(b + 2 + 2 * l), 8, iq2_scale(d, b + 66, l / 2));
+    }
+}
+
+static void iq2_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 82) {
+        const float d = t->f16[u16(b)];
+        const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
+        for (int l = 0; l < 32; l++, o += 8) {
+            const int g = qs[l] | (((qh[l / 4] >> (2 * (l % 4))) & 3) << 8);
+            const float db = iq2_scale(d, b + 74, l / 2);
+            scaled(o, t->iq2_s + 4 * ((2 * g) * 16 + (signs[l] & 15)), 4, db);
+            scaled(o + 4, t->iq2_s + 4 * ((2 * g + 1) * 16 + (signs[l] >> 4)), 4, db);
+        }
+    }
+}
+
+static void iq3_xxs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 98) {
+        const float d = t->f16[u16(b)];
+        for (int g = 0; g < 8; g++) {
+            const uint32_t w = u32(b + 66 + 4 * g);
+            const float db = d * (0.5f + (float)(w >> 28)) * 0.5f;
+            const uint8_t *q = b + 2 + 8 * g;
+            for (int k = 0; k < 4; k++, o += 8) {
+                const int s = t->ksigns[(w >> (7 * k)) & 127];
+                scaled(o, t->iq3_xxs + 4 * (q[2 * k] * 16 + (s & 15)), 4, db);
+                scaled(o + 4, t->iq3_xxs + 4 * (q[2 * k + 1] * 16 + (s >> 4)), 4, db);
+            }
+        }
+    }
+}
+
+static void iq3_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 110) {
+        const float d = t->f16[u16(b)];
+        const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+        for (int g = 0; g < 8; g++) {
+            const float db = d * (float)(1 + 2 * ((scales[g / 2] >> (4 * (g & 1))) & 15));
+            for (int k = 8 * g; k < 8 * g + 8; k++, o += 4) {  /* 4 values per code byte k */
+                const int row = qs[k] | (((qh[k / 8] >> (k % 8)) & 1) << 8);
+                scaled(o, t->iq3_s + 4 * (row * 16 + ((signs[k / 2] >> (4 * (k & 1))) & 15)), 4, db);
+            }
+        }
+    }
+}
+
+static void iq1_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 50) {
+        const float d = t->f16[u16(b)];
+        for (int g = 0; g < 8; g++) {
+            const uint16_t h = u16(b + 34 + 2 * g);
+            const float dl = d * (float)(2 * ((h >> 12) & 7) + 1);
+            for (int k = 0; k < 4; k++, o += 8) {
+                const int row = ((h >> 15) << 11) | (((h >> (3 * k)) & 7) << 8) | b[2 + 4 * g + k];
+                scaled(o, t->iq1 + 8 * row, 8, dl);
+            }
+        }
+    }
+}
+
+static void iq1_m(const tables *t, const uint8_t *b, int64_t nb, float *o) {
+    for (int64_t i = 0; i < nb; i++, b += 56) {
+        const uint8_t *qs = b, *qh = b + 32, *sc = b + 48;
+        const uint16_t w[4] = {u16(sc), u16(sc + 2), u16(sc + 4), u16(sc + 6)};
+        const float d = t->f16[(w[0] >> 12) | ((w[1] >> 12) << 4) | ((w[2] >> 12) << 8) | ((w[3] >> 12) << 12)];
+        for (int l = 0; l < 32; l++, o += 8) {  /* 8 values per code byte l; a 3-bit scale per 16 values */
+            const int s = (w[l / 8] >> (3 * ((l / 2) % 4))) & 7;
+            const int nib = (qh[l / 2] >> (4 * (l & 1))) & 15;
+            scaled(o, t->iq1 + 8 * (((nib >> 3) << 11) | ((nib & 7) << 8) | qs[l]), 8, d * (float)(2 * s + 1));
+        }
+    }
+}
+
 static void f16(const tables *t, const uint8_t *b, int64_t n, float *o) {
     for (int64_t i = 0; i < n; i++) o[i] = t->f16[u16(b + 2 * i)];
 }
@@ -151,10 +409,28 @@ static decoder find(int type, int64_t *block) {
     case T_F32: *block = 1; return f32;
     case T_F16: *block = 1; return f16;
     case T_BF16: *block = 1; return bf16;
+    case T_Q4_0: *block = 32; return q4_0;
+    case T_Q4_1: *block = 32; return q4_1;
+    case T_Q5_0: *block = 32; return q5_0;
+    case T_Q5_1: *block = 32; return q5_1;
     case T_Q8_0: *block = 32; return q8_0;
     case T_Q2_K: *block = 256; return q2_k;
+    case T_Q3_K: *block = 256; return q3_k;
     case T_Q4_K: *block = 256; return q4_k;
+    case T_Q5_K: *block = 256; return q5_k;
+    case T_Q6_K: *block = 256; return q6_k;
+    case T_Q8_K: *block = 256; return q8_k;
+    case T_IQ1_S: *block = 256; return iq1_s;
+    case T_IQ1_M: *block = 256; return iq1_m;
     case T_IQ2_XXS: *block = 256; return iq2_xxs;
+    case T_IQ2_XS: *block = 256; return iq2_xs;
+    case T_IQ2_S: *block = 256; return iq2_s;
+    case T_IQ3_XXS: *block = 256; return iq3_xxs;
+    case T_IQ3_S: *block = 256; return iq3_s;
+    case T_IQ4_NL: *block = 32; return iq4_nl;
+    case T_IQ4_XS: *block = 256; return iq4_xs;
+    case T_TQ1_0: *block = 256; return tq1_0;
+    case T_TQ2_0: *block = 256; return tq2_0;
     case T_MXFP4: *block = 32; return mxfp4;
     default: return 0;
     }

@@ -2,14 +2,16 @@
 
 Two operations over raw GGUF blocks: `dequantize` (bit-identical to gguf.quants) and `matvec`, a product with a few
 activation rows that decodes one weight row at a time into a cache-resident buffer instead of materialising the whole
-float32 matrix. The C decoders cover F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS and MXFP4 (`TYPES`). Every other type
-the torch dequantizers know (`gpu_engine.dequant.DEQUANT`: Q4_0 ... IQ4_XS, TQ1_0, TQ2_0) is decoded by those torch
-ops into float32 instead: `Kernels.dequantize` calls them explicitly (same bits, slower), and `matvec` refuses such a
-type, so the engine gives those tensors no kernels (`gpu_engine.weights.QTensor`) and multiplies their decoded rows
-with torch (sgemm's summation order, not the fixed order of `matvec`). A type neither knows is a TensorError. The
-shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
--ffp-contract=off` into `$XDG_CACHE_HOME/v4parity` (default `~/.cache/v4parity`), named by a hash of the source, the
-flags, the compiler's version and the CPU's feature flags, so a changed source or machine gets its own build.
+float32 matrix. The C decoders cover every type the torch dequantizers know (`TYPES`, the keys of
+`gpu_engine.dequant.DEQUANT`: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K,
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4; Q8_1 has none, gguf-py
+cannot decode it); each follows gguf.quants' float operations in its order, e.g. Q4_1 is (d*q) + m and Q3_K
+(d*(s-32)) * q. Their lookup tables are the torch dequantizers' own (`gpu_engine.dequant`: the IQ2_XXS int8 signed
+grid, the MXFP4 and IQ4 values, `IQ_TABLES`), passed by address, never retyped in C. A type they lack is a
+TensorError naming it. The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3
+-march=native -ffp-contract=off` into `$XDG_CACHE_HOME/v4parity` (default `~/.cache/v4parity`), named by a hash of
+the source, the flags, the compiler's version and the CPU's feature flags, so a changed source or machine gets its
+own build.
 ctypes releases the GIL during each call, so the engine's expert threads run the kernels concurrently.
 """
 
@@ -30,31 +32,37 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
-from gpu_engine.dequant import DEQUANT, IQ2XXS_SIGNED_I8, MXFP4_VALUES
-from gpu_engine.dequant import dequantize as torch_dequantize
+from gpu_engine.dequant import IQ2XXS_SIGNED_I8, IQ_TABLES, MXFP4_VALUES
 from parity.contract.errors import ParityError, TensorError
 from parity.contract.files import atomic_write_bytes
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-psabi", "-shared", "-fPIC")
-TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.IQ2_XXS, Q.MXFP4)  # what the C decoders handle
-TORCH_TYPES = tuple(t for t in DEQUANT if t not in TYPES)  # decoded by the torch ops into float32 by `dequantize`
+# what the C decoders handle (`find` in cpu_kernels.c): every type of the torch dequantizers
+TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K,
+         Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0,
+         Q.MXFP4)
+# the tables of cpu_kernels.c's `tables` struct, in its order (each a contiguous array; the C side reads its address)
+TABLE_NAMES = ("f16", "iq2_signed", "mxfp4", "e8m0_half", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1", "iq4", "tq1",
+               "ksigns")
 
 
 class _Tables(ctypes.Structure):
-    _fields_ = [("f16", ctypes.c_void_p), ("iq2_signed", ctypes.c_void_p), ("mxfp4", ctypes.c_void_p),
-                ("e8m0_half", ctypes.c_void_p)]
+    _fields_ = [(name, ctypes.c_void_p) for name in TABLE_NAMES]
 
 
 def _lookup_tables() -> dict[str, np.ndarray]:
-    """The decoders' tables, derived from gguf-py (never retyped): every half's float32 value (numpy's cast, as
-    gguf.quants), the IQ2_XXS signed grid and the MXFP4 values (the torch dequantizers' own), the E8M0 half scales."""
-    return {
+    """The decoders' tables (`TABLE_NAMES` order), derived from gguf-py (never retyped): every half's float32 value
+    (numpy's cast, as gguf.quants), the E8M0 half scales, and the torch dequantizers' own IQ2_XXS signed grid, MXFP4
+    values and `IQ_TABLES` (IQ grids with their signs, IQ1 grid +- 1/8, IQ4 values, TQ1 digits, ksigns)."""
+    tables = {
         "f16": np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
-        "iq2_signed": np.ascontiguousarray(IQ2XXS_SIGNED_I8),
-        "mxfp4": np.ascontiguousarray(MXFP4_VALUES),
+        "iq2_signed": IQ2XXS_SIGNED_I8,
+        "mxfp4": MXFP4_VALUES,
         "e8m0_half": quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint8)).astype(np.float32),
+        **IQ_TABLES,
     }
+    return {name: np.ascontiguousarray(tables[name]) for name in TABLE_NAMES}
 
 
 def _compiler() -> str:
@@ -107,20 +115,14 @@ class Kernels:
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         self._arrays = _lookup_tables()
-        self._tables = _Tables(*(a.ctypes.data for a in self._arrays.values()))
+        self._tables = _Tables(*(self._arrays[name].ctypes.data for name in TABLE_NAMES))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.lib.v4p_dequantize.argtypes = [ctypes.POINTER(_Tables), ctypes.c_int, p, i64, p]
         self.lib.v4p_matvec.argtypes = [ctypes.POINTER(_Tables), ctypes.c_int, p, i64, i64, i64, i64, p, i64, p, i64]
         self.lib.v4p_dequantize.restype = self.lib.v4p_matvec.restype = ctypes.c_int
 
     def dequantize(self, raw: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-        """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU.
-        A type of `TORCH_TYPES` is decoded by the torch dequantizer (bit-identical, slower), never silently skipped."""
-        if qtype in TORCH_TYPES:
-            _require(raw, torch.uint8, "raw blocks")
-            _require(out, torch.float32, "output")
-            torch_dequantize(raw.reshape(-1), qtype, out.reshape(-1))
-            return
+        """out[:] = the float32 values of raw's blocks.  raw uint8 contiguous CPU, out float32 contiguous CPU."""
         block, size = _block(qtype)
         _require(raw, torch.uint8, "raw blocks")
         _require(out, torch.float32, "output")
@@ -146,9 +148,7 @@ def _block(qtype: int) -> tuple[int, int]:
     """(values, bytes) per block of a type the C decoders handle; a TensorError naming any other type."""
     if qtype not in TYPES:
         supported = ", ".join(t.name for t in TYPES)
-        torch_only = (f"; {Q(qtype).name} is decoded by the torch dequantizer instead (Kernels.dequantize), its "
-                      f"products by torch" if qtype in TORCH_TYPES else "")
-        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported}){torch_only}")
+        raise TensorError(f"ggml type {Q(qtype).name} has no CPU kernel (supported: {supported})")
     return GGML_QUANT_SIZES[Q(qtype)]
 
 

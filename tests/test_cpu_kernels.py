@@ -1,5 +1,6 @@
-"""The torch engine's compiled CPU kernels: `matvec` against an independent float64 product, row ranges, the
-torch-ops path they replace, and the refusals (the bit-exactness of their dequantizer is in test_torch_dequant)."""
+"""The torch engine's compiled CPU kernels: one declared case per ggml type, its C decoder bit-exact with gguf.quants
+on random and extreme-scale blocks (test_dequant's generators) and its `matvec` against an independent float64
+product; row ranges, the engine's use of the kernels for every type, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,39 +10,92 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
+from test_dequant import CASES as BLOCK_CASES
+from test_dequant import random_blocks, reference, same_bits
 
 from gpu_engine import cpu_kernels
 from gpu_engine.dequant import DEQUANT
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError, TensorError
-from parity.gguf.quant_blocks import random_blocks
 from parity.tracing.runner import run_sequence
 
 U32 = np.finfo(np.float32).eps / 2  # unit roundoff of float32
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+
+# one declared case per type: the row length of its matvec matrix (F32 / F16 / BF16 lengths that are not multiples of
+# 32 exercise the dot product's tail; 32-value types get rows of 3 or 5 blocks)
+CASES = {Q.F32: 40, Q.F16: 72, Q.BF16: 33, Q.Q4_0: 96, Q.Q4_1: 160, Q.Q5_0: 96, Q.Q5_1: 160, Q.Q8_0: 96,
+         Q.Q2_K: 512, Q.Q3_K: 256, Q.Q4_K: 256, Q.Q5_K: 512, Q.Q6_K: 256, Q.Q8_K: 256, Q.IQ1_S: 256, Q.IQ1_M: 512,
+         Q.IQ2_XXS: 768, Q.IQ2_XS: 256, Q.IQ2_S: 512, Q.IQ3_XXS: 256, Q.IQ3_S: 512, Q.IQ4_NL: 160, Q.IQ4_XS: 256,
+         Q.TQ1_0: 256, Q.TQ2_0: 512, Q.MXFP4: 64}
+
+
+def _values(blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf.quants' values of raw blocks (ggml's d*q for Q8_K).  [n, size] uint8 -> [n, block] float32"""
+    if qtype in FLOATS:
+        return quants.dequantize(blocks, qtype).astype(np.float32).reshape(len(blocks), -1)
+    return reference(blocks, qtype)
+
+
+def _raw(qtype: Q, n: int, rng: np.random.Generator, edge: bool) -> np.ndarray:
+    """n random blocks [n, size] (test_dequant's generator; edge: every scale field at an extreme value); the plain
+    float types are random bytes (every bit pattern, incl. inf, NaN and subnormals, is already in the draw)."""
+    if qtype in FLOATS:
+        return rng.integers(0, 256, size=(n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    return random_blocks(qtype, n, rng, edge)
 
 
 def matrix(qtype: Q, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw blocks [rows, row_bytes] of a valid random matrix of the type."""
-    if qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.MXFP4):
-        x = rng.standard_normal((rows, k)).astype(np.float32)
-        return x.view(np.uint8) if qtype == Q.F32 else (x.astype(np.float16).view(np.uint8) if qtype == Q.F16
-                                                         else quants.quantize(x, qtype))
-    return random_blocks(qtype, (rows, k), 0.05, rng)
+    """Raw blocks [rows, row_bytes] of a random matrix of the type: random blocks, each block redrawn until all its
+    values are 0 or within 1e-20 <= |w| <= 1e6 (float32 products with N(0, 1) activations then neither overflow
+    nor underflow, so the summation bound applies)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = _raw(qtype, rows * k // block, rng, edge=False)
+    while True:
+        with np.errstate(all="ignore"):
+            w = np.abs(_values(blocks, qtype))
+        bad = ~((w == 0) | ((w >= 1e-20) & (w <= 1e6))).all(axis=1)
+        if not bad.any():
+            return blocks.reshape(rows, k // block * size)
+        blocks[bad] = _raw(qtype, int(bad.sum()), rng, edge=False)
 
 
-CASES = [(Q.F32, 40), (Q.F16, 72), (Q.BF16, 33), (Q.Q8_0, 96), (Q.MXFP4, 64), (Q.Q2_K, 512), (Q.Q4_K, 256),
-         (Q.IQ2_XXS, 768)]  # row lengths that are not multiples of 32 exercise the dot product's tail
+def test_every_type_has_a_case_and_a_c_decoder():
+    """The declared cases cover exactly the C decoders' types, and those are every type the torch dequantizers know
+    (no type is left to a slower path); every block size is ggml's."""
+    assert set(CASES) == set(cpu_kernels.TYPES) == set(DEQUANT)
+    assert set(CASES) - set(FLOATS) == set(BLOCK_CASES)
+    assert all(k % GGML_QUANT_SIZES[t][0] == 0 for t, k in CASES.items())
 
 
-@pytest.mark.parametrize("qtype,k", CASES, ids=[c[0].name for c in CASES])
+@pytest.mark.parametrize(("qtype", "edge"), [(t, e) for t in CASES for e in (False, True) if not (e and t in FLOATS)],
+                         ids=lambda v: v.name if isinstance(v, Q) else ("edge-scales" if v else "random"))
+def test_c_decoder_is_bit_exact_with_gguf(qtype, edge):
+    """`Kernels.dequantize` (the type's C decoder) on random blocks, and on blocks whose every scale field is 0,
+    +-0, a subnormal, the largest finite, inf or NaN, against gguf.quants (ggml's d*q for Q8_K); any NaN equals any
+    NaN (a plain float type has no scale field: its random bytes already hold inf, NaN and subnormals). The blocks
+    start at an odd address (a file mapping's tensor need not be aligned to its fields)."""
+    rng = np.random.default_rng(int(qtype) * 13 + edge)
+    n = 1024 * 32 // GGML_QUANT_SIZES[qtype][0]  # 32 K values
+    blocks = _raw(qtype, n, rng, edge)
+    buf = torch.zeros(blocks.size + 1, dtype=torch.uint8)
+    buf[1:] = torch.from_numpy(blocks.reshape(-1))
+    out = torch.full((n * GGML_QUANT_SIZES[qtype][0],), float("nan"))
+    cpu_kernels.load().dequantize(buf[1:], qtype, out)
+    with np.errstate(all="ignore"):
+        assert same_bits(out.numpy(), _values(blocks, qtype).reshape(-1))
+
+
+@pytest.mark.parametrize("qtype", list(CASES), ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [1, 3, 16])
-def test_matvec_is_the_product_with_the_exactly_dequantized_matrix(qtype, k, n):
-    """y = x Wᵀ with W = gguf.quants.dequantize (float64 product as the truth): the error is within the classic
+def test_matvec_is_the_product_with_the_exactly_dequantized_matrix(qtype, n):
+    """y = x Wᵀ with W = gguf.quants' values (float64 product as the truth): the error is within the classic
     float32 summation bound k·u·Σ|w x| for every element, and every row range gives the same bits."""
     kern = cpu_kernels.load()
+    k = CASES[qtype]
     rng = np.random.default_rng(int(qtype) * 100 + n)
     raw = matrix(qtype, 37, k, rng)
-    w = quants.dequantize(raw, qtype).astype(np.float64).reshape(37, k)
+    w = _values(raw.reshape(37 * k // GGML_QUANT_SIZES[qtype][0], -1), qtype).astype(np.float64).reshape(37, k)
     x = rng.standard_normal((n, k)).astype(np.float32)
     y = torch.full((n, 37), float("nan"))
     kern.matvec(torch.from_numpy(raw), qtype, torch.from_numpy(x), y, 0, 37)
@@ -63,28 +117,25 @@ def test_matvec_writes_only_its_rows_and_refuses_unknown_types():
     y = torch.full((2, 8), float("nan"))
     kern.matvec(raw, Q.Q8_0, x, y, 2, 5)
     assert torch.isnan(y[:, [0, 1, 5, 6, 7]]).all() and torch.isfinite(y[:, 2:5]).all()
-    with pytest.raises(TensorError, match="Q4_0 has no CPU kernel"):
-        kern.matvec(raw, Q.Q4_0, x, y, 0, 8)
+    with pytest.raises(TensorError, match="Q8_1 has no CPU kernel"):
+        kern.matvec(torch.zeros(8, 72, dtype=torch.uint8), Q.Q8_1, x, y, 0, 8)
     with pytest.raises(TensorError, match="Q8_1 has no CPU kernel"):
         kern.dequantize(raw, Q.Q8_1, torch.empty(8 * 64))
 
 
-def test_types_without_a_c_decoder_are_decoded_by_the_torch_ops_and_multiplied_by_torch():
-    """A Q5_0 matrix: `Kernels.dequantize` gives gguf's bits through the torch decoder; the engine's QTensor takes no
-    kernels for it (no matvec: dense decode + torch product); a type no dequantizer knows is refused at load,
-    naming the file, the tensor and the type."""
+def test_the_engine_gives_every_type_the_kernels_and_refuses_an_unknown_one():
+    """A Q5_0 tensor (a type of llama.cpp's quantizer mixes): the engine's QTensor takes the kernels and multiplies
+    few rows with `matvec`, its dense decode is gguf's bits; a type no dequantizer knows is refused at load, naming
+    the file, the tensor and the type."""
     from gpu_engine.weights import QTensor
 
     kern = cpu_kernels.load()
     rng = np.random.default_rng(7)
     raw = quants.quantize(rng.standard_normal((8, 128)).astype(np.float32), Q.Q5_0)
     want = quants.dequantize(raw, Q.Q5_0)
-    out = torch.full((8 * 128,), float("nan"))
-    kern.dequantize(torch.from_numpy(raw.copy()), Q.Q5_0, out)
-    np.testing.assert_array_equal(out.numpy().view(np.uint32), want.reshape(-1).view(np.uint32))
     t = QTensor("blk.0.ffn_down_shexp.weight", raw, Q.Q5_0, (8, 128), torch.device("cpu"), "m.gguf", kern)
     x = torch.from_numpy(rng.standard_normal((2, 128)).astype(np.float32))
-    assert t.kernels is None and not t.uses_matvec(x)
+    assert t.kernels is kern and t.uses_matvec(x)
     np.testing.assert_array_equal(t.dense(torch.float32).numpy().view(np.uint32), want.view(np.uint32))
     with pytest.raises(TensorError, match="m.gguf: tensor blk.0.x.weight: ggml type Q8_1 has no dequantizer"):
         QTensor("blk.0.x.weight", np.zeros((8, 144), np.uint8), Q.Q8_1, (8, 128), torch.device("cpu"), "m.gguf", kern)
@@ -150,14 +201,6 @@ def test_engine_argument_is_validated(tiny_f32):
 
     with pytest.raises(ParityError, match=r"unknown engine argument 'cpu_kernels=fast'"):
         TorchEngine(str(tiny_f32), RunOptions(engine_args=("cpu_kernels=fast",)))
-
-
-def test_block_sizes_match_gguf():
-    """The C decoders' types are exactly the ones the engine may hand them (and every block size is ggml's)."""
-    assert {int(t) for t in cpu_kernels.TYPES} == {0, 1, 8, 10, 12, 16, 30, 39}
-    assert all(GGML_QUANT_SIZES[t][0] in (1, 32, 256) for t in cpu_kernels.TYPES)
-    assert set(cpu_kernels.TYPES) | set(cpu_kernels.TORCH_TYPES) == set(DEQUANT)  # every other type: torch ops
-    assert not set(cpu_kernels.TYPES) & set(cpu_kernels.TORCH_TYPES)
 
 
 def test_trace_passes_engine_args_and_records_them(tiny_realmix, tmp_path):
