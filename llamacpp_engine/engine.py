@@ -24,10 +24,13 @@ import numpy as np
 
 from llamacpp_engine import quantize as _quantize
 from llamacpp_engine.constraints import check_model
+from llamacpp_engine.mtp import MTPHead, MTPState
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
+from parity.contract.draft import MTPOutput
 from parity.contract.engine import LayerOutput, RunOptions, check_tokens, refuse_roundoff
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
+from parity.gguf.drafter import check_pair, merged_weights, open_drafter
 from parity.gguf.llamacpp import (
     CACHE_ROWS,
     EMBED_NAME,
@@ -128,12 +131,19 @@ class LlamaCppEngine:
         """Every ggml type the ggml library under llama-cpp-python knows."""
         return frozenset(_quantize.ggml_types())
 
-    def __init__(self, model_path: str, options: RunOptions) -> None:
+    def __init__(self, model_path: str, options: RunOptions, draft: str | None = None) -> None:
         check_options(options)
         weights = Weights(model_path)
         self.config: ModelConfig = weights.config
-        self.identity = weights.identity()
         check_model(self.config, weights)
+        # the draft head (`draft`: an MTP file in llama.cpp's layout, run by llama.cpp's own MTP graph)
+        self.drafter = open_drafter(draft, self.config) if draft is not None else None
+        if self.drafter is not None:
+            if self.drafter.config.layout != "llamacpp-mtp":
+                raise ParityError(f"llamacpp: {draft} is a {self.drafter.config.layout} drafter; llama.cpp runs "
+                                  "only its own MTP layout (llamacpp-mtp: blk.L.nextn.*; docs/drafters.md)")
+            check_pair(weights, self.drafter)   # llama.cpp drafts with the file's copies of embedding and head
+        self.identity = (weights if self.drafter is None else merged_weights(weights, self.drafter)).identity()
         settings = settings_from(options)
         # what llama.cpp does, declared: ggml's RoPE angle recurrence, the K/V cache type, its settings
         self.options = replace(options, rope_angles="recurrence", engine_args=settings.args())
@@ -141,6 +151,7 @@ class LlamaCppEngine:
 
         self.version = f"llama.cpp via llama-cpp-python {llama_cpp.__version__} ({VERSION})"
         self.model = Model(model_path, settings, all_names(self.config))
+        self._mtp = MTPHead(draft, settings, self.config) if self.drafter is not None else None
         self._scratch: Context | None = None
         self._heads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # recent (carrier, norm, logits)
         print(f"llamacpp: {', '.join(settings.args())}; RoPE angles by ggml's recurrence", file=sys.stderr)
@@ -190,6 +201,30 @@ class LlamaCppEngine:
         t = self._scratch_run(np.full(n, self.config.bos_token_id, np.int64),
                               {key("l_last", self.config.n_layers - 1): carrier})
         return head_output(t, self.config, n)
+
+    # -- draft head: llama.cpp's MTP graph (llamacpp_engine.mtp) --------------------------------------------
+    def new_mtp_state(self) -> MTPState:
+        """A fresh MTP context (its own window of rows)."""
+        return self._head().new_state()
+
+    def mtp_forward(self, state: MTPState, carriers: np.ndarray, tokens: np.ndarray, start_pos: int,
+                    pairing: str = "prev") -> MTPOutput:
+        """llama.cpp's MTP graph on the pairs of trunk rows at consecutive positions start_pos.. (carriers X^(L)
+        [n, H, D], tokens [n]): prev pairs X^(L)_{q-1} with t_q, same X^(L)_q with t_q (spec v4-mtp-dspark §2.3).
+        llama.cpp places each pair at its token's position."""
+        head = self._head()
+        return head.forward(state, np.asarray(carriers), self._tokens(tokens, "mtp_forward"), start_pos, pairing)
+
+    def mtp_chain(self, state: MTPState, last: MTPOutput, start_pos: int, depth: int) -> list[MTPOutput]:
+        """Depths 2..depth after `last` (the state's latest mtp_forward), start_pos = the carrier position after
+        `last`'s last pair; the chain rows are removed from the state afterwards."""
+        return self._head().chain(state, last, start_pos, depth)
+
+    def _head(self) -> MTPHead:
+        if self._mtp is None:
+            raise ParityError("llamacpp: mtp needs an engine opened with a mtp drafter (draft=FILE); this one has "
+                              "no drafter")
+        return self._mtp
 
     # -- capability: a raw llama.cpp capture (the `v4parity capture llamacpp` file) ----------------
     def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:

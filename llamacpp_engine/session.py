@@ -1,7 +1,8 @@
 """One llama.cpp model and its contexts, driven through llama-cpp-python's low-level API.
 
 `Context.decode` feeds tokens at given positions (all logits requested, one `llama_decode` per ubatch of at
-most `n_ubatch` rows) and, through the eval callback, copies out the mapped tensors by capture key
+most `n_ubatch` rows; with `hidden`, each row also carries a hidden-state vector in the batch's `embd`: the
+input of llama.cpp's MTP graph) and, through the eval callback, copies out the mapped tensors by capture key
 (`parity.gguf.llamacpp`: `<name>-<layer>`, `#2` for a layer's second tensor of that name) and overwrites
 the tensors named in `overrides` right after llama.cpp computed them, before anything reads them (this is
 how a layer is run on a given input carrier: the rest of the graph consumes the written values).
@@ -59,14 +60,17 @@ def _silence(lib) -> None:
 
 
 class Model:
-    """A loaded llama.cpp model (weights on the CPU); contexts are made from it."""
+    """A loaded llama.cpp model (weights on the CPU); contexts are made from it. `mtp`: an MTP file loaded with
+    `load_mtp` (its NextN block), whose contexts run llama.cpp's MTP graph (`LLAMA_CONTEXT_TYPE_MTP`)."""
 
-    def __init__(self, path: str, settings: Settings, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, path: str, settings: Settings, shapes: Mapping[str, tuple[int, ...]],
+                 mtp: bool = False) -> None:
         self.lib = _lib()
         _silence(self.lib)
-        self.settings, self.shapes = settings, dict(shapes)
+        self.settings, self.shapes, self.mtp = settings, dict(shapes), mtp
         params = self.lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.load_mtp = mtp
         self.ptr = self.lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise ParityError(f"llama.cpp could not load {path} (its deepseek4 loader refused the file)")
@@ -97,10 +101,17 @@ class Context:
         p.type_k = p.type_v = KV_TYPES[s.kv]
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.cb_eval, p.cb_eval_user_data = self._cb, None
+        if model.mtp:
+            p.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
         self.ptr = lib.llama_init_from_model(model.ptr, p)
         if not self.ptr:
             raise ParityError(f"llama.cpp could not create a context (n_ctx {s.n_ctx}, n_ubatch {s.n_ubatch})")
+        if model.mtp:  # the MTP context hands out its output carriers (h_nextn) for every output row
+            from llama_cpp import llama_cpp_ext
+
+            llama_cpp_ext.llama_set_embeddings_nextn(self.ptr, True, True)
         self.next_pos = 0
+        self.empty = True   # nothing fed: llama.cpp accepts any first position of the sequence
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None):
@@ -109,7 +120,13 @@ class Context:
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ptr), True)
-        self.next_pos = 0
+        self.next_pos, self.empty = 0, True
+
+    def truncate(self, pos: int) -> None:
+        """Remove the sequence's rows at positions >= pos (`llama_memory_seq_rm`); the next chunk starts at pos."""
+        if not self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ptr), 0, pos, -1):
+            raise ParityError(f"llamacpp: llama_memory_seq_rm refused to remove the rows from position {pos}")
+        self.next_pos = pos
 
     def _on_tensor(self, ptr, ask, _user) -> bool:
         try:
@@ -131,14 +148,18 @@ class Context:
         return True
 
     def decode(self, tokens: np.ndarray, start_pos: int, overrides: Mapping[str, np.ndarray] | None = None,
-               capture: bool = True, stop_after: str | None = None) -> dict[str, np.ndarray]:
-        """Feed tokens at start_pos.. (positions must continue this context's sequence). Returns the mapped
-        tensors by capture key, [rows, *shape]: per-token ones for every fed row, cache views as of the end.
-        `stop_after`: end each graph once that tensor is computed (the context's caches are then unusable:
-        only for a scratch context that is cleared before its next use)."""
+               capture: bool = True, stop_after: str | None = None,
+               hidden: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Feed tokens at start_pos.. (positions must continue this context's sequence; an empty context starts
+        anywhere). Returns the mapped tensors by capture key, [rows, *shape]: per-token ones for every fed row,
+        cache views as of the end. `stop_after`: end each graph once that tensor is computed (the context's
+        caches are then unusable: only for a scratch context that is cleared before its next use). `hidden`
+        [n, width]: a hidden-state row per token, fed in the batch's `embd` next to the token."""
         tokens = np.asarray(tokens, np.int64)
         n, s = len(tokens), self.model.settings
-        if start_pos != self.next_pos:
+        if hidden is not None and (hidden.ndim != 2 or len(hidden) != n):
+            raise ParityError(f"llamacpp: hidden rows of shape {hidden.shape} for {n} tokens")
+        if not self.empty and start_pos != self.next_pos:
             raise ParityError(f"llamacpp: chunk starts at position {start_pos}, the context expects {self.next_pos}")
         if start_pos + n > s.n_ctx:
             raise ParityError(f"llamacpp: positions up to {start_pos + n - 1} exceed the context of {s.n_ctx} "
@@ -148,17 +169,24 @@ class Context:
         for i0 in range(0, n, s.n_ubatch):
             i1 = min(n, i0 + s.n_ubatch)
             got = self._ubatch(tokens[i0:i1], start_pos + i0,
-                               {k: v[i0:i1] for k, v in overrides.items()}, capture, stop_after)
+                               {k: v[i0:i1] for k, v in overrides.items()}, capture, stop_after,
+                               None if hidden is None else hidden[i0:i1])
             for k, v in got.items():
                 parts.setdefault(k, []).append(v)
-        self.next_pos = start_pos + n
+        self.next_pos, self.empty = start_pos + n, False
         return {k: v[-1] if base_name(k) in CACHE_ROWS else np.concatenate(v) for k, v in parts.items()}
 
     def _ubatch(self, tokens: np.ndarray, pos0: int, overrides: Mapping[str, np.ndarray],
-                capture: bool, stop_after: str | None) -> dict[str, np.ndarray]:
+                capture: bool, stop_after: str | None, hidden: np.ndarray | None) -> dict[str, np.ndarray]:
         lib, n = self.lib, len(tokens)
-        batch = lib.llama_batch_init(n, 0, 1)
+        batch = lib.llama_batch_init(n, 0 if hidden is None else hidden.shape[1], 1)
+        token_rows = None
         try:
+            if hidden is not None:  # a batch made with embd has no token array: give it one (MTP protocol)
+                token_rows = (lib.llama_token * n)()
+                batch.token = ctypes.cast(token_rows, ctypes.POINTER(lib.llama_token))
+                rows_in = np.ascontiguousarray(hidden, np.float32)
+                ctypes.memmove(batch.embd, rows_in.ctypes.data, rows_in.nbytes)
             for i, tok in enumerate(tokens):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), pos0 + i, 1
                 batch.seq_id[i][0], batch.logits[i] = 0, 1
@@ -167,6 +195,8 @@ class Context:
             self._stop = stop_after
             rc = lib.llama_decode(self.ptr, batch)
         finally:
+            if token_rows is not None:   # ours, not llama_batch_free's
+                batch.token = ctypes.POINTER(lib.llama_token)()
             lib.llama_batch_free(batch)
             self._overrides, self._stop = {}, None
         if self._error is not None:

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from parity.contract.draft import MTPOutput
 from parity.contract.engine import LayerDiag, LayerOutput
 from parity.contract.errors import TraceError
 from parity.gguf.config import ModelConfig
@@ -210,6 +211,40 @@ def embed_output(t: Mapping[str, np.ndarray], cfg: ModelConfig, n: int) -> np.nd
     if len(a) != n:
         raise TraceError(f"{EMBED_NAME}: {len(a)} rows for {n} positions")
     return a.astype(np.float32, copy=False)
+
+
+# llama.cpp's MTP graph (`graph_mtp`, its block is layer L = the trunk's block_count): MTPOutput field -> tensor
+MTP_CARRIER = "h_nextn"   # the output carrier of every output row, flat [H·D]: what chaining feeds back
+MTP_SOURCES = {"input": "mtp_eh_proj", "attn_carrier": "mtp_hc_attn_post", "expert_ids": "ffn_moe_topk"}
+
+
+def mtp_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The llama.cpp tensors of the MTP graph that v4parity maps (trunk config `cfg`), with per-row shapes."""
+    L, H, D = cfg.n_layers, cfg.hc_mult, cfg.dim
+    return {key(MTP_SOURCES["input"], L): (H, D), key(MTP_SOURCES["attn_carrier"], L): (H, D),
+            key(MTP_SOURCES["expert_ids"], L): (cfg.n_activated_experts,), MTP_CARRIER: (H, D),
+            LOGITS_NAME: (cfg.vocab_size,)}
+
+
+def mtp_output(t: Mapping[str, np.ndarray], cfg: ModelConfig, n: int) -> MTPOutput:
+    """An MTPOutput from the MTP graph's tensors of n rows (all rows requested as outputs)."""
+    shapes = mtp_names(cfg)
+    missing = [k for k in shapes if k not in t]
+    if missing:
+        raise TraceError(f"llama.cpp MTP graph tensor(s) {', '.join(missing)} missing")
+
+    def get(k: str) -> np.ndarray:
+        a = rows(t[k], shapes[k], k)
+        if len(a) != n:
+            raise TraceError(f"{k}: {len(a)} rows for {n} MTP pairs")
+        return a
+
+    L = cfg.n_layers
+    return MTPOutput(input=get(key(MTP_SOURCES["input"], L)).astype(np.float32, copy=False),
+                     attn_carrier=get(key(MTP_SOURCES["attn_carrier"], L)).astype(np.float32, copy=False),
+                     carrier=get(MTP_CARRIER).astype(np.float32, copy=False),
+                     logits=get(LOGITS_NAME).astype(np.float32, copy=False),
+                     expert_ids=get(key(MTP_SOURCES["expert_ids"], L)).astype(np.int64))
 
 
 def layer_input_name(layer: int) -> str:
