@@ -27,12 +27,12 @@ typedef struct {
     const int8_t *iq2_signed; /* [32768][8] grid[g] * sign pattern k at row g * 128 + k */
     const float *mxfp4;       /* [16] doubled E2M1 values */
     const float *e8m0_half;   /* [256] 2^(e - 128) */
-    const float *iq2_xs;      /* [65536][8] grid[w & 511] * signs(ksigns[w >> 9]) at row w */
-    const float *iq2_s;       /* [2048 * 16][4] half h of grid row g times the signs of nibble s at (2g + h) * 16 + s */
-    const float *iq3_xxs;     /* [256 * 16][4] grid row g times the signs of nibble s at g * 16 + s */
-    const float *iq3_s;       /* [512 * 16][4] the same for IQ3_S's grid */
+    const int8_t *iq2_xs;     /* [65536][8] grid[w & 511] * signs(ksigns[w >> 9]) at row w */
+    const int8_t *iq2_s;      /* [1024 * 32][4] half h of grid row g times the signs of nibble s at g * 32 + h * 16 + s */
+    const int8_t *iq3_xxs;    /* [256 * 16][4] grid row g times the signs of nibble s at g * 16 + s */
+    const int8_t *iq3_s;      /* [512 * 16][4] the same for IQ3_S's grid */
     const float *iq1;         /* [4096][8] grid[g] + 1/8 at row g, grid[g] - 1/8 at row 2048 + g */
-    const float *iq4;         /* [16] IQ4_NL values */
+    const int8_t *iq4;        /* [16] IQ4_NL values */
     const float *tq1;         /* [256][5] the base-3 digits of byte b (as ggml extracts them) minus 1 at row b */
     const int32_t *ksigns;    /* [128] even-parity sign bytes */
 } tables;
@@ -145,17 +145,30 @@ static void mxfp4(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     }
 }
 
-/* The 32 codes of a 16-byte nibble group, low nibbles first: codes[j] = q[j] & 15, codes[16 + j] = q[j] >> 4. */
-static inline void nibbles(const uint8_t *q, uint8_t *codes) {
-    for (int j = 0; j < 16; j++) { codes[j] = q[j] & 15; codes[16 + j] = q[j] >> 4; }
+typedef uint32_t v4u32 __attribute__((vector_size(16)));
+
+static inline v16u8 splat8(uint8_t a) { return (v16u8){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
+
+/* Four 4-byte table rows side by side (16 int8 values). */
+static inline v16u8 rows4(const int8_t *tab, int r0, int r1, int r2, int r3) {
+    uint32_t w[4];
+    memcpy(w, tab + 4 * r0, 4); memcpy(w + 1, tab + 4 * r1, 4); memcpy(w + 2, tab + 4 * r2, 4); memcpy(w + 3, tab + 4 * r3, 4);
+    return (v16u8)(v4u32){w[0], w[1], w[2], w[3]};
+}
+
+/* Two 8-byte table rows side by side (16 int8 values). */
+static inline v16u8 rows2(const int8_t *tab, int r0, int r1) {
+    uint64_t a, c;
+    memcpy(&a, tab + 8 * r0, 8); memcpy(&c, tab + 8 * r1, 8);
+    return (v16u8)(v2u64){a, c};
 }
 
 static void q4_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
         const v16 d = splat16(t->f16[u16(b)]);
-        const v16u8 q = load16(b + 2), eight = (v16u8){8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
-        put16(o, d * from_i8((q & 15) - eight));       /* q - 8 wraps to the int8 value */
-        put16(o + 16, d * from_i8((q >> 4) - eight));
+        const v16u8 q = load16(b + 2);
+        put16(o, d * from_i8((q & 15) - splat8(8)));       /* q - 8 wraps to its int8 value */
+        put16(o + 16, d * from_i8((q >> 4) - splat8(8)));
     }
 }
 
@@ -168,28 +181,26 @@ static void q4_1(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     }
 }
 
-/* Q5_0 / Q5_1 codes: nibble j (low nibbles first) with bit j of the little-endian 32-bit qh as bit 4. */
-static inline void q5_codes(const uint8_t *qh, const uint8_t *qs, uint8_t *codes) {
-    const uint32_t h = u32(qh);
-    nibbles(qs, codes);
-    for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((h >> j) & 1) << 4);
+/* Q5_0 / Q5_1: the 5-bit codes of 16 values h (0: values 0-15, 1: 16-31), nibble | bit j of the 32-bit qh << 4. */
+static inline v16u8 q5_codes(const uint8_t *qh, const uint8_t *qs, int h) {
+    const v16u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8_t b0 = qh[2 * h], b1 = qh[2 * h + 1];
+    const v16u8 hb = {b0, b0, b0, b0, b0, b0, b0, b0, b1, b1, b1, b1, b1, b1, b1, b1};
+    const v16u8 q = load16(qs);
+    return (h ? q >> 4 : q & 15) | ((v16u8)((hb & bit) != 0) & 16);
 }
 
 static void q5_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    uint8_t c[32];
     for (int64_t i = 0; i < nb; i++, b += 22, o += 32) {
-        const float d = t->f16[u16(b)];
-        q5_codes(b + 2, b + 6, c);
-        for (int j = 0; j < 32; j++) o[j] = d * (float)((int)c[j] - 16);
+        const v16 d = splat16(t->f16[u16(b)]);
+        for (int h = 0; h < 2; h++) put16(o + 16 * h, d * from_i8(q5_codes(b + 2, b + 6, h) - splat8(16)));
     }
 }
 
 static void q5_1(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    uint8_t c[32];
     for (int64_t i = 0; i < nb; i++, b += 24, o += 32) {
-        const float d = t->f16[u16(b)], m = t->f16[u16(b + 2)];
-        q5_codes(b + 4, b + 8, c);
-        for (int j = 0; j < 32; j++) o[j] = d * (float)c[j] + m;
+        const v16 d = splat16(t->f16[u16(b)]), m = splat16(t->f16[u16(b + 2)]);
+        for (int h = 0; h < 2; h++) put16(o + 16 * h, d * from_u8(q5_codes(b + 4, b + 8, h)) + m);
     }
 }
 
@@ -199,16 +210,14 @@ static void q3_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         const float d = t->f16[u16(b + 108)];
         for (int half = 0; half < 2; half++, qs += 32)
             for (int shift = 0; shift < 4; shift++) {
-                const int plane = 4 * half + shift;  /* hmask bit of these 32 values */
+                const int plane = 4 * half + shift;  /* the hmask bit of these 32 values */
                 for (int part = 0; part < 2; part++, o += 16) {
-                    const int k = 2 * plane + part;  /* 16-value sub-block */
+                    const int k = 2 * plane + part;  /* 16-value sub-block: a 6-bit scale, 4 bits low, 2 high */
                     const int low = (k < 8 ? sc[k] : sc[k - 8] >> 4) & 15, high = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
                     const float dl = d * (float)((low | (high << 4)) - 32);
-                    for (int j = 0; j < 16; j++) {
-                        const int l = 16 * part + j;
-                        const int q = ((qs[l] >> (2 * shift)) & 3) - (((hm[l] >> plane) & 1) ? 0 : 4);
-                        o[j] = dl * (float)q;
-                    }
+                    const v16u8 ql = (load16(qs + 16 * part) >> (2 * shift)) & 3;
+                    const v16u8 off = (((load16(hm + 16 * part) >> plane) & 1) ^ 1) << 2;  /* 4 where the bit is 0 */
+                    put16(o, splat16(dl) * from_i8(ql - off));
                 }
             }
     }
@@ -221,31 +230,31 @@ static void q5_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         for (int j = 0; j < 8; j++, o += 32) {  /* 32-value sub-block j: nibble j & 1 of qs[32 * (j / 2) ..], qh bit j */
             uint8_t s, m;
             k4_scale_min(b + 4, j, &s, &m);
-            const float dl = d * (float)s, ml = dmin * (float)m;
-            const uint8_t *q = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; l++) {
-                const int code = ((q[l] >> (4 * (j & 1))) & 15) | (((qh[l] >> j) & 1) << 4);
-                o[l] = dl * (float)code - ml;
+            const v16 dl = splat16(d * (float)s), ml = splat16(dmin * (float)m);
+            for (int h = 0; h < 2; h++) {
+                const v16u8 q = load16(qs + 32 * (j / 2) + 16 * h);
+                const v16u8 code = ((j & 1) ? q >> 4 : q & 15) | (((load16(qh + 16 * h) >> j) & 1) << 4);
+                put16(o + 16 * h, dl * from_u8(code) - ml);
             }
         }
     }
 }
 
 static void q6_k(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 210) {
+    for (int64_t i = 0; i < nb; i++, b += 210, o += 256) {
         const float d = t->f16[u16(b + 208)];
         const int8_t *sc = (const int8_t *)(b + 192);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
-            for (int v = 0; v < 128; v += 16, o += 16) {  /* value v of this half: ql nibble v / 64, qh bits v / 32 */
-                const float dl = d * (float)sc[8 * half + v / 16];
-                for (int j = 0; j < 16; j++) {
-                    const int w = v + j;
-                    const int code = ((ql[w % 64] >> (4 * (w / 64))) & 15) | (((qh[w % 32] >> (2 * (w / 32))) & 3) << 4);
-                    o[j] = dl * (float)(code - 32);
+        for (int half = 0; half < 2; half++)
+            for (int p = 0; p < 2; p++) {  /* values l, l + 32, l + 64, l + 96 of the half, l = 16p .. 16p + 15 */
+                const v16u8 a = load16(b + 64 * half + 16 * p), c = load16(b + 64 * half + 32 + 16 * p);
+                const v16u8 h = load16(b + 128 + 32 * half + 16 * p);
+                const v16u8 code[4] = {(a & 15) | ((h & 3) << 4), (c & 15) | (((h >> 2) & 3) << 4),
+                                       (a >> 4) | (((h >> 4) & 3) << 4), (c >> 4) | ((h >> 6) << 4)};
+                for (int k = 0; k < 4; k++) {
+                    const int v = 128 * half + 32 * k + 16 * p;
+                    put16(o + v, splat16(d * (float)sc[v / 16]) * from_i8(code[k] - splat8(32)));
                 }
             }
-        }
     }
 }
 
@@ -272,41 +281,39 @@ static void tq1_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
 }
 
 static void tq2_0(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    const v16u8 one = (v16u8){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     for (int64_t i = 0; i < nb; i++, b += 66) {
         const v16 d = splat16(t->f16[u16(b + 64)]);
         for (int half = 0; half < 2; half++)
             for (int shift = 0; shift < 8; shift += 2)
                 for (int part = 0; part < 2; part++, o += 16)
-                    put16(o, d * from_i8(((load16(b + 32 * half + 16 * part) >> shift) & 3) - one));
+                    put16(o, d * from_i8(((load16(b + 32 * half + 16 * part) >> shift) & 3) - splat8(1)));
     }
 }
 
 static void iq4_nl(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    uint8_t c[32];
+    const v16u8 kv = load16((const uint8_t *)t->iq4);
     for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
-        const float d = t->f16[u16(b)];
-        nibbles(b + 2, c);
-        for (int j = 0; j < 32; j++) o[j] = d * t->iq4[c[j]];
+        const v16 d = splat16(t->f16[u16(b)]);
+        const v16u8 q = load16(b + 2);
+        put16(o, d * from_i8(__builtin_shuffle(kv, q & 15)));
+        put16(o + 16, d * from_i8(__builtin_shuffle(kv, q >> 4)));
     }
 }
 
 static void iq4_xs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
-    uint8_t c[32];
+    const v16u8 kv = load16((const uint8_t *)t->iq4);
     for (int64_t i = 0; i < nb; i++, b += 136) {
         const float d = t->f16[u16(b)];
         const uint16_t sh = u16(b + 2);
         for (int g = 0; g < 8; g++, o += 32) {
             const int ls = ((b[4 + g / 2] >> (4 * (g & 1))) & 15) | (((sh >> (2 * g)) & 3) << 4);
-            const float dl = d * (float)(ls - 32);
-            nibbles(b + 8 + 16 * g, c);
-            for (int j = 0; j < 32; j++) o[j] = dl * t->iq4[c[j]];
+            const v16 dl = splat16(d * (float)(ls - 32));
+            const v16u8 q = load16(b + 8 + 16 * g);
+            put16(o, dl * from_i8(__builtin_shuffle(kv, q & 15)));
+            put16(o + 16, dl * from_i8(__builtin_shuffle(kv, q >> 4)));
         }
     }
 }
-
-/* o[0 .. n) = s * row[0 .. n): one grid row (already signed) times its scale. */
-static inline void scaled(float *o, const float *row, int n, float s) { for (int j = 0; j < n; j++) o[j] = s * row[j]; }
 
 /* db = d*(0.5+s)*0.25 for the 4-bit scale s of 16 values (IQ2_XS, IQ2_S), low nibble first. */
 static inline float iq2_scale(float d, const uint8_t *scales, int k) {
@@ -316,7 +323,8 @@ static inline float iq2_scale(float d, const uint8_t *scales, int k) {
 static void iq2_xs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 74) {
         const float d = t->f16[u16(b)];
-        for (int l = 0; l < 32; l++, o += 8) scaled(o, t->iq2_xs + 8 * u16(b + 2 + 2 * l), 8, iq2_scale(d, b + 66, l / 2));
+        for (int l = 0; l < 32; l += 2, o += 16)  /* two 8-value code words per 16-value scale */
+            put16(o, splat16(iq2_scale(d, b + 66, l / 2)) * from_i8(rows2(t->iq2_xs, u16(b + 2 + 2 * l), u16(b + 4 + 2 * l))));
     }
 }
 
@@ -324,11 +332,12 @@ static void iq2_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 82) {
         const float d = t->f16[u16(b)];
         const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
-        for (int l = 0; l < 32; l++, o += 8) {
-            const int g = qs[l] | (((qh[l / 4] >> (2 * (l % 4))) & 3) << 8);
-            const float db = iq2_scale(d, b + 74, l / 2);
-            scaled(o, t->iq2_s + 4 * ((2 * g) * 16 + (signs[l] & 15)), 4, db);
-            scaled(o + 4, t->iq2_s + 4 * ((2 * g + 1) * 16 + (signs[l] >> 4)), 4, db);
+        for (int l = 0; l < 32; l += 2, o += 16) {  /* 8 values per code byte l, as two half rows with sign nibbles */
+            const int g0 = qs[l] | (((qh[l / 4] >> (2 * (l % 4))) & 3) << 8);
+            const int g1 = qs[l + 1] | (((qh[l / 4] >> (2 * (l % 4) + 2)) & 3) << 8);
+            const v16u8 v = rows4(t->iq2_s, 32 * g0 + (signs[l] & 15), 32 * g0 + 16 + (signs[l] >> 4),
+                                  32 * g1 + (signs[l + 1] & 15), 32 * g1 + 16 + (signs[l + 1] >> 4));
+            put16(o, splat16(iq2_scale(d, b + 74, l / 2)) * from_i8(v));
         }
     }
 }
@@ -338,12 +347,13 @@ static void iq3_xxs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         const float d = t->f16[u16(b)];
         for (int g = 0; g < 8; g++) {
             const uint32_t w = u32(b + 66 + 4 * g);
-            const float db = d * (0.5f + (float)(w >> 28)) * 0.5f;
+            const v16 db = splat16(d * (0.5f + (float)(w >> 28)) * 0.5f);
             const uint8_t *q = b + 2 + 8 * g;
-            for (int k = 0; k < 4; k++, o += 8) {
-                const int s = t->ksigns[(w >> (7 * k)) & 127];
-                scaled(o, t->iq3_xxs + 4 * (q[2 * k] * 16 + (s & 15)), 4, db);
-                scaled(o + 4, t->iq3_xxs + 4 * (q[2 * k + 1] * 16 + (s >> 4)), 4, db);
+            for (int k = 0; k < 4; k += 2, o += 16) {  /* 8 values per 7-bit sign index k: two 4-value grid rows */
+                const int s0 = t->ksigns[(w >> (7 * k)) & 127], s1 = t->ksigns[(w >> (7 * k + 7)) & 127];
+                const v16u8 v = rows4(t->iq3_xxs, 16 * q[2 * k] + (s0 & 15), 16 * q[2 * k + 1] + (s0 >> 4),
+                                      16 * q[2 * k + 2] + (s1 & 15), 16 * q[2 * k + 3] + (s1 >> 4));
+                put16(o, db * from_i8(v));
             }
         }
     }
@@ -354,14 +364,20 @@ static void iq3_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         const float d = t->f16[u16(b)];
         const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
         for (int g = 0; g < 8; g++) {
-            const float db = d * (float)(1 + 2 * ((scales[g / 2] >> (4 * (g & 1))) & 15));
-            for (int k = 8 * g; k < 8 * g + 8; k++, o += 4) {  /* 4 values per code byte k */
-                const int row = qs[k] | (((qh[k / 8] >> (k % 8)) & 1) << 8);
-                scaled(o, t->iq3_s + 4 * (row * 16 + ((signs[k / 2] >> (4 * (k & 1))) & 15)), 4, db);
+            const v16 db = splat16(d * (float)(1 + 2 * ((scales[g / 2] >> (4 * (g & 1))) & 15)));
+            for (int k = 8 * g; k < 8 * g + 8; k += 4, o += 16) {  /* 4 values per code byte k, its sign nibble */
+                int r[4];
+                for (int j = 0; j < 4; j++)
+                    r[j] = 16 * (qs[k + j] | (((qh[(k + j) / 8] >> ((k + j) % 8)) & 1) << 8))
+                         + ((signs[(k + j) / 2] >> (4 * ((k + j) & 1))) & 15);
+                put16(o, db * from_i8(rows4(t->iq3_s, r[0], r[1], r[2], r[3])));
             }
         }
     }
 }
+
+/* o[0 .. 8) = s * row[0 .. 8): one IQ1 grid row (+- 1/8 included) times its scale. */
+static inline void scaled8(float *o, const float *row, float s) { for (int j = 0; j < 8; j++) o[j] = s * row[j]; }
 
 static void iq1_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 50) {
@@ -369,10 +385,8 @@ static void iq1_s(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         for (int g = 0; g < 8; g++) {
             const uint16_t h = u16(b + 34 + 2 * g);
             const float dl = d * (float)(2 * ((h >> 12) & 7) + 1);
-            for (int k = 0; k < 4; k++, o += 8) {
-                const int row = ((h >> 15) << 11) | (((h >> (3 * k)) & 7) << 8) | b[2 + 4 * g + k];
-                scaled(o, t->iq1 + 8 * row, 8, dl);
-            }
+            for (int k = 0; k < 4; k++, o += 8)
+                scaled8(o, t->iq1 + 8 * (((h >> 15) << 11) | (((h >> (3 * k)) & 7) << 8) | b[2 + 4 * g + k]), dl);
         }
     }
 }
@@ -385,7 +399,7 @@ static void iq1_m(const tables *t, const uint8_t *b, int64_t nb, float *o) {
         for (int l = 0; l < 32; l++, o += 8) {  /* 8 values per code byte l; a 3-bit scale per 16 values */
             const int s = (w[l / 8] >> (3 * ((l / 2) % 4))) & 7;
             const int nib = (qh[l / 2] >> (4 * (l & 1))) & 15;
-            scaled(o, t->iq1 + 8 * (((nib >> 3) << 11) | ((nib & 7) << 8) | qs[l]), 8, d * (float)(2 * s + 1));
+            scaled8(o, t->iq1 + 8 * (((nib >> 3) << 11) | ((nib & 7) << 8) | qs[l]), d * (float)(2 * s + 1));
         }
     }
 }

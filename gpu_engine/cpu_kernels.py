@@ -54,7 +54,8 @@ class _Tables(ctypes.Structure):
 def _lookup_tables() -> dict[str, np.ndarray]:
     """The decoders' tables (`TABLE_NAMES` order), derived from gguf-py (never retyped): every half's float32 value
     (numpy's cast, as gguf.quants), the E8M0 half scales, and the torch dequantizers' own IQ2_XXS signed grid, MXFP4
-    values and `IQ_TABLES` (IQ grids with their signs, IQ1 grid +- 1/8, IQ4 values, TQ1 digits, ksigns)."""
+    values and `IQ_TABLES` (IQ grids with their signs, IQ1 grid +- 1/8, IQ4 values, TQ1 digits, ksigns); the signed
+    IQ2 / IQ3 grids and the IQ4 values hold small integers and are passed as int8 (a 4- or 8-value row is one load)."""
     tables = {
         "f16": np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),
         "iq2_signed": IQ2XXS_SIGNED_I8,
@@ -62,7 +63,17 @@ def _lookup_tables() -> dict[str, np.ndarray]:
         "e8m0_half": quants.MXFP4.e8m0_to_fp32_half(np.arange(256, dtype=np.uint8)).astype(np.float32),
         **IQ_TABLES,
     }
+    tables |= {name: _int8(name, tables[name]) for name in ("iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4")}
     return {name: np.ascontiguousarray(tables[name]) for name in TABLE_NAMES}
+
+
+def _int8(name: str, table: np.ndarray) -> np.ndarray:
+    """A float32 table of small integers as int8 (same shape); a ParityError if one of gguf-py's values is not one."""
+    packed = table.astype(np.int8)
+    if not np.array_equal(packed.astype(np.float32), table):
+        raise ParityError(f"CPU kernels: gguf-py's {name} table holds values that are not int8 integers; the C "
+                          f"decoders read it as int8")
+    return packed
 
 
 def _compiler() -> str:
