@@ -22,19 +22,9 @@ import torch
 from gpu_engine.attention import LayerCache, new_layer_cache
 from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
-from gpu_engine.draft import (
-    Ring,
-    check_taps,
-    confidence,
-    dspark_main,
-    dspark_stage,
-    main_kv,
-    markov_chain,
-    mtp_input,
-    mtp_pairs,
-    ring_write,
-)
-from gpu_engine.faults import FAULTS, Faults, compose
+from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
+from gpu_engine.draft_blocks import dspark_stage, main_kv
+from gpu_engine.faults import DRAFT_FAULTS, FAULTS, Faults, compose
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
 from gpu_engine.ops import (
@@ -138,7 +128,8 @@ class TorchState:
 
 class TorchEngine:
     name = "torch"
-    faults = FAULTS  # capability: the porting bugs RunOptions.inject can switch on
+    faults = FAULTS  # capability: the porting bugs of the trunk RunOptions.inject can switch on
+    draft_faults = DRAFT_FAULTS  # those of the draft heads (RunOptions.inject takes them too; the trunk ignores them)
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB,
                  expert_threads: int | None = None, draft: str | None = None) -> None:
@@ -314,11 +305,11 @@ class TorchEngine:
         if carriers.shape != (len(tokens), self.cfg.hc_mult, self.cfg.dim):
             raise ParityError(f"mtp_forward: carriers of shape {carriers.shape} for {len(tokens)} tokens, expected "
                               f"({len(tokens)}, {self.cfg.hc_mult}, {self.cfg.dim})")
-        G, tau = mtp_pairs(carriers, tokens, pairing)
+        G, tau = self.ops.mtp_pairs(self._in(carriers), torch.from_numpy(tokens).to(self.device), pairing)
         if len(tau) == 0:
             raise ParityError(f"mtp_forward: {len(tokens)} rows make no {pairing} pair")
         with torch.inference_mode():
-            return self._mtp_rows(state, self._in(G), torch.from_numpy(tau).to(self.device), start_pos)
+            return self._mtp_rows(state, G, tau, start_pos)
 
     def mtp_chain(self, state: TorchState, last: MTPOutput, start_pos: int, depth: int) -> list[MTPOutput]:
         """Depths 2..depth after the pair `last`: X1 of depth k with its first-argmax draft, on a copy of `state`."""
@@ -340,20 +331,28 @@ class TorchEngine:
         cache = state.layers[L]
         if cache.pos != start_pos:
             raise ParityError(f"mtp: the MTP ring holds positions < {cache.pos}, call starts at {start_pos}")
-        X0 = mtp_input(w.rows("token_embd.weight", tau), G, w.vector("mtp.enorm.weight"),
-                       w.vector("mtp.hnorm.weight"), w.matrix("mtp.e_proj.weight", self.act),
-                       w.matrix("mtp.h_proj.weight", self.act), cfg.norm_eps)
+        X0 = self.ops.mtp_input(w.rows("token_embd.weight", tau), G, w.vector("mtp.enorm.weight"),
+                                w.vector("mtp.hnorm.weight"), w.matrix("mtp.e_proj.weight", self.act),
+                                w.matrix("mtp.h_proj.weight", self.act), cfg.norm_eps)
         res = block_forward(w, cfg, self.ops, self._draft_plan(L), cache, X0, tau, start_pos, None, False)
-        z = hc_head(res.carrier, w.matrix("mtp.hc_head_fn.weight", self.act), w.vector("mtp.hc_head_scale.weight"),
-                    w.vector("mtp.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
+        X1 = self.ops.mtp_carrier(res.attn_carrier, res.carrier)
+        z = self.ops.mtp_hc_head(w, cfg, X1)
         logits = w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight")
-        return MTPOutput(*(self._out(t) for t in (X0, res.attn_carrier, res.carrier, logits, res.routing.ids)))
+        return MTPOutput(*(self._out(t) for t in (X0, res.attn_carrier, X1, logits, res.routing.ids)))
 
     def new_dspark_state(self) -> list[Ring]:
         """One empty W-slot ring of committed main KV rows per DSpark stage."""
         cfg = self._draft("dspark")
         return [Ring.empty(cfg.window_size, cfg.head_dim, self.device, self.act)
                 for _ in range(self.drafter.config.n_blocks)]
+
+    def dspark_taps(self, carriers: list[np.ndarray]) -> np.ndarray:
+        """The tap rows T [c, m·D] `dspark_round` takes: concat over the tapped layers of the stream mean of their
+        output carriers (`carriers`: X^(l+1) [c, H, D] of each l in `drafter.config.target_layer_ids`, in order)."""
+        cfg = self._draft("dspark")
+        arrays = check_tap_carriers(carriers, self.drafter.config.target_layer_ids, cfg.hc_mult, cfg.dim)
+        with torch.inference_mode():
+            return self._out(self.ops.dspark_taps([self._in(a) for a in arrays]))
 
     def dspark_round(self, state: list[Ring], taps: np.ndarray, start_pos: int, anchor: int) -> DSparkRound:
         """Write the main rows of positions start_pos..p into each stage's ring, then draft the block [anchor,
@@ -371,7 +370,7 @@ class TorchEngine:
                             w.vector("dspark.main_norm.weight"), cfg.norm_eps)
             plans = [self._draft_plan(L + k) for k in range(dc.n_blocks)]
             for k, plan in enumerate(plans):
-                state[k] = ring_write(state[k], main_kv(w, cfg, self.ops, plan, M, pos), pos)
+                state[k] = self.ops.ring_write(state[k], main_kv(w, cfg, self.ops, plan, M, pos), pos)
             tok = torch.from_numpy(block).to(self.device)
             X = w.rows("token_embd.weight", tok)[:, None, :].expand(-1, cfg.hc_mult, -1)
             stages, ids = [], []
@@ -383,7 +382,8 @@ class TorchEngine:
                         w.vector("dspark.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
             base = w.linear(rms_norm(z, w.vector("dspark.norm.weight"), cfg.norm_eps), "output.weight")
             w2 = w.matrix("dspark.markov_w2.weight", self.act)
-            drafts, biased, u = markov_chain(base, int(anchor), w.matrix("dspark.markov_w1.weight", self.act), w2)
+            drafts, biased, u = self.ops.markov_chain(base, int(anchor), w.matrix("dspark.markov_w1.weight", self.act),
+                                                      w2)
             conf = confidence(z, u, w.matrix("dspark.conf_proj.weight", self.act))
             return DSparkRound(self._out(M[-1]), stages, ids, self._out(base), self._out(u @ w2.T),
                                self._out(biased), self._out(conf), self._out(drafts))

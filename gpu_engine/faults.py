@@ -1,10 +1,11 @@
 """Fault injection: known porting bugs, each a one-line switch.
 
-`Faults.parse(names)` validates the names (`FAULTS`, the keys of `FAULT_TABLE`) and yields an object with one
-boolean per fault (dashes become underscores). A fault is an alternative op of the same signature as the model's:
-`compose` puts it in place of the correct op in the engine's `Ops` (one line per fault); the one fault that is
-not an op (`compress-ratios-u32`, a wrong read of the layer schedule) is one line in `TorchEngine.__init__`.
-`FAULT_TABLE` documents each fault for `--help`/docs.
+`Faults.parse(names)` validates the names (`FAULTS` and `DRAFT_FAULTS`, the keys of `FAULT_TABLE` and
+`DRAFT_FAULT_TABLE`) and yields an object with one boolean per fault (dashes become underscores). A fault is an
+alternative op of the same signature as the model's: `compose` puts it in place of the correct op in the engine's
+`Ops` (one line per fault); the one fault that is not an op (`compress-ratios-u32`, a wrong read of the layer
+schedule) is one line in `TorchEngine.__init__`. `FAULT_TABLE` documents the trunk's faults, `DRAFT_FAULT_TABLE` the
+draft heads' (which never act on the trunk: its ops are not theirs); both for `--help`/docs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ from dataclasses import dataclass, fields, replace
 
 from gpu_engine.attention import n_visible_late, sink_attention_no_sink
 from gpu_engine.compressor import completed_blocks_multi_token, csa_slots_halves_swapped
+from gpu_engine.draft import (
+    dspark_mask_causal,
+    dspark_taps_summed,
+    markov_chain_unconditioned,
+    mtp_carrier_no_ffn_post,
+    mtp_input_hnorm_flat,
+    mtp_pairs_same,
+    ring_write_newest_row,
+    trunk_hc_head,
+)
 from gpu_engine.hc import hc_post_not_transposed
 from gpu_engine.indexer import select_rows_ties_highest
 from gpu_engine.model import Ops
@@ -48,8 +59,36 @@ FAULT_TABLE: dict[str, tuple[str, str, str]] = {
                                     "first compressed layer, first block end"),
 }
 
+# draft-head fault -> (alternative op, what it breaks, first draft quantity where it acts, public origin: spec §4.6)
+DRAFT_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
+    "mtp-pairing-same": ("draft.mtp_pairs_same", "asked for the prev pairing, pairs X^(L)_p with t_p",
+                         "mtp.0.in (MTPOutput.input)",
+                         "pairing convention, spec §2.3: ds4 same, llama.cpp / vLLM prev"),
+    "mtp-hnorm-flat": ("draft.mtp_input_hnorm_flat", "hnorm over the flat H*D carrier instead of per stream",
+                       "mtp.0.in", "D7: GDzhu01/vllm-ascend-deepseekv4 PR #132, ROCm/ATOM #1742"),
+    "mtp-no-hc-post": ("draft.mtp_carrier_no_ffn_post", "MTP block's FFN HC_post skipped: X1 = Y",
+                       "mtp.0 (MTPOutput.carrier; mtp.0.in and mtp.0.attn unchanged)",
+                       "D6: vllm-project/vllm PR #45240 (syncing #44821, #43746)"),
+    "mtp-trunk-hc-head": ("draft.trunk_hc_head", "the trunk's output_hc_* head on the MTP carrier",
+                          "mtp.0.logits (carriers unchanged)",
+                          "spec §5.1: llama.cpp's MTP file names the MTP's head output_hc_* (spec-derived)"),
+    "dspark-tap-sum": ("draft.dspark_taps_summed", "taps = stream sum instead of stream mean",
+                       "the taps (x H exactly); dspark.main only through main_norm's eps",
+                       "spec §3.2 (spec-derived; the spec expects it nearly invisible)"),
+    "dspark-causal-block": ("draft.dspark_mask_causal", "causal mask inside the block instead of bidirectional",
+                            "dspark.0, every slot but the last (B-1 sees all rows either way)",
+                            "spec §3.4 / §4.6 (spec-derived)"),
+    "dspark-markov-unconditioned": ("draft.markov_chain_unconditioned",
+                                    "Markov bias W2 W1[anchor] for every slot instead of W1[previous draft]",
+                                    "dspark.bias from slot 1 (base logits unchanged)",
+                                    "spec §3.3, PAPER eq. 5 (spec-derived)"),
+    "dspark-stale-ring": ("draft.ring_write_newest_row", "after the prompt, one ring row per round (the newest)",
+                          "dspark.0 of the second round (the first round writes the prompt in full)",
+                          "D9: TensorSharp TS_DSV4_DSPARK_CAPTURE=0"),
+}
 
-FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)
+FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)               # the trunk's: each acts on a trunk layer
+DRAFT_FAULTS: tuple[str, ...] = tuple(DRAFT_FAULT_TABLE)   # the draft heads': the trunk is unchanged bit for bit
 
 
 @dataclass(frozen=True)
@@ -65,13 +104,22 @@ class Faults:
     indexer_ties_highest: bool = False
     csa_halves_swapped: bool = False
     compressed_row_visible_late: bool = False
+    mtp_pairing_same: bool = False
+    mtp_hnorm_flat: bool = False
+    mtp_no_hc_post: bool = False
+    mtp_trunk_hc_head: bool = False
+    dspark_tap_sum: bool = False
+    dspark_causal_block: bool = False
+    dspark_markov_unconditioned: bool = False
+    dspark_stale_ring: bool = False
 
     @classmethod
     def parse(cls, names: tuple[str, ...] | list[str]) -> Faults:
         """Validated switches for the given fault names; an unknown name is a ParityError."""
-        unknown = [n for n in names if n not in FAULTS]
+        known = FAULTS + DRAFT_FAULTS
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ParityError(f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(FAULTS)}")
+            raise ParityError(f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
         return cls(**{n.replace("-", "_"): True for n in names})
 
     @property
@@ -80,7 +128,8 @@ class Faults:
 
 
 def compose(f: Faults, ops: Ops) -> Ops:
-    """`ops` with the alternative op of every fault switched on in `f` (compress-ratios-u32 is not an op)."""
+    """`ops` with the alternative op of every fault switched on in `f` (compress-ratios-u32 is not an op).
+    A draft fault replaces an op only the draft heads call, so the trunk runs the same ops with or without it."""
     return replace(
         ops,
         completed_blocks=completed_blocks_multi_token if f.no_decode_compression else ops.completed_blocks,
@@ -93,7 +142,15 @@ def compose(f: Faults, ops: Ops) -> Ops:
         select_rows=select_rows_ties_highest if f.indexer_ties_highest else ops.select_rows,
         csa_slots=csa_slots_halves_swapped if f.csa_halves_swapped else ops.csa_slots,
         n_visible=n_visible_late if f.compressed_row_visible_late else ops.n_visible,
+        mtp_pairs=mtp_pairs_same if f.mtp_pairing_same else ops.mtp_pairs,
+        mtp_input=mtp_input_hnorm_flat if f.mtp_hnorm_flat else ops.mtp_input,
+        mtp_carrier=mtp_carrier_no_ffn_post if f.mtp_no_hc_post else ops.mtp_carrier,
+        mtp_hc_head=trunk_hc_head if f.mtp_trunk_hc_head else ops.mtp_hc_head,
+        dspark_taps=dspark_taps_summed if f.dspark_tap_sum else ops.dspark_taps,
+        dspark_mask=dspark_mask_causal if f.dspark_causal_block else ops.dspark_mask,
+        markov_chain=markov_chain_unconditioned if f.dspark_markov_unconditioned else ops.markov_chain,
+        ring_write=ring_write_newest_row if f.dspark_stale_ring else ops.ring_write,
     )
 
 
-assert set(FAULT_TABLE) == set(FAULTS) == {f.name.replace("_", "-") for f in fields(Faults)}
+assert set(FAULTS) | set(DRAFT_FAULTS) == {f.name.replace("_", "-") for f in fields(Faults)}

@@ -10,7 +10,7 @@ alternative op put in its place (`faults.compose`), the QAT round trips are ops 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +18,17 @@ import torch
 
 from gpu_engine.attention import AttentionOp, LayerCache, attend, n_visible, sink_attention
 from gpu_engine.compressor import CompressorCache, SlotsOp, completed_blocks, compressor_update, csa_slots, hca_slots
+from gpu_engine.draft import (
+    Ring,
+    dspark_mask,
+    dspark_taps,
+    markov_chain,
+    mtp_carrier,
+    mtp_hc_head,
+    mtp_input,
+    mtp_pairs,
+    ring_write,
+)
 from gpu_engine.hc import hc_post, hc_pre
 from gpu_engine.indexer import SelectOp, indexer_weights, select_chunked, select_rows
 from gpu_engine.moe import (
@@ -55,6 +66,15 @@ class Ops:
     swiglu: Callable[[Tensor, Tensor, float], Tensor] = swiglu_clamped
     weight_scores: Callable[[Tensor, Tensor], Tensor] = unbiased_scores
     expert_map: MapOp = map  # how the independent routed experts are run (serially, or a thread pool's map)
+    # the draft heads (gpu_engine.draft; the MTP block and the DSpark stages use the ops above too)
+    mtp_pairs: Callable[[Tensor, Tensor, str], tuple[Tensor, Tensor]] = mtp_pairs   # (carriers, tokens, pairing)
+    mtp_input: Callable[..., Tensor] = mtp_input             # (e_row, carrier, enorm_w, hnorm_w, e_proj, h_proj, eps)
+    mtp_carrier: Callable[[Tensor, Tensor], Tensor] = mtp_carrier   # (Y, X') -> X1 the MTP block hands on
+    mtp_hc_head: Callable[[DeviceWeights, ModelConfig, Tensor], Tensor] = mtp_hc_head
+    dspark_taps: Callable[[Sequence[Tensor]], Tensor] = dspark_taps
+    dspark_mask: Callable[[Tensor, int, int, int], Tensor] = dspark_mask   # (ring_pos, p, window, block)
+    markov_chain: Callable[[Tensor, int, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] = markov_chain
+    ring_write: Callable[[Ring, Tensor, Tensor], Ring] = ring_write        # (ring, rows, pos)
 
 
 @dataclass(frozen=True)

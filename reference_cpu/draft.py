@@ -62,6 +62,17 @@ def dspark_taps(carriers: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([c.mean(axis=1) for c in carriers], axis=-1)
 
 
+def check_tap_carriers(carriers: Sequence[np.ndarray], layers: Sequence[int], hc: int, dim: int) -> list[np.ndarray]:
+    """`dspark_taps`' input: one carrier [c >= 1, H, D] per tapped layer, all of one c; else an error naming the
+    shapes.  -> the carriers as arrays."""
+    arrays = [np.asarray(c) for c in carriers]
+    shapes = [a.shape for a in arrays]
+    if len(arrays) != len(layers) or len(set(shapes)) != 1 or shapes[0][1:] != (hc, dim) or shapes[0][0] < 1:
+        raise ParityError(f"dspark_taps: carriers of shapes {shapes}, expected {len(layers)} (the output carriers "
+                          f"of layers {', '.join(map(str, layers))}) of one shape (c >= 1, {hc}, {dim})")
+    return arrays
+
+
 def check_taps(taps: np.ndarray, m: int, dim: int) -> np.ndarray:
     """taps must be [c >= 1, m·D] (the rows `dspark_taps` makes): anything else is an error naming the shape."""
     if taps.ndim != 2 or len(taps) < 1 or taps.shape[1] != m * dim:

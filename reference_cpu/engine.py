@@ -28,10 +28,12 @@ from reference_cpu.allocator import keep_freed_memory
 from reference_cpu.dequant import dequantize
 from reference_cpu.draft import (
     Ring,
+    check_tap_carriers,
     check_taps,
     confidence,
     dspark_main,
     dspark_stage,
+    dspark_taps,
     first_max,
     main_kv,
     markov_chain,
@@ -273,6 +275,13 @@ class ReferenceEngine:
         """One empty W-slot ring of committed main KV rows per DSpark stage."""
         cfg = self._draft("dspark")
         return [Ring.empty(cfg.window_size, cfg.head_dim, self.dtype) for _ in range(self.drafter.config.n_blocks)]
+
+    def dspark_taps(self, carriers: list[np.ndarray]) -> np.ndarray:
+        """The tap rows T [c, m·D] `dspark_round` takes: `draft.dspark_taps` of the output carriers X^(l+1) [c, H, D]
+        of the tapped layers `drafter.config.target_layer_ids`, in that order (§3.2)."""
+        cfg = self._draft("dspark")
+        arrays = check_tap_carriers(carriers, self.drafter.config.target_layer_ids, cfg.hc_mult, cfg.dim)
+        return dspark_taps([a.astype(self.dtype, copy=False) for a in arrays])
 
     def dspark_round(self, state: list[Ring], taps: np.ndarray, start_pos: int, anchor: int) -> DSparkRound:
         """Write the main rows of positions start_pos..p (taps [c, m·D], `draft.dspark_taps` of the trunk rows;

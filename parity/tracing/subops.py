@@ -152,8 +152,10 @@ def subop_chunks(trace: Trace, config: ModelConfig) -> list[ChunkResult]:
     """The trace's sub-op records as the runner's chunk results on the candidate's own chunking (header `chunks`),
     the form `parity.bisect.opforce` takes: carriers from the full vectors, captures from the records (emitted rows
     visible after each chunk), HC mixes / router picks / indexer selections from the hc, moe and attn records."""
-    h, vec, rec = trace.header, trace.vectors or {}, trace.subops or {}
+    h, vec, rec = trace.header, trace.vectors or {}, trace.subops
     T, L = len(h.tokens), trace.n_layers
+    if rec is None:
+        raise TraceError("the trace's sub-op records were not loaded (read the trace with its side file)")
     if h.positions != list(range(T)):
         raise TraceError(f"sub-op records at {len(h.positions)} of {T} positions: op-level forcing needs every "
                          "position (--positions all)")
