@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
+#if defined(__SSSE3__)
 #include <immintrin.h>
 #endif
 
@@ -146,6 +146,17 @@ static void mxfp4(const tables *t, const uint8_t *b, int64_t nb, float *o) {
 }
 
 typedef uint32_t v4u32 __attribute__((vector_size(16)));
+
+/* table[idx[j]] for 16 indices below 16 (one pshufb on x86). */
+static inline v16u8 lookup16(v16u8 table, v16u8 idx) {
+#if defined(__SSSE3__)
+    return (v16u8)_mm_shuffle_epi8((__m128i)table, (__m128i)idx);
+#else
+    v16u8 r;
+    for (int j = 0; j < 16; j++) r[j] = table[idx[j]];
+    return r;
+#endif
+}
 
 static inline v16u8 splat8(uint8_t a) { return (v16u8){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
 
@@ -295,8 +306,8 @@ static void iq4_nl(const tables *t, const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
         const v16 d = splat16(t->f16[u16(b)]);
         const v16u8 q = load16(b + 2);
-        put16(o, d * from_i8(__builtin_shuffle(kv, q & 15)));
-        put16(o + 16, d * from_i8(__builtin_shuffle(kv, q >> 4)));
+        put16(o, d * from_i8(lookup16(kv, q & 15)));
+        put16(o + 16, d * from_i8(lookup16(kv, q >> 4)));
     }
 }
 
@@ -309,8 +320,8 @@ static void iq4_xs(const tables *t, const uint8_t *b, int64_t nb, float *o) {
             const int ls = ((b[4 + g / 2] >> (4 * (g & 1))) & 15) | (((sh >> (2 * g)) & 3) << 4);
             const v16 dl = splat16(d * (float)(ls - 32));
             const v16u8 q = load16(b + 8 + 16 * g);
-            put16(o, dl * from_i8(__builtin_shuffle(kv, q & 15)));
-            put16(o + 16, dl * from_i8(__builtin_shuffle(kv, q >> 4)));
+            put16(o, dl * from_i8(lookup16(kv, q & 15)));
+            put16(o + 16, dl * from_i8(lookup16(kv, q >> 4)));
         }
     }
 }
