@@ -220,6 +220,17 @@ class LlamaCppEngine:
         `last`'s last pair; the chain rows are removed from the state afterwards."""
         return self._head().chain(state, last, start_pos, depth)
 
+    def new_dspark_state(self) -> None:
+        raise ParityError(self._no_dspark())
+
+    def dspark_round(self, state: None, taps: np.ndarray, start_pos: int, anchor: int) -> None:
+        raise ParityError(self._no_dspark())
+
+    def _no_dspark(self) -> str:
+        got = "no drafter" if self.drafter is None else f"a {self.drafter.config.kind} drafter"
+        return (f"llamacpp: dspark is not run through llama.cpp here (its dflash graph is not driven; docs/peers.md); "
+                f"this engine has {got}")
+
     def _head(self) -> MTPHead:
         if self._mtp is None:
             raise ParityError("llamacpp: mtp needs an engine opened with a mtp drafter (draft=FILE); this one has "

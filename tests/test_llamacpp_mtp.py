@@ -13,7 +13,7 @@ import pytest
 from requires import require
 
 from parity.compare.metrics import rel_l2
-from parity.contract.engine import RunOptions
+from parity.contract.engine import DraftHeads, RunOptions, load_engine
 from parity.contract.errors import ParityError
 from parity.gguf.synth_draft import synthesize_drafter
 
@@ -126,9 +126,18 @@ def test_llamacpp_mtp_refusals_name_the_problem(tiny_f32, drafters, engines, tru
         eng.mtp_forward(state, X[10:], tokens[10:], 9, "same")
     with pytest.raises(ParityError, match=r"start_pos 5 is not the position after the state's last pair \(9\)"):
         eng.mtp_chain(state, last, 5, 2)
+    with pytest.raises(ParityError, match="dspark is not run through llama.cpp here.*a mtp drafter"):
+        eng.new_dspark_state()
+    plain = load_engine("llamacpp", str(tiny_f32), OPTS)
     with pytest.raises(ParityError, match="mtp needs an engine opened with a mtp drafter.*no drafter"):
-        engines_plain = LlamaCppEngine(str(tiny_f32), OPTS)
-        engines_plain.mtp_forward(engines_plain.new_state(), X, tokens, 0)
+        plain.mtp_forward(plain.new_mtp_state(), X, tokens, 0)
+
+
+def test_the_harness_opens_llamacpp_with_its_drafter(tiny_f32, drafters, engines):
+    """`load_engine(..., draft=FILE)` (what `trace --draft` calls) reaches llama.cpp's MTP head."""
+    eng = load_engine("llamacpp", str(tiny_f32), OPTS, draft=str(drafters["llamacpp-mtp"]))
+    assert isinstance(eng, DraftHeads) and eng.drafter.config.layout == "llamacpp-mtp"
+    assert eng.identity["draft"] == engines["reference"].identity["draft"]
 
 
 @pytest.mark.parametrize("masked", [False, True])
