@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -94,22 +95,50 @@ def metadata(dc: DrafterConfig, trunk: Weights, model_cfg: ModelConfig) -> dict[
     return kv
 
 
+def random_drafter_weights(dc: DrafterConfig, model_cfg: ModelConfig, seed: int) -> dict[str, tuple[np.ndarray, float]]:
+    """Every canonical tensor of the drafter `dc` (blocks: layers of `model_cfg`) and its std, each drawn from its
+    own stream seeded by (seed, crc32 of its name)."""
+    out = {}
+    for spec in canonical_specs(dc, model_cfg):
+        rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+        out[spec.name] = init_drafter_weight(spec, model_cfg, rng)
+    return out
+
+
+def check_weights(weights: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> None:
+    """`weights` must hold exactly the canonical tensors `specs`, each of its shape and finite (else an error
+    naming the tensor)."""
+    want = {s.name: s.shape for s in specs}
+    if set(weights) != set(want):
+        missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+        raise ValueError(f"drafter weights: missing {missing or 'none'}, not canonical {extra or 'none'}")
+    for name, shape in want.items():
+        arr = np.asarray(weights[name])
+        if arr.shape != shape or not np.isfinite(arr).all():
+            raise ValueError(f"drafter weights: tensor {name!r} of shape {arr.shape}, expected {shape}, finite")
+
+
 def synthesize_drafter(path: str | os.PathLike, trunk_path: str | os.PathLike, kind: str, layout: str,
-                       seed: int = 0, quant: str = "f32") -> Path:
+                       seed: int = 0, quant: str = "f32", weights: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write a tiny `kind` drafter ("mtp" | "dspark") for the trunk at `trunk_path` in `layout` (`LAYOUTS`);
-    returns its path. Same seed and quant -> the same canonical tensors in every layout of the kind."""
+    returns its path. Same seed and quant -> the same canonical tensors in every layout of the kind.
+    `weights` (canonical name -> array, every canonical tensor, e.g. a fitted drafter's) replaces the random draws."""
     if quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown drafter quant {quant!r}; choose from {', '.join(DRAFT_QUANTS)}")
     trunk = Weights(trunk_path)
     dc = tiny_drafter_config(kind, layout, trunk.config)
     model_cfg = extend_config(trunk.config, dc.n_blocks)
     where = slots(dc, model_cfg)
+    specs = canonical_specs(dc, model_cfg)
+    if weights is not None:
+        check_weights(weights, specs)
+        drawn = {k: (np.asarray(v, dtype=np.float32), float(np.std(v))) for k, v in weights.items()}
+    else:
+        drawn = random_drafter_weights(dc, model_cfg, seed)
     arrays: dict[str, tuple[np.ndarray, float, Q]] = {}
-    for spec in canonical_specs(dc, model_cfg):
-        rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
-        arr, std = init_drafter_weight(spec, model_cfg, rng)
+    for spec in specs:
         qtype = Q.Q8_0 if quant == "q8_0" and spec.klass in Q8_CLASSES else Q.F32
-        arrays[spec.name] = (arr, std, qtype)
+        arrays[spec.name] = (*drawn[spec.name], qtype)
     tensors, written = [], set()
     for name, slot in where.items():
         if slot.file_name in written:
