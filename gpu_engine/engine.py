@@ -388,6 +388,11 @@ class TorchEngine:
             return DSparkRound(self._out(M[-1]), stages, ids, self._out(base), self._out(u @ w2.T),
                                self._out(biased), self._out(conf), self._out(drafts))
 
+    def snapshot(self, state: TorchState | list[Ring]) -> TorchState | list[Ring]:
+        """Capability `StateSnapshots`: a deep copy of a trunk or drafter state (every cached tensor cloned on its
+        device). Cost: one copy of every cached tensor, O(L·(W + m + N_comp)·hd) elements for a trunk state."""
+        return copy.deepcopy(state)
+
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cfg, w = self.cfg, self.w
         with torch.inference_mode():

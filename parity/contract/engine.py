@@ -194,6 +194,34 @@ class Variants(Protocol):
 
 
 @runtime_checkable
+class DraftHeads(Protocol):
+    """An engine opened with a drafter (`EngineClass(model, options, draft=FILE)`): the MTP or DSpark head of spec
+    v4-mtp-dspark §2-§3 (results in `parity.contract.draft`). The methods of the other kind refuse, naming it."""
+
+    def new_mtp_state(self) -> Any: ...
+
+    def mtp_forward(self, state: Any, carriers: np.ndarray, tokens: np.ndarray, start_pos: int,
+                    pairing: str = "prev") -> Any: ...
+
+    def mtp_chain(self, state: Any, last: Any, start_pos: int, depth: int) -> list[Any]: ...
+
+    def new_dspark_state(self) -> Any: ...
+
+    def dspark_round(self, state: Any, taps: np.ndarray, start_pos: int, anchor: int) -> Any: ...
+
+
+@runtime_checkable
+class StateSnapshots(Protocol):
+    def snapshot(self, state: Any) -> Any:
+        """An independent copy of a decode state (a trunk state of `new_state`, or a drafter state): using the copy
+        in place of the original restores every cache as it was when taken (raw window rows, compressor and
+        indexer accumulators and emitted rows, drafter rings); later writes to either leave the other unchanged.
+        With the verify batch, which is an ordinary prefill chunk over the trunk (`forward_layer` on q rows), this
+        is what speculative decoding needs: snapshot, verify, then on a rejection restore and replay the accepted
+        rows (parity.spec)."""
+
+
+@runtime_checkable
 class CacheStats(Protocol):
     def cache_stats(self) -> dict[str, int]:
         """Statistics of the engine's weight cache (entries, bytes, budget, hits, misses, evictions)."""
@@ -220,9 +248,16 @@ def engine_class(name: str) -> type:
     return eps[name].load()
 
 
-def load_engine(name: str, model_path: str, options: RunOptions) -> Engine:
-    """Construct the engine registered as `name` (no engine module is imported by name here)."""
-    return engine_class(name)(model_path, options)
+def load_engine(name: str, model_path: str, options: RunOptions, draft: str | None = None) -> Engine:
+    """Construct the engine registered as `name` (no engine module is imported by name here); `draft`: a drafter
+    GGUF, given to the engine as `draft=` (an engine without draft heads refuses it, naming the engine)."""
+    cls = engine_class(name)
+    if draft is None:
+        return cls(model_path, options)
+    if not issubclass(cls, DraftHeads):
+        raise ParityError(f"engine {name!r} has no draft heads (new_mtp_state, mtp_forward, mtp_chain, "
+                          "new_dspark_state, dspark_round); it cannot take --draft")
+    return cls(model_path, options, draft=draft)
 
 
 def engine_faults(name: str) -> tuple[str, ...]:

@@ -1,0 +1,119 @@
+"""Acceptance attribution (spec v4-mtp-dspark §6.1-§6.2): the reference re-runs every round of a speculative run on
+the candidate's own committed prefix and drafts, and each drafted position gets one label.
+
+Per round r (anchor at position c+1, drafts d_1..d_k, γ verified, a' accepted): the reference verifier rows
+ρ_0..ρ_γ come from one batch [t_{c+1}, d_1..d_γ] on the reference state of the committed prefix (restored and
+replayed after a rejection as the driver does); μ_i = top-1 − top-2 of row i; τ_i = the envelope's tie margin at
+that logit size. The reference drafter drafts d*_1..d*_k on the candidate's own drafter inputs (MTP: its chain
+teacher-forced on the candidate's drafts; DSpark: its own block); scripted drafts are their own reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from parity.bisect.envelope import Envelope
+from parity.contract.engine import Engine
+from parity.spec.accept import Slot, first_max, label
+from parity.spec.drafts import DSparkSource, MTPSource, need_snapshots
+from parity.spec.driver import Round, SpecRun
+from parity.tracing.runner import forward_chunk
+
+
+@dataclass(frozen=True)
+class RoundAttribution:
+    """The reference's view of one round: labels (one per drafted position d_1..d_k), ρ_0..ρ_γ, μ and τ per
+    verify row (absolute logits), the reference drafter's d*_1..d*_k."""
+
+    labels: tuple[str, ...]
+    reference: tuple[int, ...]
+    margins: tuple[float, ...]
+    ties: tuple[float, ...]
+    reference_drafts: tuple[int, ...]
+
+
+def top_two_margin(logits: np.ndarray) -> np.ndarray:
+    """μ = top-1 − top-2 per row (0 on an exact tie).  logits [q, V] -> [q]."""
+    two = -np.partition(-np.asarray(logits, np.float64), 1, axis=1)[:, :2]
+    return two[:, 0] - two[:, 1]
+
+
+def ulps(x: float, at: float) -> float:
+    """x in float32 ulps at the magnitude `at` (the spacing of float32 numbers next to |at|)."""
+    return float(x / np.spacing(np.float32(abs(at))))
+
+
+def label_round(r: Round, rho: np.ndarray, margins: np.ndarray, ties: np.ndarray, star: np.ndarray,
+                star_logits: np.ndarray | None, env: Envelope) -> tuple[str, ...]:
+    """Labels of d_1..d_k: positions after γ or after the first rejection (i > a' + 1) are NOT-VERIFIED."""
+    out = []
+    for i, d in enumerate(r.drafts, start=1):
+        if i > r.verified or i > r.accepted + 1:
+            out.append(label(None))
+            continue
+        s = int(star[i - 1]) if i <= len(star) else d
+        gap, tie = 0.0, 0.0
+        if s != d and star_logits is not None:
+            row = star_logits[i - 1]
+            gap, tie = float(row[s] - row[d]), env.tie_margin(float(row[s]))
+        out.append(label(Slot(d, r.verify[i - 1], int(rho[i - 1]), float(margins[i - 1]), float(ties[i - 1]), s,
+                              gap, tie)))
+    return tuple(out)
+
+
+def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun, env: Envelope,
+              counter: Callable[[str, int, int | None], None] | None = None) -> list[RoundAttribution]:
+    """One `RoundAttribution` per round of `run`. `source`: the reference engine's drafter of the run's kind
+    (None for scripted drafts)."""
+    snapshot = need_snapshots(ref).snapshot
+    state = ref.new_state()
+    forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
+    out = []
+    for n, (r, inputs, first) in enumerate(zip(run.rounds, run.inputs, run.feed_first, strict=True)):
+        star, star_logits = np.asarray(r.drafts), None
+        if source is not None:
+            p = source.draft(inputs, run.tokens, first, forced=np.asarray(r.drafts, np.int64))
+            star, star_logits = p.drafts, p.logits
+        saved = snapshot(state)
+        batch = np.asarray([r.anchor, *r.drafts[: r.verified]], np.int64)
+        logits = forward_chunk(ref, state, batch, r.start_pos).logits
+        if r.accepted < r.verified:
+            state = saved
+            forward_chunk(ref, state, batch[: r.accepted + 1], r.start_pos)
+        rho, margins = first_max(logits), top_two_margin(logits)
+        ties = np.array([env.tie_margin(float(row.max())) for row in logits])
+        labels = label_round(r, rho, margins, ties, star, star_logits, env)
+        out.append(RoundAttribution(labels, tuple(map(int, rho)), tuple(map(float, margins)),
+                                    tuple(map(float, ties)), tuple(map(int, star))))
+        if counter:
+            counter("reference attribution", n + 1, len(run.rounds))
+    return out
+
+
+def online_per_slot(rounds: list[Round], depth: int) -> list[float | None]:
+    """The candidate's acceptance of slot i: of the rounds that verified slot i (i <= γ), the share with a' >= i
+    (cumulative per position, as the published per-position figures). None where no round verified slot i."""
+    out = []
+    for i in range(1, depth + 1):
+        tried = [r for r in rounds if r.verified >= i]
+        out.append(sum(r.accepted >= i for r in tried) / len(tried) if tried else None)
+    return out
+
+
+def offline_per_slot(rounds: list[Round], attrs: list[RoundAttribution], tokens: list[int],
+                     depth: int) -> list[float | None]:
+    """The reference drafter's acceptance of slot i on the same trajectory: of the rounds whose trajectory is known
+    that far, the share whose d*_1..d*_i equal the committed tokens t_{c+2}..t_{c+1+i}."""
+    out = []
+    for i in range(1, depth + 1):
+        hits = tried = 0
+        for r, a in zip(rounds, attrs, strict=True):
+            truth = tokens[r.start_pos + 1 : r.start_pos + 1 + i]
+            if len(a.reference_drafts) >= i and len(truth) == i:
+                tried += 1
+                hits += list(a.reference_drafts[:i]) == truth
+        out.append(hits / tried if tried else None)
+    return out

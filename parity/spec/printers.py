@@ -1,0 +1,91 @@
+"""Printers of a `SpecReport`: the headline, plain text, Markdown and JSON. No computation here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from parity.compare.jsonvalues import json_safe
+
+if TYPE_CHECKING:
+    from parity.spec.report import SpecReport
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def headline(report: SpecReport) -> str:
+    """The verdict in words (first output line)."""
+    d = report.divergence
+    if d is None:
+        what = "EXACT: speculative == plain == reference tokens"
+    else:
+        who = "spec-induced" if d.spec_induced else "not spec-induced (plain decode diverges too)"
+        what = (f"{d.cls} at step {d.step} (position {d.position}): spec {d.spec}, plain {d.plain}, reference "
+                f"{d.reference}; reference margin {d.margin:.3g} ({d.margin_ulps:.0f} ulps) vs tie threshold "
+                f"{d.tie:.3g} ({d.tie_ulps:.0f} ulps); {who}")
+    bad = report.defects
+    return what + (f"; DEFECT labels: {', '.join(x for x in bad if not x.startswith('WRONG'))}"
+                   if any(not x.startswith("WRONG") for x in bad) else "")
+
+
+def summary_lines(report: SpecReport) -> list[str]:
+    o, c = report.options, report.cost
+    labels = ", ".join(f"{k} {v}" for k, v in report.labels.items() if v)
+    return [f"engine {o['engine']}, drafter {o['drafter']} (depth/B {o['depth']}, gate {o['gate']}, max-draft "
+            f"{o['max_draft']}), {len(report.spec_tokens)} steps, {c['rounds']} rounds",
+            f"labels: {labels or 'none (no drafts)'}",
+            f"acceptance per slot: candidate {' '.join(map(_pct, report.per_slot))}; reference drafter (offline) "
+            f"{' '.join(map(_pct, report.reference_per_slot))}; {report.mean_accepted:.2f} drafts accepted per round",
+            f"cost: {c['verify_rows']} verify rows + {c['replayed_rows']} replayed rows for {c['plain_rows']} plain "
+            f"decode rows; {c['drafted']} drafted, {c['accepted']} accepted; {c['snapshots']} state snapshots",
+            "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())]
+
+
+def round_cells(i: int, report: SpecReport) -> list[str]:
+    r, a = report.rounds[i], report.attribution[i]
+    return [str(i), str(r.start_pos), " ".join(map(str, r.drafts)), " ".join(map(str, r.verify)),
+            " ".join(map(str, a.reference)), str(r.accepted), str(r.replayed), r.cut or "-", " ".join(a.labels)]
+
+
+COLUMNS = ["round", "start_pos", "drafts", "verify", "reference", "accepted", "replayed", "cut", "labels"]
+
+
+def to_text(report: SpecReport) -> str:
+    lines = [headline(report), *("  " + x for x in summary_lines(report))]
+    rows = [COLUMNS, *(round_cells(i, report) for i in range(len(report.rounds)))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def to_markdown(report: SpecReport) -> str:
+    out = [f"# v4parity spec: {'EXACT' if report.exact else report.divergence.cls}", "", headline(report), ""]
+    out += [f"- {x}" for x in summary_lines(report)] + [""]
+    out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(round_cells(i, report)) + " |" for i in range(len(report.rounds))]
+    return "\n".join(out) + "\n"
+
+
+def to_json(report: SpecReport) -> dict[str, Any]:
+    """exact, first_divergence ({step, class, spec_induced, position, spec, plain, reference, margin, margin_ulps,
+    tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos, anchor, drafts, confidence, verified,
+    cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
+    ({per_slot, reference_per_slot, mean}), state_divergence (null: not checked by this version), cost, tokens,
+    options, seconds, defects."""
+    d = report.divergence
+    div = None
+    if d is not None:
+        div = {"class": d.cls, **{k: v for k, v in asdict(d).items() if k != "cls"}}
+    rounds = [{**asdict(r), "reference": list(a.reference), "margins": list(a.margins), "ties": list(a.ties),
+               "labels": list(a.labels), "reference_drafts": list(a.reference_drafts)}
+              for r, a in zip(report.rounds, report.attribution, strict=True)]
+    return json_safe({"exact": report.exact, "first_divergence": div, "labels": report.labels, "rounds": rounds,
+                      "acceptance": {"per_slot": list(report.per_slot),
+                                     "reference_per_slot": list(report.reference_per_slot),
+                                     "mean": report.mean_accepted},
+                      "state_divergence": None, "cost": report.cost, "defects": report.defects,
+                      "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),
+                                 "plain": list(report.plain_tokens), "reference": list(report.reference_tokens)},
+                      "options": report.options, "seconds": report.seconds})

@@ -1,0 +1,115 @@
+"""`v4parity spec`'s result as data: one run of the speculative driver, its exactness and its attribution.
+Printers live in parity/spec/printers.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from parity.bisect.envelope import Envelope
+from parity.contract.engine import Engine
+from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
+from parity.spec.attribution import RoundAttribution, attribute, offline_per_slot, online_per_slot
+from parity.spec.drafts import DSparkSource, MTPSource, ScriptSource
+from parity.spec.driver import Round, speculate
+from parity.spec.exactness import Divergence, first_divergence
+from parity.tracing.runner import run_sequence
+
+
+@dataclass(frozen=True)
+class SpecReport:
+    options: dict[str, Any]               # engine, drafter kind, depth / B, pairing, ring policy, gate, ... (§6.5)
+    prompt: tuple[int, ...]
+    spec_tokens: tuple[int, ...]          # generated tokens, speculative
+    plain_tokens: tuple[int, ...]         # the same engine's plain greedy decode
+    reference_tokens: tuple[int, ...]     # the reference's plain greedy decode
+    divergence: Divergence | None
+    rounds: tuple[Round, ...]
+    attribution: tuple[RoundAttribution, ...]
+    per_slot: tuple[float | None, ...]            # the candidate's online acceptance per slot
+    reference_per_slot: tuple[float | None, ...]  # the reference drafter's offline acceptance per slot
+    seconds: dict[str, float]
+
+    @property
+    def exact(self) -> bool:
+        return self.divergence is None
+
+    @property
+    def labels(self) -> dict[str, int]:
+        c = Counter(lab for a in self.attribution for lab in a.labels)
+        return {k: c.get(k, 0) for k in LABELS}
+
+    @property
+    def defects(self) -> list[str]:
+        """What makes the exit status 1: a WRONG divergence, a defect label."""
+        out = [f"WRONG at step {self.divergence.step}"] if self.divergence and self.divergence.cls == "WRONG" else []
+        return out + [f"{k} x{v}" for k, v in self.labels.items() if k in DEFECT_LABELS and v]
+
+    @property
+    def cost(self) -> dict[str, int]:
+        """Trunk rows run: drafted, verified (verify batch rows), accepted drafts, replayed, and the rounds; the
+        plain decode runs one row per generated token (the prompt aside)."""
+        r = self.rounds
+        return {"rounds": len(r), "drafted": sum(len(x.drafts) for x in r),
+                "verify_rows": sum(x.verified + 1 for x in r), "accepted": sum(x.accepted for x in r),
+                "replayed_rows": sum(x.replayed for x in r),
+                "snapshots": len(r), "plain_rows": len(self.spec_tokens) - 1}
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per round (tokens committed per round = this + 1)."""
+        return float(np.mean([x.accepted for x in self.rounds])) if self.rounds else 0.0
+
+    def first_round(self, labels: Sequence[str]) -> int | None:
+        """Index of the first round with one of `labels`, or None."""
+        return next((i for i, a in enumerate(self.attribution) if set(a.labels) & set(labels)), None)
+
+
+def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], steps: int, env: Envelope, *,
+                depth: int = 1, gate: Gate | None = None, max_draft: int | None = None,
+                reject_at: int | None = None, drafter: Any = None,
+                counter: Callable[[str, int, int | None], None] | None = None) -> SpecReport:
+    """Run `cand` speculatively (`kind`: mtp | dspark | script), decode plainly with `cand` and `ref`, attribute
+    every round with `ref`. `drafter`: the drafter's `DrafterConfig` (DSpark taps and B); scripts draft the
+    reference's greedy continuation, the `reject_at`-th draft of each round made wrong (None: accept-all)."""
+    import time
+
+    gate = gate or Gate("none")
+    t0 = time.perf_counter()
+    ref_plain = run_sequence(ref, prompt, steps - 1)
+    ref_tokens = [int(np.argmax(r.logits[-1])) for r in ref_plain]
+    ref_logits = np.stack([r.logits[-1] for r in ref_plain])
+    t1 = time.perf_counter()
+    if counter:
+        counter("reference plain decode", steps, steps)
+    cand_plain = ref_tokens if cand is ref else [int(np.argmax(r.logits[-1])) for r in run_sequence(cand, prompt,
+                                                                                                   steps - 1)]
+    t2 = time.perf_counter()
+    if counter:
+        counter("plain decode", steps, steps)
+    if kind == "script":
+        source: Any = ScriptSource([*prompt, *ref_tokens], depth, reject_at, cand.config.vocab_size)
+        ref_source = None
+    elif kind == "mtp":
+        source, ref_source = MTPSource(cand, depth), MTPSource(ref, depth)
+    else:
+        source, ref_source = DSparkSource(cand, drafter), DSparkSource(ref, drafter)
+    run = speculate(cand, source, prompt, steps, gate, max_draft, counter)
+    t3 = time.perf_counter()
+    attrs = attribute(ref, ref_source, run, env, counter)
+    t4 = time.perf_counter()
+    width = max((len(r.drafts) for r in run.rounds), default=0)
+    options = {"engine": cand.name, "flags": cand.options.flags(), "drafter": kind,
+               "depth": depth if kind != "dspark" else width, "pairing": "prev" if kind == "mtp" else None,
+               "ring_policy": "replay" if kind == "mtp" else "committed-rows" if kind == "dspark" else None,
+               "gate": str(gate), "max_draft": max_draft, "temperature": 0, "tie_break": "first-max",
+               "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
+    return SpecReport(options, tuple(prompt), tuple(run.generated), tuple(cand_plain), tuple(ref_tokens),
+                      first_divergence(run.generated, cand_plain, ref_tokens, ref_logits, len(prompt), env),
+                      tuple(run.rounds), tuple(attrs), tuple(online_per_slot(run.rounds, width)),
+                      tuple(offline_per_slot(run.rounds, attrs, run.tokens, width)),
+                      {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3})
