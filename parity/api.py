@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import trace_checkpoints
+from parity.contract.checkpoints import block, draft_positions, trace_checkpoints
 from parity.contract.engine import Engine, RunOptions, load_engine
 from parity.contract.errors import TraceError
+from parity.tracing.drafts import draft_header, draft_names, draft_records, tapped_layers, trunk_identity
 from parity.tracing.io import read_trace, write_trace
 from parity.tracing.recorder import Recorder, resolve_full, resolve_positions
 from parity.tracing.records import Trace, TraceHeader
@@ -52,17 +53,28 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
           positions: str | Sequence[int] = "last",
           full: str | Sequence[str] | None = None, decode: int = 0, chunk: int | None = None, top_k: int = 20,
           options: RunOptions | None = None, forced: Sequence[int] | None = None,
-          on_chunk: Callable[[ChunkResult], None] | None = None, subops: bool = False) -> Trace:
+          on_chunk: Callable[[ChunkResult], None] | None = None, subops: bool = False,
+          draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev") -> Trace:
     """Run `engine` (a registered name or an Engine instance) on `tokens` (+ `decode` greedy steps) and record.
 
     positions: 'last' | 'all' | list of positions of the whole run; full: 'all' | list of checkpoints
     (and 'logits') whose full vectors go to the side file; `forced`: the decode tokens to feed instead of
     the engine's own argmax (teacher forcing, e.g. another trace's generated tokens); `on_chunk` sees
     every chunk result as it comes (progress bars, logit dumps); `subops`: also record every layer's sub-op
-    outputs (`parity.tracing.subops`, for op-level checks; needs positions 'all').
+    outputs (`parity.tracing.subops`, for op-level checks; needs positions 'all'); `draft`: a drafter GGUF whose
+    head runs on the run's trunk carriers and fills the draft checkpoints (`parity.tracing.drafts`; MTP chained to
+    `mtp_depth` with `mtp_pairing`) — an Engine instance records them when it was opened with a drafter.
     """
     options = options or RunOptions()
-    eng = load_engine(engine, str(model), options) if isinstance(engine, str) else engine
+    if isinstance(engine, str):
+        eng = load_engine(engine, str(model), options, draft=None if draft is None else str(draft))
+    elif draft is not None:
+        raise TraceError("draft=FILE opens a named engine with its drafter; an Engine instance brings its own")
+    else:
+        eng = engine
+    drafted = getattr(eng, "drafter", None) is not None
+    dh = draft_header(eng, mtp_pairing, mtp_depth) if drafted else {}
+    dnames = draft_names(dh) if dh else []
     tokens = [int(t) for t in tokens]
     if not tokens:
         raise TraceError("no tokens to trace")
@@ -74,8 +86,12 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
         raise TraceError(f"decode must be >= 0, got {decode}")
     n_total = len(tokens) + decode
     pos = resolve_positions(positions, n_total)
-    full_names = resolve_full(full, eng.config.n_layers)
-    rec = Recorder(trace_checkpoints(eng.config.n_layers), pos, full_names, top_k, eng.config.hc_mult)
+    if dh and pos[-1] < 1:
+        raise TraceError(f"the draft checkpoints need a traced position >= 1 (the first pair / round), got {pos}")
+    full_names = resolve_full(full, eng.config.n_layers, dnames)
+    names = [*trace_checkpoints(eng.config.n_layers), *dnames]
+    rec = Recorder(names, pos, full_names, top_k, eng.config.hc_mult)
+    taps = {l: [] for l in (tapped_layers(eng, dh) if dh else [])}
     if subops and pos != list(range(n_total)):
         raise TraceError(f"sub-op records need every position (op-level forcing runs each op on all of them): "
                          f"trace with --positions all, not {len(pos)} of {n_total} positions")
@@ -83,6 +99,8 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
 
     def each(r: ChunkResult) -> None:
         rec.add(r)
+        for l, rows in taps.items():
+            rows.append(r.checkpoints[block(l)])
         if sub:
             sub.add(r)
         if on_chunk:
@@ -93,12 +111,18 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
     results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, forced=forced, capture=subops,
                            on_chunk=each)
     all_tokens = np.concatenate([r.tokens for r in results]).tolist()
+    if dh:
+        carriers = {l: np.concatenate(rows) for l, rows in taps.items()}
+        got = draft_records(eng, dh, carriers, all_tokens, pos, int(np.argmax(results[-1].logits[-1])))
+        for name in dnames:
+            at = draft_positions(name, pos, dh.get("pairing"))
+            rec.add_draft(name, at, np.asarray(all_tokens)[at], got[name])
     header = TraceHeader(
-        engine=eng.name, engine_version=eng.version, model=eng.identity, dtype=eng.options.dtype,
+        engine=eng.name, engine_version=eng.version, model=trunk_identity(eng.identity), dtype=eng.options.dtype,
         n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
         chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
-        checkpoints=trace_checkpoints(eng.config.n_layers), full=full_names,
-        flags=eng.options.flags(), subops=list(RECORD_NAMES) if subops else [],
+        checkpoints=names, full=full_names,
+        flags=eng.options.flags(), subops=list(RECORD_NAMES) if subops else [], draft=dh,
     )
     return Trace(header, **rec.tables(), vectors=rec.vectors(), subops=sub.arrays() if sub else None)
 
@@ -305,12 +329,14 @@ def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
           fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None,
-          counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+          counter: Callable[[str, int, int | None], None] | None = None,
+          draft: str | os.PathLike | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
     size + header hash) in `envelope_search` (default: the model's directory and ./traces), else measured now
     from the reference alone. `fault_engines`: engines whose fault switches form the defect library;
-    `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks.
+    `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks; `draft`: the
+    candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.bisect.draft_check`).
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
@@ -347,7 +373,9 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     empty = [n for n, _, faults in library if not faults]
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
-    return run_check(trace_, lambda o: load_engine("reference", str(model), o), env, fault_engines=library,
+    drafter = None if draft is None else str(draft)
+    return run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
+                     fault_engines=library,
                      subops=subops, notes=notes, progress=say, counter=counter, config=config)
 
 

@@ -8,7 +8,7 @@ The MTP block and each DSpark stage are otherwise an ordinary ratio-0 layer (`re
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,14 +177,16 @@ def hc_pre_of(store: WeightStore, cfg: ModelConfig, X: np.ndarray,
 
 
 def dspark_stage(store: WeightStore, cfg: ModelConfig, layer: int, ring: Ring, X: np.ndarray, tokens: np.ndarray,
-                 p: int, rope: RopeTable, num: Numerics, workers: Workers) -> LayerOutput:
+                 p: int, rope: RopeTable, num: Numerics, workers: Workers,
+                 jitter: Callable[[np.ndarray, str, int], np.ndarray] | None = None) -> LayerOutput:
     """One DSpark stage on the B block slots at positions p+1..p+B: an ordinary ratio-0 block whose attention keys
     are the stage's ring (committed rows ≤ p) ⊕ the block's own rows, bidirectional (§3.3-§3.4); nothing is stored.
 
-    X [B, H, D], tokens [B] (anchor, noise…) -> LayerOutput (attention half-carrier, carrier, diagnostics).
+    X [B, H, D], tokens [B] (anchor, noise…) -> LayerOutput (attention half-carrier, carrier, diagnostics);
+    jitter: a round-off twin's perturbation of the sub-ops that go through the tap (`model.Tap`), None when exact.
     """
     pre, B, eps = f"blk.{layer}.", len(X), cfg.norm_eps
-    pos, tap = p + 1 + np.arange(B), Tap(None)
+    pos, tap = p + 1 + np.arange(B), Tap(None, jitter=jitter)
     u, pre_a, post_a, comb_a = hc_pre_of(store, cfg, X, pre + "hc_attn_")
     x = rms_norm(u, store.dense(pre + "attn_norm.weight"), eps)
     _qr, _q, _kv, q_rot, block_k = project_qkv(store, cfg, pre, x, pos, rope, num, tap)

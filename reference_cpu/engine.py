@@ -261,15 +261,26 @@ class ReferenceEngine:
     def _mtp_rows(self, state: SequenceState, G: np.ndarray, tau: np.ndarray, start_pos: int) -> MTPOutput:
         """X0 = mtp_input(E[τ], G); X1 = Block_L(X0); logits = W_out norm(HC_head_mtp(X1)) (§2.2)."""
         s, cfg, L = self.store, self._draft("mtp"), self.config.n_layers
-        X0 = mtp_input(s.rows("token_embd.weight", tau), G.astype(self.dtype, copy=False),
-                       s.dense("mtp.enorm.weight"), s.dense("mtp.hnorm.weight"), s.matrix("mtp.e_proj.weight"),
-                       s.matrix("mtp.h_proj.weight"), cfg.norm_eps)
+        X0 = self._jit(mtp_input(s.rows("token_embd.weight", tau), G.astype(self.dtype, copy=False),
+                                 s.dense("mtp.enorm.weight"), s.dense("mtp.hnorm.weight"),
+                                 s.matrix("mtp.e_proj.weight"), s.matrix("mtp.h_proj.weight"), cfg.norm_eps),
+                       "mtp_input", 2 * cfg.dim)
         out = block_forward(s, cfg, L, state.layers[L], X0, tau, int(start_pos), self.rope[L], self.numerics,
-                            Tap(None), self.workers)
+                            Tap(None, jitter=self._draft_jitter(L)), self.workers)
         z = hc_head(out.carrier, s.matrix("mtp.hc_head_fn.weight"), float(s.dense("mtp.hc_head_scale.weight")[0]),
                     s.dense("mtp.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
-        logits = linear(rms_norm(z, s.dense("mtp.norm.weight"), cfg.norm_eps), s.matrix("output.weight"))
+        logits = self._jit(linear(rms_norm(z, s.dense("mtp.norm.weight"), cfg.norm_eps), s.matrix("output.weight")),
+                           "mtp_logits", cfg.dim)
         return MTPOutput(X0, out.attn_carrier, out.carrier, logits, out.diag.expert_ids)
+
+    def _draft_jitter(self, layer: int) -> Callable[[np.ndarray, str, int], np.ndarray] | None:
+        """A round-off twin's per-sub-op perturbation inside draft block `layer` (None in the exact engine)."""
+        jit = self.jitter
+        return None if jit is None else lambda y, name, k: jit(y, name=f"{layer}:{name}", k=k)
+
+    def _jit(self, y: np.ndarray, name: str, k: int) -> np.ndarray:
+        """A round-off twin's perturbation of a draft-head output outside the blocks (y itself when exact)."""
+        return y if self.jitter is None else self.jitter(y, name=f"draft:{name}", k=k)
 
     def new_dspark_state(self) -> list[Ring]:
         """One empty W-slot ring of committed main KV rows per DSpark stage."""
@@ -293,24 +304,33 @@ class ReferenceEngine:
         p = int(pos[-1])
         if p < 1:
             raise ParityError("dspark_round: a draft needs start position p >= 1 (a 1-token prompt cannot draft)")
-        M = dspark_main(taps, s.matrix("dspark.main_proj.weight"), s.dense("dspark.main_norm.weight"), cfg.norm_eps)
+        M = self._jit(dspark_main(taps, s.matrix("dspark.main_proj.weight"), s.dense("dspark.main_norm.weight"),
+                                  cfg.norm_eps), "dspark_main", taps.shape[1])
         for k in range(dc.n_blocks):
             state[k] = ring_write(state[k], main_kv(s, cfg, L + k, M, pos, self.rope[L + k], self.numerics), pos)
         block = check_tokens(np.array([anchor] + [dc.noise_token_id] * (dc.block_size - 1)), cfg.vocab_size,
                              "dspark_round")
         X, stages, ids = hc_init(s.rows("token_embd.weight", block), cfg.hc_mult), [], []
         for k in range(dc.n_blocks):
-            out = dspark_stage(s, cfg, L + k, state[k], X, block, p, self.rope[L + k], self.numerics, self.workers)
+            out = dspark_stage(s, cfg, L + k, state[k], X, block, p, self.rope[L + k], self.numerics, self.workers,
+                               self._draft_jitter(L + k))
             X = out.carrier
             stages.append(X)
             ids.append(out.diag.expert_ids)
         z = hc_head(X, s.matrix("dspark.hc_head_fn.weight"), float(s.dense("dspark.hc_head_scale.weight")[0]),
                     s.dense("dspark.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
-        base = linear(rms_norm(z, s.dense("dspark.norm.weight"), cfg.norm_eps), s.matrix("output.weight"))
+        base = self._jit(linear(rms_norm(z, s.dense("dspark.norm.weight"), cfg.norm_eps), s.matrix("output.weight")),
+                         "dspark_base_logits", cfg.dim)
         w2 = s.matrix("dspark.markov_w2.weight")
         drafts, biased, u = markov_chain(base, int(anchor), s.dense("dspark.markov_w1.weight"), w2)
-        return DSparkRound(M[-1], stages, ids, base, linear(u, w2), biased,
-                           confidence(z, u, s.matrix("dspark.conf_proj.weight")), drafts)
+        return DSparkRound(M[-1], stages, ids, base, self._jit(linear(u, w2), "dspark_bias", u.shape[1]), biased,
+                           self._jit(confidence(z, u, s.matrix("dspark.conf_proj.weight")), "dspark_confidence",
+                                     cfg.dim + u.shape[1]), drafts)
+
+    def snapshot(self, state: SequenceState | list[Ring]) -> SequenceState | list[Ring]:
+        """Capability `StateSnapshots`: a deep copy of a trunk or drafter state (plain dataclasses of numpy arrays).
+        Cost: one copy of every cached array, O(L·(W + m + N_comp)·hd) floats for a trunk state."""
+        return copy.deepcopy(state)
 
     def cache_stats(self) -> dict[str, int]:
         """Capability: statistics of the dequantized-weight LRU cache."""

@@ -71,10 +71,10 @@ def test_every_type_has_a_case_and_a_c_decoder():
 @pytest.mark.parametrize(("qtype", "edge"), [(t, e) for t in CASES for e in (False, True) if not (e and t in FLOATS)],
                          ids=lambda v: v.name if isinstance(v, Q) else ("edge-scales" if v else "random"))
 def test_c_decoder_is_bit_exact_with_gguf(qtype, edge):
-    """`Kernels.dequantize` (the type's C decoder) on random blocks, and on blocks whose every scale field is 0,
-    +-0, a subnormal, the largest finite, inf or NaN, against gguf.quants (ggml's d*q for Q8_K); any NaN equals any
-    NaN (a plain float type has no scale field: its random bytes already hold inf, NaN and subnormals). The blocks
-    start at an odd address (a file mapping's tensor need not be aligned to its fields)."""
+    """`Kernels.dequantize` (the type's C decoder) on random blocks, and on blocks whose every scale field holds an
+    extreme value (+-0, subnormals, +- the largest finite, +-inf, NaN), against gguf.quants (ggml's d*q for Q8_K);
+    any NaN equals any NaN (a plain float type has no scale field: its random bytes already hold inf, NaN and
+    subnormals). The blocks start at an odd address (a file mapping's tensor need not be aligned to its fields)."""
     rng = np.random.default_rng(int(qtype) * 13 + edge)
     n = 1024 * 32 // GGML_QUANT_SIZES[qtype][0]  # 32 K values
     blocks = _raw(qtype, n, rng, edge)

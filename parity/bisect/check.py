@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
+from parity.bisect.draft_check import draft_check, unjudged
 from parity.bisect.envelope import Envelope
 from parity.bisect.hypotheses import (
     Fit,
@@ -45,10 +46,12 @@ from parity.bisect.null import N_TWINS
 from parity.bisect.opforce import op_verdict
 from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
-from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
 from parity.gguf.config import ModelConfig
+from parity.gguf.weights import same_model
+from parity.tracing.drafts import draft_names
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
 
@@ -61,7 +64,7 @@ EngineFactory = Callable[[RunOptions], Engine]
 class Cause:
     kind: str              # benign | defect
     name: str              # hypothesis or fault name, or "unexplained"
-    layer: int | None
+    layer: int | str | None  # a trunk layer, or "drafter <checkpoint>" (the draft head after the trunk)
     subop: str | None
     evidence: str
 
@@ -171,7 +174,7 @@ def candidate_chunks(trace: Trace, ref: Sequence[ChunkResult]) -> tuple[list[Chu
     if h.positions != list(range(n_total)):
         return None, [f"the candidate traced {len(h.positions)} of {n_total} positions: no teacher-forced local "
                       "error (record every position with full vectors: --positions all --full all)"]
-    carriers = [n for n in vec if n not in (FINAL_NORM, LOGITS)]
+    carriers = [n for n in vec if n not in (FINAL_NORM, LOGITS) and not is_draft(n)]
     notes = []
     if EMBED not in carriers:
         notes.append("the candidate recorded no embed: its layer 0 is fed the reference's embedding")
@@ -191,6 +194,8 @@ def free_profile(trace: Trace, ref: Sequence[ChunkResult]) -> dict[str, np.ndarr
     pos = np.asarray(trace.header.positions)
     out = {}
     for name, got in (trace.vectors or {}).items():
+        if is_draft(name):  # judged teacher-forced only (`parity.bisect.draft_check`)
+            continue
         want = np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref])[pos]
         out[name] = rel_l2(want, got)
     return out
@@ -302,8 +307,10 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
                  say, subops)
     else:
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
-    names = [*h.checkpoints, *([LOGITS] if LOGITS in free else [])]
+    names = [*(n for n in h.checkpoints if not is_draft(n)), *([LOGITS] if LOGITS in free else [])]
     table = _table(names, free, local, env, h.positions)
+    if h.draft:
+        table += _drafts(trace, ref_engine, n_twins, st, say, count)
     if announced:
         st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
     verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
@@ -313,6 +320,41 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     from parity.bisect.check_report import headline
 
     return replace(report, headline=headline(report))
+
+
+def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Progress,
+            count: Counter) -> list[CheckRow]:
+    """The draft checkpoints, teacher-forced on the candidate's trunk carriers (`parity.bisect.draft_check`): a
+    row each; the first outside the round-off null is a defect (the culprit when the trunk has none)."""
+    h = trace.header
+    names = draft_names(h.draft)
+    drafter = getattr(ref_engine, "drafter", None)
+    why = ("the reference was opened without a drafter (give check --draft FILE, the candidate's drafter)"
+           if drafter is None else unjudged(trace))
+    if why is None and not same_model(drafter.weights.identity(), {k: v for k, v in h.draft.items()
+                                                                   if k in ("file", "size", "header_sha256",
+                                                                            "data_sha256")}):
+        raise TraceError(f"check --draft {drafter.path.name}: not the candidate's drafter (the trace header names "
+                         f"{h.draft['file']}, {h.draft['size']} bytes, header {h.draft['header_sha256']})")
+    if why is not None:
+        st.notes.append(f"draft checkpoints not judged: {why}")
+        return [CheckRow(n, None, None, None, None, 0.0, None, "not judged") for n in names]
+    say(f"drafter: the reference's {h.draft['kind']} head on the candidate's trunk carriers, and {n_twins} "
+        "round-off twins of it")
+    dc = draft_check(trace, ref_engine, n_twins, lambda i: count("drafter twins", i, n_twins))
+    st.runs["drafter"] = 1 + n_twins
+    st.notes += list(dc.notes)
+    first = dc.first
+    if first is not None and first.test.first is not None:
+        pos = first.test.first.position
+        st.causes.append(Cause("defect", "unexplained", f"drafter {first.checkpoint}", None,
+                               f"{first.test.summary()} (rel-L2 {first.err:.3g}; teacher-forced on the candidate's "
+                               "trunk carriers)"))
+        if st.culprit is None:
+            st.culprit = CheckCulprit(f"drafter {first.checkpoint}", None, pos, _decode_step(pos, h.n_prompt))
+    return [CheckRow(r.checkpoint, None, None, r.err, r.test.worst.ratio if r.test.worst else 0.0, r.twin_max,
+                     r.test.first.position if r.departs and r.test.first else None,
+                     "local" if r.departs else "ok") for r in dc.rows]
 
 
 def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], cand: list[ChunkResult] | None,

@@ -36,13 +36,16 @@ class Refused(click.ClickException):
               help="File with the token ids of imported dumps.")
 @click.option("--fault-engine", "fault_engines", multiple=True, default=("torch",), show_default=True,
               help="Engine whose fault switches form the defect library (repeatable).")
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The candidate's drafter GGUF: judge its draft checkpoints (mtp.* / dspark.*) against the "
+                   "reference's draft head run on the candidate's trunk carriers (docs/check.md).")
 @json_option()
 @markdown_option()
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the free-running / local excess per checkpoint as a PNG.")
 @html_option()
 @json_errors
-def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, as_json, markdown_path,
+def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, draft, as_json, markdown_path,
           plot, html_path) -> None:
     """Judge CANDIDATE against the reference on MODEL: the reference follows its tokens and chunks, every
     layer is re-run on the candidate's own inputs (local error), and each difference beyond the noise
@@ -69,7 +72,7 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, a
     bar = Progress()
     try:
         report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
-                           progress=bar.note, counter=bar)
+                           progress=bar.note, counter=bar, draft=draft)
     except ParityError as e:
         raise Refused(str(e)) from None
     if markdown_path:

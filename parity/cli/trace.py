@@ -88,6 +88,13 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @click.option("--subops", is_flag=True,
               help="Also store every layer's sub-op outputs (side file; `check` then judges op by op). Needs "
                    "--positions all; engines that capture sub-ops: reference, torch.")
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False),
+              help="A drafter GGUF (MTP or DSpark, docs/drafters.md): also record the draft checkpoints (mtp.* / "
+                   "dspark.*, docs/trace-format.md) of its head run on this run's trunk carriers.")
+@click.option("--mtp-depth", default=1, show_default=True, type=click.IntRange(1, 99),
+              help="With an MTP --draft: chain depth K (mtp.0.* .. mtp.{K-1}.*).")
+@click.option("--mtp-pairing", default="prev", show_default=True, type=click.Choice(["prev", "same"]),
+              help="With an MTP --draft: pair X^(L)_{p-1} (prev) or X^(L)_p (same, ds4) with token t_p.")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
               help="Greedy decode steps (not with --follow).")
 @click.option("--chunk", default=None, type=click.IntRange(1),
@@ -111,8 +118,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
               help="Trace file (.trace text; .npz binary). Full vectors go to <stem>.vectors.npz.")
 @json_option()
 @json_errors
-def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, subops, decode,
-          chunk,
+def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, subops, draft,
+          mtp_depth, mtp_pairing, decode, chunk,
           no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
           lcp_threads, engine_arg, top_k, dump_logprobs, dump_ctx,
           output, as_json) -> None:
@@ -130,6 +137,11 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     from parity.contract.engine import RunOptions
 
     output = _trace_path(output)
+    ctx = click.get_current_context()
+    mtp_given = [f"--{n.replace('_', '-')}" for n in ("mtp_depth", "mtp_pairing")
+                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+    if mtp_given and draft is None:
+        raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")
     if subops and not follow and positions != "all":
         raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
     if (dump_logprobs is None) != (dump_ctx is None):
@@ -137,7 +149,6 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     if follow:
         if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
             raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
-        ctx = click.get_current_context()
         given = [f"--{n}" for n in ("positions", "decode", "chunk")
                  if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
         if given:
@@ -167,7 +178,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
 
         progress(stage, 0, total)
         t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, subops=subops,
-                      **run)
+                      draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, **run)
     if dump_logprobs:  # an older dump never stays beside the new trace (a run killed before the dump leaves none)
         Path(dump_logprobs).unlink(missing_ok=True)
     path = api.save_trace(t, output)

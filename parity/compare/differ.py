@@ -23,7 +23,7 @@ import pandas as pd
 
 from parity.compare import metrics
 from parity.compare.jsonvalues import json_safe
-from parity.contract.checkpoints import FINAL_NORM, LOGITS, checkpoint_depth, checkpoint_layer
+from parity.contract.checkpoints import LOGITS, checkpoint_depths, checkpoint_layer, has_top, per_stream
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.weights import same_model
 from parity.tracing.records import Trace
@@ -77,6 +77,9 @@ def preflight(a: Trace, b: Trace) -> list[str]:
         problems.append(f"stream counts differ: A {ha.n_hc} vs B {hb.n_hc}")
     if ha.dim != hb.dim:
         problems.append(f"model dimensions differ: A dim {ha.dim} vs B dim {hb.dim}")
+    if ha.draft.get("pairing") != hb.draft.get("pairing"):
+        problems.append(f"MTP pairings differ: A {ha.draft.get('pairing')} vs B {hb.draft.get('pairing')} (the draft "
+                        "checkpoints of a position pair other carriers)")
     if ha.top_k != hb.top_k:
         problems.append(f"top-k widths differ: A {ha.top_k} vs B {hb.top_k} (top-k entries then never compare equal)")
     return problems
@@ -197,7 +200,7 @@ def one_sided_tables(a: Trace, b: Trace) -> list[str]:
 def _side(t: Trace) -> dict[str, Any]:
     h = t.header
     return {"engine": h.engine, "version": h.engine_version, "model": h.model, "dtype": h.dtype, "flags": h.flags,
-            "n_tokens": len(h.tokens), "n_prompt": h.n_prompt}
+            "n_tokens": len(h.tokens), "n_prompt": h.n_prompt, **({"draft": h.draft} if h.draft else {})}
 
 
 def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
@@ -216,21 +219,31 @@ def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
 
 def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], th: Thresholds,
                    n_layers: int) -> pd.DataFrame:
-    """One row per (checkpoint, position), checkpoint-major: metrics on full vectors or fingerprints (`method`)."""
-    n = len(positions)
-    ra, rb = _rows_at(a, names, positions).reshape(len(names), n), _rows_at(b, names, positions).reshape(len(names), n)
+    """One row per (checkpoint, position), checkpoint-major: metrics on full vectors or fingerprints (`method`).
+    A draft checkpoint is compared at the positions both traces record it at (`TraceHeader.positions_of`)."""
+    at = [_common_positions(a, b, name, positions) for name in names]
+    keep = [i for i, ps in enumerate(at) if ps]
+    names, at = [names[i] for i in keep], [at[i] for i in keep]
+    n = np.array([len(ps) for ps in at])
     full = [a.vectors is not None and b.vectors is not None and name in a.vectors and name in b.vectors
             for name in names]
-    parts = [_checkpoint_metrics(a, b, name, positions, ra[i], rb[i], full[i], th) for i, name in enumerate(names)]
+    parts = [_checkpoint_metrics(a, b, name, ps, _rows_at(a, [name], ps), _rows_at(b, [name], ps), full[i], th)
+             for i, (name, ps) in enumerate(zip(names, at, strict=True))]
     layers = [checkpoint_layer(name) for name in names]
     return pd.DataFrame({
         "checkpoint": np.repeat(np.array(names, dtype=object), n),
-        "depth": np.repeat([checkpoint_depth(name, n_layers) for name in names], n),
+        "depth": np.repeat(checkpoint_depths(names, n_layers), n),
         "layer": np.repeat([-1 if layer is None else layer for layer in layers], n).astype(np.int64),
-        "pos": np.tile(np.asarray(positions, np.int64), len(names)),
+        "pos": np.concatenate([np.asarray(ps, np.int64) for ps in at]),
         "method": np.repeat(np.array(["full" if f else "fp" for f in full], dtype=object), n),
         **{k: np.concatenate([p[k] for p in parts]) for k in parts[0]},
     })
+
+
+def _common_positions(a: Trace, b: Trace, name: str, positions: list[int]) -> list[int]:
+    """The compared positions at which both traces record checkpoint `name`."""
+    both = set(a.header.positions_of(name)) & set(b.header.positions_of(name))
+    return [p for p in positions if p in both]
 
 
 def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra: np.ndarray, rb: np.ndarray,
@@ -239,7 +252,7 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra:
     ca, cb = _selected(a.ckpt.cols, ra), _selected(b.ckpt.cols, rb)
     ra = rb = slice(None)
     if full:
-        va, vb = a.vectors[name][_indices(a, positions)], b.vectors[name][_indices(b, positions)]
+        va, vb = a.vectors[name][_indices(a, positions, name)], b.vectors[name][_indices(b, positions, name)]
         max_abs = metrics.max_abs(va, vb)
         exact_vec = np.all(va.reshape(len(va), -1) == vb.reshape(len(vb), -1), axis=1)
     else:
@@ -253,8 +266,9 @@ def _checkpoint_metrics(a: Trace, b: Trace, name: str, positions: list[int], ra:
     finite = np.all([np.isfinite(ca[s][ra]) & np.isfinite(cb[s][rb]) for s in stats], axis=0)
     finite &= np.isfinite(ca["fp"][ra]).all(axis=1) & np.isfinite(cb["fp"][rb]).all(axis=1)
     compared = [*stats, "fp"]
-    if name == FINAL_NORM:  # one l2 number (the rest is NaN padding), plus the output: argmax and top-k
+    if has_top(name):  # final_norm, mtp.k.logits: the output's argmax and top-k
         compared += ["argmax", "top_ids", "top_logits"]
+    if not per_stream(name):  # one l2 number (the rest is NaN padding)
         l2s_a, l2s_b = ca["l2s"][ra][:, :1], cb["l2s"][rb][:, :1]
     else:
         l2s_a, l2s_b = ca["l2s"][ra], cb["l2s"][rb]
@@ -276,9 +290,9 @@ def _selected(cols: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.nda
     return {k: v[rows] for k, v in cols.items()}
 
 
-def _indices(t: Trace, positions: list[int]) -> np.ndarray:
-    """Rows of t.vectors (one per header position) holding `positions`."""
-    return np.searchsorted(np.asarray(t.header.positions), positions)
+def _indices(t: Trace, positions: list[int], name: str = LOGITS) -> np.ndarray:
+    """Rows of t.vectors[name] (one per position it is recorded at) holding `positions`."""
+    return np.searchsorted(np.asarray(t.header.positions_of(name)), positions)
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> np.ndarray:

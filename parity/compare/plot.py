@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.compare.differ import DiffReport
+from parity.contract.checkpoints import draft_kind
 from parity.contract.files import save_figure
 
 LOG_MIN, LOG_MAX = -9.0, 0.0   # the heatmap's fixed colour range, log10 rel-L2 (float32 noise sits near -7)
@@ -27,7 +28,11 @@ TITLE_WIDTH = 110              # characters per title line (the title wraps, nev
 
 
 def column_label(name: str) -> str:
-    """Short heatmap/axis label of a checkpoint: embed, 2a (blk.2.attn), 2 (blk.2), final."""
+    """Short heatmap/axis label of a checkpoint: embed, 2a (blk.2.attn), 2 (blk.2), final; draft checkpoints as
+    named without the head's prefix (m0.in for mtp.0.in, ds.logits for dspark.logits)."""
+    kind = draft_kind(name)
+    if kind is not None:
+        return ("m" if kind == "mtp" else "ds.") + name.partition(".")[2]
     if name == "embed":
         return "embed"
     if name == "final_norm":

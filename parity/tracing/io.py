@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import checkpoint_index, layers_of
+from parity.contract.checkpoints import checkpoint_index, has_top, layers_of, per_stream, vector_shape
 from parity.contract.errors import TraceError
 from parity.contract.files import atomic_write_bytes
 from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
@@ -34,9 +34,9 @@ from parity.tracing.zipstore import ZIP_MAGIC, StoredZip
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 HEADER_KEYS = ("engine", "model", "model_data", "dtype", "hc", "dim", "top_k", "tokens", "n_prompt", "chunks", "decode",
-               "positions", "checkpoints", "full", "subops", "flags")
-OPTIONAL_KEYS = ("model_data", "subops")  # absent in traces whose model identity predates the data hash / without
-# sub-op records
+               "positions", "checkpoints", "full", "subops", "draft", "flags")
+OPTIONAL_KEYS = ("model_data", "subops", "draft")  # absent in traces whose model identity predates the data hash /
+# without sub-op records / without a drafter
 TRACE_ID = "trace_sha256"  # side-file member binding it to its trace
 REGEN_HINT = "re-run `v4parity trace ...` (or your engine's writer) to regenerate it"
 
@@ -174,6 +174,7 @@ def format_header(h: TraceHeader) -> list[str]:
         "checkpoints " + " ".join(h.checkpoints),
         "full " + (" ".join(h.full) or "-"),
         *(["subops " + " ".join(h.subops)] if h.subops else []),
+        *(["draft " + json.dumps(h.draft, sort_keys=True, separators=(",", ":"))] if h.draft else []),
         "flags " + json.dumps(h.flags, sort_keys=True, separators=(",", ":")),
         "end",
     ]
@@ -187,10 +188,10 @@ def format_text(trace: Trace) -> str:
     for i in range(len(c)):
         name = h.checkpoints[c["ck"][i]]
         k = checkpoint_index(name, trace.n_layers)
-        l2s = c["l2s"][i][: 1 if name == "final_norm" else h.n_hc]
+        l2s = c["l2s"][i][: h.n_hc if per_stream(name) else 1]
         line = (f"ckpt {k} {name} pos {c['pos'][i]} tok {c['tok'][i]}: min={fmt(c['min'][i])} max={fmt(c['max'][i])} "
                 f"rms={fmt(c['rms'][i])} l2s={_floats(l2s)} sum_l2={fmt(c['sum_l2'][i])} fp={_floats(c['fp'][i])}")
-        if name == "final_norm":
+        if has_top(name):
             pairs = ",".join(f"{int(t)}:{fmt(v)}" for t, v in zip(c["top_ids"][i], c["top_logits"][i], strict=True))
             line += f" argmax={c['argmax'][i]} top={pairs}"
         lines.append(line)
@@ -342,12 +343,20 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
     if not isinstance(flags, dict):
         raise lf.fail("flags", "must be a JSON object like {} or {\"fp8_kv\":true}")
     _, full = words("full")
+    draft = {}
+    if "draft" in raw:
+        ld, draft_text = raw["draft"]
+        try:
+            draft = json.loads(draft_text)
+        except (ValueError, RecursionError) as e:
+            raise ld.fail("draft", f"not a JSON object: {str(e)[:80]}") from None
     d = {"engine": eng[0], "engine_version": eng[1], "model": model, "dtype": words("dtype", 1)[1][0],
          "n_hc": one_int("hc"), "dim": one_int("dim"), "top_k": one_int("top_k"), "tokens": int_list("tokens"),
          "n_prompt": one_int("n_prompt"), "chunks": int_list("chunks"), "decode": one_int("decode"),
          "positions": int_list("positions"), "checkpoints": words("checkpoints")[1],
          "full": [] if full == ["-"] else full, "flags": flags, "version": version,
-         **({"subops": words("subops")[1]} if "subops" in raw else {})}
+         **({"subops": words("subops")[1]} if "subops" in raw else {}),
+         **({"draft": draft} if "draft" in raw else {})}
 
     def fail(key: str, msg: str) -> TraceError:
         text_key = TEXT_KEY.get(key, key)
@@ -432,10 +441,10 @@ class _TextTables:
         tok = ln.int("tok", words[6])
         if tok != h.tokens[p]:
             raise ln.fail("tok", f"token {tok} at position {p}, but the header's tokens say {h.tokens[p]}")
-        final = name == "final_norm"
+        final = has_top(name)
         _need(ln, kv, ("min", "max", "rms", "l2s", "sum_l2", "fp") + (("argmax", "top") if final else ()))
         self.once(ln, ("ckpt", name, p))
-        l2s = ln.floats("l2s", kv["l2s"], 1 if final else h.n_hc)
+        l2s = ln.floats("l2s", kv["l2s"], h.n_hc if per_stream(name) else 1)
         row = {"ck": h.checkpoints.index(name), "pos": p, "tok": tok, "min": ln.float("min", kv["min"]),
                "max": ln.float("max", kv["max"]), "rms": ln.float("rms", kv["rms"]),
                "l2s": l2s + [math.nan] * (h.n_hc - len(l2s)), "sum_l2": ln.float("sum_l2", kv["sum_l2"]),
@@ -592,12 +601,14 @@ def _read_vectors(path: Path, h: TraceHeader,
     subops = {m: z.array(m, m) for m in records}
     check_records(h, subops, z.fail)
     for name, arr in vec.items():
-        want = (None,) if name == "logits" else (h.dim,) if name == "final_norm" else (h.n_hc, h.dim)
+        want = vector_shape(name, h.n_hc, h.dim, h.draft.get("block_size"))
+        rows = len(h.positions_of(name))
         if arr.dtype != np.float32:
             raise z.fail(name, f"dtype {arr.dtype}, expected float32")
-        if arr.ndim != 1 + len(want) or len(arr) != len(h.positions):
-            raise z.fail(name, f"shape {arr.shape}, expected {len(h.positions)} rows (one per position) of "
+        if arr.ndim != 1 + len(want) or len(arr) != rows:
+            raise z.fail(name, f"shape {arr.shape}, expected {rows} rows (one per position it is recorded at) of "
                                f"{len(want)} dimension(s)")
-        if want != (None,) and arr.shape[1:] != want:
-            raise z.fail(name, f"rows of shape {arr.shape[1:]}, expected {want} (header hc, dim)")
+        if any(w is not None and w != got for w, got in zip(want, arr.shape[1:], strict=True)):
+            raise z.fail(name, f"rows of shape {arr.shape[1:]}, expected {want} (header hc, dim, draft block_size; "
+                               "None: any)")
     return vec, subops

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import FINAL_NORM, LOGITS, trace_checkpoints
+from parity.contract.checkpoints import FINAL_NORM, LOGITS, has_top, is_draft, per_stream, trace_checkpoints
 from parity.contract.errors import TensorError, TraceError
 from parity.tracing.records import TABLES, Table, make_table
 from parity.tracing.runner import ChunkResult
@@ -35,9 +35,10 @@ def resolve_positions(spec: str | Sequence[int], n_total: int) -> list[int]:
     return out
 
 
-def resolve_full(spec: str | Iterable[str] | None, n_layers: int) -> list[str]:
-    """'all' | 'blk.2,final_norm,logits' | None -> checkpoint names (plus 'logits') with full vectors."""
-    allowed = [*trace_checkpoints(n_layers), LOGITS]
+def resolve_full(spec: str | Iterable[str] | None, n_layers: int, drafts: Sequence[str] = ()) -> list[str]:
+    """'all' | 'blk.2,final_norm,logits' | None -> checkpoint names (plus 'logits', plus the draft checkpoints
+    `drafts` of a run with a drafter) with full vectors."""
+    allowed = [*trace_checkpoints(n_layers), LOGITS, *drafts]
     if spec is None or spec == "":
         return []
     if spec == "all":
@@ -45,8 +46,8 @@ def resolve_full(spec: str | Iterable[str] | None, n_layers: int) -> list[str]:
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise TraceError(f"--full: unknown checkpoint(s) {unknown}; "
-                         "valid: embed, blk.N, blk.N.attn, final_norm, logits")
+        raise TraceError(f"--full: unknown checkpoint(s) {unknown}; valid: embed, blk.N, blk.N.attn, final_norm, "
+                         f"logits{', ' + ', '.join(drafts) if drafts else ''}")
     return [n for n in allowed if n in names]
 
 
@@ -77,6 +78,8 @@ class Recorder:
             margin = np.asarray(d.router_margin)[idx]  # NaN marks "no margin" (hash layers); inf is an error
             _check_finite(f"blk.{layer} router margin", np.where(np.isnan(margin), 0.0, margin), r.start_pos + idx)
         for ck, name in enumerate(self.names):
+            if is_draft(name):  # recorded after the run: `add_draft`
+                continue
             x = np.asarray(r.checkpoints[name])[idx]
             _check_finite(f"checkpoint {name}", x, r.start_pos + idx)
             self.add_checkpoint(ck, idx + r.start_pos, toks, x, r.logits[idx] if name == FINAL_NORM else None)
@@ -107,6 +110,19 @@ class Recorder:
             rows["argmax"].extend(ids[:, 0])
             rows["top_ids"].extend(ids)
             rows["top_logits"].extend(vals)
+
+    def add_draft(self, name: str, pos: Sequence[int], toks: np.ndarray, x: np.ndarray) -> None:
+        """Rows of draft checkpoint `name` at positions `pos` from its vectors x [n, ...] (`vector_shape`): stats of
+        DSpark block rows [n, B, H, D] over the stream-major view [n, H, B·D], of [n, B, V] over [n, B·V]; the
+        argmax and top-k of mtp.k.logits rows from the logits themselves."""
+        x = np.asarray(x)
+        _check_finite(f"checkpoint {name}", x, np.asarray(pos))
+        view = x.transpose(0, 2, 1, 3).reshape(len(x), x.shape[2], -1) if x.ndim == 4 else (
+            x.reshape(len(x), -1) if x.ndim == 3 and not per_stream(name) else x)
+        view = view[:, None] if view.ndim == 1 else view
+        self.add_checkpoint(self.names.index(name), np.asarray(pos), toks, view, x if has_top(name) else None)
+        if name in self.vec:
+            self.vec[name].append(x.astype(np.float32))
 
     def add_hc(self, layer: int, sub: int, pos: np.ndarray, pre: np.ndarray, post: np.ndarray,
                comb: np.ndarray) -> None:

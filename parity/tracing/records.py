@@ -6,7 +6,10 @@ A `Trace` is a header (engine, model identity, tokens, schedule, flags) plus fou
 * `hc`    one row per (layer, sub-layer, position): the HC pre[H], post[H] and comb[H*H] mixes;
 * `moe`   one row per (layer, position): selected expert ids, their final weights, router margin;
 * `attn`  one row per (layer, position): compressed rows visible and the indexer's selection.
-Optional full vectors (`vectors`: name -> [P, H, D] / [P, D], row i = header.positions[i]) and sub-op records
+Draft checkpoints (`mtp.*`, `dspark.*`, parity.contract.checkpoints) are `ckpt` rows like the trunk's, at the
+positions `draft_positions` gives; the header's `draft` names the drafter.
+Optional full vectors (`vectors`: name -> [P, H, D] / [P, D], row i = header.positions[i]; a draft checkpoint's
+rows are its own positions) and sub-op records
 (`subops`: side-file member name -> array, `parity.tracing.subops`) live in a side file.
 """
 
@@ -18,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import layers_of
+from parity.contract.checkpoints import draft_positions, layers_of
 
 FORMAT_NAME = "v4parity-trace"
 FORMAT_VERSION = 1
@@ -45,12 +48,18 @@ class TraceHeader:
     flags: dict[str, Any]          # RunOptions.flags() plus anything else that changes numerics
     version: int = FORMAT_VERSION
     subops: list[str] = field(default_factory=list)  # sub-op record names (every layer) in the side file
+    draft: dict[str, Any] = field(default_factory=dict)  # the drafter of the draft checkpoints (validate.DRAFT_KEYS)
 
     def to_dict(self) -> dict[str, Any]:
-        """The header as `header.json` holds it (`subops` only when there are records: older files lack it)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "subops" or self.subops}
+        """The header as `header.json` holds it (`subops` / `draft` only when present: older files lack them)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("subops", "draft") or getattr(self, f.name)}
         d["format"] = FORMAT_NAME
         return d
+
+    def positions_of(self, name: str) -> list[int]:
+        """The traced positions holding checkpoint `name` (all of them, except for draft checkpoints)."""
+        return draft_positions(name, self.positions, self.draft.get("pairing"))
 
 
 @dataclass

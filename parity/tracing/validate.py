@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import FINAL_NORM, layers_of, trace_checkpoints
+from parity.contract.checkpoints import (
+    MTP_PAIRINGS,
+    draft_checkpoints,
+    has_top,
+    is_draft,
+    layers_of,
+    per_stream,
+    trace_checkpoints,
+)
 from parity.contract.errors import TraceError, quote
 from parity.tracing.records import FORMAT_VERSION, SORT_KEYS, SUBLAYERS, TABLES, Table, TraceHeader
 from parity.tracing.stats import FP_DIM
@@ -34,6 +42,8 @@ MODEL_KEYS = ("file", "size", "header_sha256")          # identity written befor
 MODEL_KEYS_DATA = (*MODEL_KEYS, "data_sha256")          # identity covering the tensor data
 HEX_RE = re.compile(r"[0-9a-f]{8,64}")
 CHECKPOINT_RE = re.compile(r"embed|final_norm|blk\.(0|[1-9][0-9]{0,3})(\.attn)?")
+DRAFT_RE = re.compile(r"mtp\.(0|[1-9][0-9]?)(\.in|\.attn|\.logits)?|dspark\.(main|base_logits|bias|logits|confidence|"
+                      r"drafts|0|[1-9][0-9]?)")
 
 # header field -> (kind, lo, hi); kinds: str, int, ints (list of int), strs (list of str), dict
 HEADER_FIELDS: dict[str, tuple[str, int, int]] = {
@@ -42,9 +52,13 @@ HEADER_FIELDS: dict[str, tuple[str, int, int]] = {
     "tokens": ("ints", 0, INT32_MAX), "n_prompt": ("int", 1, INT32_MAX), "chunks": ("ints", 1, INT32_MAX),
     "decode": ("int", 0, INT32_MAX), "positions": ("ints", 0, INT32_MAX), "checkpoints": ("strs", 0, 0),
     "full": ("strs", 0, 0), "flags": ("dict", 0, 0), "version": ("int", FORMAT_VERSION, FORMAT_VERSION),
-    "subops": ("strs", 0, 0),
+    "subops": ("strs", 0, 0), "draft": ("dict", 0, 0),
 }
-OPTIONAL_FIELDS = ("subops",)   # absent in traces without sub-op records (and in every trace written before them)
+OPTIONAL_FIELDS = ("subops", "draft")  # absent in traces without sub-op records / drafter (and in older traces)
+# the header's `draft`: the drafter file's identity, its head and layout, and what the draft checkpoints depend on
+DRAFT_KEYS = {"mtp": ("kind", "layout", *MODEL_KEYS_DATA, "pairing", "depth"),
+              "dspark": ("kind", "layout", *MODEL_KEYS_DATA, "stages", "block_size")}
+MAX_DRAFT = 99             # MTP depth / DSpark stages (mtp.N / dspark.N with at most 2 digits)
 
 
 def _is_int(v: Any) -> bool:
@@ -118,18 +132,53 @@ def check_header(h: TraceHeader, fail: Fail) -> None:
         raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {quote(h.positions, 40)}")
     if not h.checkpoints:
         raise fail("checkpoints", "no checkpoints listed")
-    bad = [c for c in h.checkpoints if not CHECKPOINT_RE.fullmatch(c)]
+    bad = [c for c in h.checkpoints if not (CHECKPOINT_RE.fullmatch(c) or DRAFT_RE.fullmatch(c))]
     if bad:
         raise fail("checkpoints", f"unknown checkpoint name(s) {quote(bad, 40)}; valid: embed, blk.N, blk.N.attn "
-                                  f"(N <= {MAX_LAYER}), final_norm")
+                                  f"(N <= {MAX_LAYER}), final_norm, and with a drafter mtp.K(.in|.attn|.logits) or "
+                                  "dspark.(main|S|base_logits|bias|logits|confidence|drafts)")
+    trunk = [c for c in h.checkpoints if not is_draft(c)]
     order = trace_checkpoints(layers_of(h.checkpoints))
-    if h.checkpoints != [c for c in order if c in h.checkpoints]:
+    if trunk != [c for c in order if c in trunk]:
         raise fail("checkpoints", "must be listed once each in depth order: embed, blk.0.attn, blk.0, ..., final_norm")
+    check_draft(h, fail)
     extra = [c for c in h.full if c not in h.checkpoints and c != "logits"]
     if extra or len(set(h.full)) != len(h.full):
         raise fail("full", f"full vectors for checkpoint(s) {quote(extra or h.full, 40)} that are not in 'checkpoints' "
                            "or listed twice")
     check_names(h.subops, fail)
+
+
+def check_draft(h: TraceHeader, fail: Fail) -> None:
+    """The header's `draft` entry and the draft checkpoints: none without a drafter; with one, exactly
+    `draft_checkpoints(kind, depth | stages)` after the trunk's, in that order."""
+    drafts = [c for c in h.checkpoints if is_draft(c)]
+    if not h.draft:
+        if drafts:
+            raise fail("checkpoints", f"draft checkpoint(s) {quote(drafts, 40)} but no 'draft' header entry naming "
+                                      "the drafter")
+        return
+    d = h.draft
+    kind = d.get("kind")
+    if kind not in DRAFT_KEYS:
+        raise fail("draft", f"kind must be one of {', '.join(DRAFT_KEYS)}, got {quote(kind, 40)}")
+    if sorted(d) != sorted(DRAFT_KEYS[kind]):
+        raise fail("draft", f"a {kind} drafter entry holds exactly {', '.join(DRAFT_KEYS[kind])}, got "
+                            f"{quote(sorted(d), 80)}")
+    check_model({k: d[k] for k in MODEL_KEYS_DATA}, lambda _f, msg: fail("draft", msg))
+    if not isinstance(d["layout"], str) or not re.fullmatch(r"[a-z0-9-]+", d["layout"]):
+        raise fail("draft", f"layout must be a lowercase word, got {quote(d['layout'], 40)}")
+    sizes = ("depth",) if kind == "mtp" else ("stages", "block_size")
+    for key in sizes:
+        if not (_is_int(d[key]) and 1 <= d[key] <= (MAX_DRAFT if key != "block_size" else INT32_MAX)):
+            raise fail("draft", f"{key} must be an integer >= 1 (<= {MAX_DRAFT} for depth / stages), got "
+                                f"{quote(d[key], 40)}")
+    if kind == "mtp" and d["pairing"] not in MTP_PAIRINGS:
+        raise fail("draft", f"pairing must be one of {', '.join(MTP_PAIRINGS)}, got {quote(d['pairing'], 40)}")
+    want = draft_checkpoints(kind, d["depth" if kind == "mtp" else "stages"])
+    if drafts != want or h.checkpoints[-len(want):] != want:
+        raise fail("checkpoints", f"a {kind} drafter's checkpoints follow the trunk's as {quote(want, 80)}, got "
+                                  f"{quote(drafts, 80)}")
 
 
 def _widths(h: TraceHeader, tables: dict[str, Table]) -> dict[str, int]:
@@ -201,26 +250,34 @@ def _check_ckpt(h: TraceHeader, c: Table, fail: Fail) -> None:
         i = int(bad[0])
         raise fail("ckpt.tok", f"token {c['tok'][i]} at position {c['pos'][i]}, but the header's tokens say "
                                f"{tokens[c['pos'][i]]}")
-    final = (ck == h.checkpoints.index(FINAL_NORM)) if FINAL_NORM in h.checkpoints else np.zeros(len(c), bool)
-    if not np.isnan(c["l2s"][final][:, 1:]).all():
-        raise fail("ckpt.l2s", "final_norm rows hold one l2 number; the other cells must be NaN")
-    if (c["argmax"][final] < 0).any() or (c["top_ids"][final] < 0).any():
-        raise fail("ckpt.top_ids", "final_norm rows need argmax and top-k ids >= 0")
-    off = ~final
+    one_l2 = np.isin(ck, [i for i, n in enumerate(h.checkpoints) if not per_stream(n)])
+    if not np.isnan(c["l2s"][one_l2][:, 1:]).all():
+        raise fail("ckpt.l2s", "rows of final_norm and the other single vectors (dspark.main, logits, confidence, "
+                               "drafts) hold one l2 number; the other cells must be NaN")
+    top = np.isin(ck, [i for i, n in enumerate(h.checkpoints) if has_top(n)])
+    if (c["argmax"][top] < 0).any() or (c["top_ids"][top] < 0).any():
+        raise fail("ckpt.top_ids", "final_norm and mtp.K.logits rows need argmax and top-k ids >= 0")
+    off = ~top
     if ((c["argmax"][off] != -1).any() or (c["top_ids"][off] != -1).any()
             or not np.isnan(c["top_logits"][off]).all()):
-        raise fail("ckpt.top_ids", "only final_norm rows carry argmax/top-k (others: -1 and NaN)")
+        raise fail("ckpt.top_ids", "only final_norm and mtp.K.logits rows carry argmax/top-k (others: -1 and NaN)")
     check_complete(h, ck, c["pos"], lambda msg: fail("ckpt", msg))
 
 
 def check_complete(h: TraceHeader, ck: np.ndarray, pos: np.ndarray, fail: Callable[[str], TraceError]) -> None:
-    """Every (checkpoint, position) of the header must have a ckpt record (ck, pos: distinct row keys)."""
+    """Every (checkpoint, position) of the header must have a ckpt record (ck, pos: distinct row keys), a draft
+    checkpoint at exactly its own positions (`TraceHeader.positions_of`)."""
     ck, pos = np.asarray(ck, np.int64), np.asarray(pos, np.int64)
     listed = np.isin(pos, h.positions) & (ck >= 0) & (ck < len(h.checkpoints))
     counts = np.bincount(ck[listed], minlength=len(h.checkpoints))
-    short = np.flatnonzero(counts[: len(h.checkpoints)] < len(h.positions))
-    if len(short):
-        k = int(short[0])
+    for k, name in enumerate(h.checkpoints):
+        want = h.positions_of(name)
+        if counts[k] == len(want) and (not is_draft(name) or np.isin(pos[ck == k], want).all()):
+            continue
         present = set(pos[ck == k].tolist())
-        p = next(p for p in h.positions if p not in present)
-        raise fail(f"no record for checkpoint {h.checkpoints[k]} at position {p}")
+        missing = [p for p in want if p not in present]
+        if missing:
+            raise fail(f"no record for checkpoint {name} at position {missing[0]}")
+        extra = sorted(present - set(want))
+        raise fail(f"checkpoint {name} has a record at position {extra[0]}, where it has none (draft checkpoints: "
+                   "docs/trace-format.md)")
