@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from requires import require
 
+from parity import api
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import DraftHeads, RunOptions, load_engine
 from parity.contract.errors import ParityError
@@ -157,3 +158,29 @@ def test_llamacpps_trunk_h_nextn_readout_is_not_the_final_carrier(engines, trunk
     ctx.decode(tokens, 0, capture=False)
     h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(ctx.ptr), shape=(N, X[0].size))
     assert np.abs(h - X.reshape(N, -1)).max() > 1.0
+
+
+def test_trace_engine_llamacpp_draft_records_the_mtp_checkpoints(tiny_f32, drafters, tmp_path):
+    """`v4parity trace --engine llamacpp --draft FILE` (llama.cpp's trunk and its MTP graph) vs the reference's trace
+    of the same tokens: every draft checkpoint at every pair within issue 24's 1e-5, no drift anywhere."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    tokens = [0, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12]
+    out = tmp_path / "lcp.trace"
+    res = CliRunner().invoke(cli, ["trace", "--engine", "llamacpp", "-m", str(tiny_f32), "--tokens",
+                                   ",".join(map(str, tokens)), "--decode", "3", "--positions", "all", "--full", "all",
+                                   "--no-fp8-kv", "--no-fp4-indexer", "--draft", str(drafters["llamacpp-mtp"]),
+                                   "--mtp-depth", "2", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    lcp = api.load_trace(out)
+    ref = api.trace("reference", tiny_f32, tokens, decode=3, positions="all", full="all", options=OPTS,
+                    draft=str(drafters["llamacpp-mtp"]), mtp_depth=2, forced=lcp.header.tokens[len(tokens):])
+    assert lcp.header.draft == ref.header.draft and lcp.header.draft["layout"] == "llamacpp-mtp"
+    r = api.diff(ref, lcp)
+    assert r.first_drift is None
+    names = [n for n in ref.header.checkpoints if n.startswith("mtp.")]
+    drafts = r.table[r.table["checkpoint"].isin(names)]
+    assert drafts["checkpoint"].unique().tolist() == names == lcp.header.checkpoints[-len(names):]
+    assert drafts["rel_l2"].max() <= PEER_TOL   # measured 8.3e-7 (each engine on its own trunk carriers)
