@@ -25,6 +25,7 @@ from gpu_engine.dequant import dequantize
 from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
 from gpu_engine.faults import DRAFT_FAULTS, FAULTS, Faults, compose
+from gpu_engine.fit import fit_mtp
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
 from gpu_engine.ops import (
@@ -401,6 +402,9 @@ class TorchEngine:
             final = rms_norm(z, w.vector("output_norm.weight"), cfg.norm_eps)
             logits = w.linear(final, "output.weight")
         return self._out(final), self._out(logits)
+
+    # capability for `v4parity synth --draft mtp --fit`: Adam through this engine's own MTP ops (gpu_engine.fit)
+    fit_mtp = staticmethod(fit_mtp)
 
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:

@@ -471,3 +471,12 @@ def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[
     from parity.gguf.drafter_report import inspect_drafter as drafter_report
 
     return drafter_report(model, draft)
+
+
+def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, *, layout: str = "ds4-mtp", seed: int = 0,
+                steps: int = 40, quant: str = "f32", log: Callable[[int, float], None] | None = None) -> Any:
+    """`synth --draft mtp --fit`: the tiny MTP drafter fitted to the model's own greedy continuations, written to
+    `out` (`parity.spec.fit.fit_mtp_drafter`; `log(step, loss)` per Adam step) -> its `FitReport`."""
+    from parity.spec.fit import fit_mtp_drafter
+
+    return fit_mtp_drafter(model, out, layout=layout, seed=seed, steps=steps, quant=quant, log=log)

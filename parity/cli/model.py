@@ -30,10 +30,14 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
 @click.option("--draft-out", type=click.Path(dir_okay=False), default=None, help="Drafter GGUF file to write.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="f32", show_default=True,
               help="f32: all F32; q8_0: block and projection matrices Q8_0, the rest F32.")
+@click.option("--fit", is_flag=True, help="Fit the MTP drafter to the model's own greedy continuations (Adam "
+              "through the torch engine's MTP ops, seeded, CPU) and print its agreement with the trunk, measured by "
+              "the reference engine on the fitted and on held-out prompts (docs/drafters.md).")
+@click.option("--fit-steps", type=click.IntRange(min=1), default=40, show_default=True, help="Adam steps of --fit.")
 @json_option()
 @json_errors
 def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, draft_layout: str | None,
-          draft_out: str | None, draft_quant: str, as_json: bool) -> None:
+          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int, as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
     \b
@@ -43,8 +47,13 @@ def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, dr
     from parity.gguf.synth import synthesize
 
     layout = _draft_layout(draft, draft_layout, draft_out)
+    if fit and draft != "mtp":
+        raise click.UsageError("--fit fits an MTP drafter: it needs --draft mtp (DSpark fitting is not implemented)")
     path = synthesize(output, preset, quant, seed)
     size = path.stat().st_size
+    if fit:
+        _fit(path, size, draft_out, layout, seed, fit_steps, draft_quant, as_json)
+        return
     if layout is not None:
         from parity.gguf.synth_draft import synthesize_drafter
 
@@ -102,6 +111,26 @@ def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None
         print_inspection(report, tensors=tensors)
     if not report["validation"]["ok"]:
         raise SystemExit(1)
+
+
+def _fit(path, size: int, draft_out: str, layout: str, seed: int, steps: int, quant: str, as_json: bool) -> None:
+    """synth --fit: write the fitted MTP drafter and print what it agrees with."""
+    from parity import api
+
+    r = api.fit_drafter(path, draft_out, layout=layout, seed=seed, steps=steps, quant=quant)
+    agree = {"fitted_prompts": r.fitted, "heldout_prompts": r.heldout, "random_drafter_fitted_prompts":
+             r.random_fitted, "random_drafter_heldout_prompts": r.random_heldout}
+    if as_json:
+        echo_json({"wrote": str(path), "bytes": size, "draft": {
+            "wrote": str(r.path), "bytes": r.path.stat().st_size, "kind": "mtp", "layout": layout, "quant": quant,
+            "fit": {"steps": steps, "seed": seed, "agreement": agree, "pairs": list(r.pairs), "seconds": r.seconds}}})
+        return
+    click.echo(f"wrote {path} ({size:,} bytes)")
+    click.echo(f"wrote {r.path} (fitted mtp drafter layout={layout} quant={quant}; {steps} Adam steps, seed {seed})")
+    click.echo(f"agreement with the trunk's next-next token (reference engine, {r.pairs[0]} / {r.pairs[1]} drafted "
+               f"pairs): fitted prompts {r.fitted:.1%}, held-out prompts {r.heldout:.1%} "
+               f"(random drafter: {r.random_fitted:.1%}, {r.random_heldout:.1%})")
+    click.echo("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()))
 
 
 def _draft_layout(draft: str | None, layout: str | None, out: str | None) -> str | None:
