@@ -54,6 +54,10 @@ class MTPHead:
     def __init__(self, path: str, settings: Settings, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.model = Model(path, settings, mtp_names(cfg), mtp=True)
+        width = int(self.model.lib.llama_model_n_embd_out(self.model.ptr))
+        if width != cfg.hc_mult * cfg.dim:   # the hidden row of a batch: one carrier, H·D floats
+            raise ParityError(f"llamacpp: {path}: llama.cpp's MTP model takes hidden rows of {width} floats, the "
+                              f"trunk's carriers have H·D = {cfg.hc_mult * cfg.dim}")
         from llama_cpp import llama_cpp_ext
 
         self.ext = llama_cpp_ext
