@@ -12,9 +12,9 @@ scratch buffers, one per tensor kind; routed experts (each selected expert once 
 dequantized a block of rows at a time, each block multiplied while it is in cache (`QTensor.expert_linear`).
 On the CPU the compiled kernels (`gpu_engine.cpu_kernels`, unless the engine runs with cpu_kernels=torch) do the
 decoding, and products with at most MATVEC_MAX_ROWS activation rows are their row-at-a-time `matvec` (no
-dequantized matrix at all; its float32 sums run in a fixed order that differs from sgemm's). Tensors of a type the C
-decoders lack (`cpu_kernels.TORCH_TYPES`, e.g. Q5_0 / Q6_K / IQ4_XS) get no kernels: torch ops decode them to float32
-and torch multiplies, as with cpu_kernels=torch. A tensor of a type no dequantizer knows is refused at load.
+dequantized matrix at all; its float32 sums run in a fixed order that differs from sgemm's). The C decoders cover
+every type the torch dequantizers know (`cpu_kernels.TYPES`); a tensor of a type no dequantizer knows is refused at
+load.
 `matrix` returns a whole matrix the caller may keep (the cached one, or fresh memory). All hold exact dequantized
 values.
 """

@@ -60,7 +60,7 @@ def _with_edge_scales(blocks: np.ndarray, offsets: tuple[int, ...], rng: np.rand
 @pytest.mark.parametrize("edge", [False, True], ids=["random", "edge-scales"])
 def test_every_block_type_bit_exact_vs_gguf(qtype, edge, deq):
     """The declared cases of test_dequant (random bytes; every scale field at 0, subnormal, max finite, inf, NaN)
-    through the torch ops and the CPU kernels (their own C decoder, or the torch one for TORCH_TYPES) against
+    through the torch ops and the CPU kernels' C decoders against
     gguf.quants (ggml's d*q for Q8_K); any NaN equals any NaN."""
     rng = np.random.default_rng(int(qtype) * 11 + edge)
     block, _ = GGML_QUANT_SIZES[qtype]
