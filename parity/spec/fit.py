@@ -92,20 +92,28 @@ def agreement(engine: Engine, trajectories: Sequence[Trajectory]) -> tuple[float
 
 def fit_mtp_drafter(trunk: str | Path, out: str | Path, *, layout: str = "ds4-mtp", seed: int = 0,
                     steps: int = 40, quant: str = "f32", prompts: int = 4, prompt_len: int = 8, decode: int = 32,
-                    heldout: int = 2, log: Callable[[int, float], None] | None = None) -> FitReport:
-    """Fit the tiny MTP drafter of `trunk` (`steps` Adam steps, seeded) and write it to `out` in `layout`."""
+                    heldout: int = 2, train_prompts: Sequence[Sequence[int]] | None = None,
+                    log: Callable[[int, float], None] | None = None) -> FitReport:
+    """Fit the tiny MTP drafter of `trunk` (`steps` Adam steps, seeded) and write it to `out` in `layout`.
+
+    Training trajectories: `prompts` seeded random prompts of `prompt_len` tokens, or `train_prompts` when given
+    (e.g. the prompts a speculative test will decode), each continued greedily for `decode` tokens; `heldout` more
+    seeded prompts (another stream) only measure."""
     if LAYOUTS.get(layout) != "mtp":
         raise ParityError(f"fit: {layout!r} is not an MTP layout; choose from "
                           f"{', '.join(k for k, v in LAYOUTS.items() if v == 'mtp')}")
     if min(steps, prompts, prompt_len, decode, heldout) < 1:
         raise ParityError(f"fit: steps ({steps}), prompts ({prompts}), prompt_len ({prompt_len}), decode ({decode}) "
                           f"and heldout ({heldout}) must all be >= 1")
+    if train_prompts is not None and (not train_prompts or min(len(p) for p in train_prompts) < 1):
+        raise ParityError("fit: train_prompts must hold at least one prompt, each of at least one token")
     seconds, t0 = {}, time.perf_counter()
     weights = Weights(trunk)
     cfg = weights.config
     reference = engine_class("reference")(str(trunk), FIT_OPTIONS)
-    train = [greedy_trajectory(reference, p, decode) for p in seeded_prompts(seed, prompts, prompt_len,
-                                                                             cfg.vocab_size, 1)]
+    chosen = ([np.asarray(p, dtype=np.int64) for p in train_prompts] if train_prompts is not None
+              else seeded_prompts(seed, prompts, prompt_len, cfg.vocab_size, 1))
+    train = [greedy_trajectory(reference, p, decode) for p in chosen]
     held = [greedy_trajectory(reference, p, decode) for p in seeded_prompts(seed, heldout, prompt_len,
                                                                             cfg.vocab_size, 2)]
     seconds["trajectories"], t0 = time.perf_counter() - t0, time.perf_counter()
