@@ -352,3 +352,53 @@ def test_a_drafter_fault_leaves_the_trunk_bit_for_bit(fault, tiny_f32, drafters,
     assert len(got) == len(trunk_clean[kind])
     for a, b in zip(got, trunk_clean[kind], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- located by `diff` on traces with draft checkpoints (trace --draft) -------------------------------------------
+
+SPARSE = [1, 5, 9, 10, 14, 19]   # traced positions; a DSpark round at each writes the main rows since the last one
+LOCATED = {   # fault -> (first drifting checkpoint, its first drifting position); None: not located (above)
+    "mtp-pairing-same": ("mtp.0.in", 1),
+    "mtp-hnorm-flat": ("mtp.0.in", 1),
+    "mtp-no-hc-post": ("mtp.0", 1),
+    "mtp-trunk-hc-head": ("mtp.0.logits", 1),
+    "dspark-tap-sum": None,
+    "dspark-causal-block": ("dspark.0", 1),
+    "dspark-markov-unconditioned": ("dspark.bias", 1),
+    "dspark-stale-ring": ("dspark.0", 5),    # the round at 1 writes rows 0..1 in full; the one at 5 only row 5
+}
+
+
+@pytest.fixture(scope="module")
+def reference_traces(tiny_f32, drafters, trunk):
+    from parity import api
+
+    tokens, _ = trunk
+    return {kind: api.trace("reference", tiny_f32, [int(t) for t in tokens], positions=SPARSE, draft=drafters[kind],
+                            options=opts()) for kind in ("mtp", "dspark")}
+
+
+@pytest.mark.parametrize("fault", DRAFT_FAULTS)
+def test_diff_locates_each_drafter_fault_at_its_draft_checkpoint(fault, tiny_f32, drafters, trunk, reference_traces):
+    from parity import api
+
+    tokens, _ = trunk
+    kind = fault.split("-")[0]
+    cand = api.trace("torch", tiny_f32, [int(t) for t in tokens], positions=SPARSE, draft=drafters[kind],
+                     options=opts(fault))
+    first = api.diff(reference_traces[kind], cand).first_drift
+    if LOCATED[fault] is None:
+        assert first is None, first
+        return
+    assert first is not None and (first["checkpoint"], first["first_pos"]) == LOCATED[fault], first
+
+
+def test_a_trunk_fault_traced_with_a_drafter_still_drifts_first_in_its_layer(tiny_f32, drafters, trunk,
+                                                                               reference_traces):
+    from parity import api
+
+    tokens, _ = trunk
+    cand = api.trace("torch", tiny_f32, [int(t) for t in tokens], positions=SPARSE, draft=drafters["mtp"],
+                     options=opts("sink-dropped"))
+    first = api.diff(reference_traces["mtp"], cand).first_drift
+    assert first is not None and (first["checkpoint"], first["first_pos"]) == ("blk.0.attn", 1), first

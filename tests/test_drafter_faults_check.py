@@ -1,0 +1,54 @@
+"""Acceptance of issue 24: `check` locates each drafter fault of the torch engine at the draft checkpoint it breaks
+(`parity.bisect.draft_check`: the reference's drafter on the candidate's own trunk carriers, judged against its
+round-off twins), with every draft checkpoint before it and the whole trunk judged fine.
+
+Tiny F32 model, synthesized drafters, QAT sims on (the committed tiny-f32 envelope is measured with them), a 12-token
+prompt traced at every position with full vectors. `dspark-tap-sum` (invisible: tests/test_drafter_faults.py) and
+`dspark-stale-ring` (a trace drafts one round per position, so every round after the first writes one row and the
+fault never acts; `diff` locates it on sparse positions, tests/test_drafter_faults.py) are not located here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from parity import api
+from parity.contract.checkpoints import dspark_checkpoints, mtp_checkpoints
+from parity.contract.engine import RunOptions
+from parity.gguf.synth_draft import synthesize_drafter
+
+PROMPT = [0, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12]
+ENV_F32 = Path(__file__).parent.parent / "traces" / "tiny-f32.envelope.json"
+CULPRIT = {   # fault -> the first draft checkpoint check judges a local departure, at position 1 (the first pair/round)
+    "mtp-pairing-same": "mtp.0.in",
+    "mtp-hnorm-flat": "mtp.0.in",
+    "mtp-no-hc-post": "mtp.0",
+    "mtp-trunk-hc-head": "mtp.0.logits",
+    "dspark-causal-block": "dspark.0",
+    "dspark-markov-unconditioned": "dspark.bias",
+}
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_f32, tmp_path_factory):
+    d = tmp_path_factory.mktemp("drafter-faults-check")
+    return {"mtp": synthesize_drafter(d / "mtp.gguf", tiny_f32, "mtp", "ds4-mtp"),
+            "dspark": synthesize_drafter(d / "dspark.gguf", tiny_f32, "dspark", "ds4-dspark")}
+
+
+@pytest.mark.parametrize("fault", sorted(CULPRIT))
+def test_check_locates_the_drafter_fault_at_its_checkpoint(fault, tiny_f32, drafters, tmp_path):
+    kind = fault.split("-")[0]
+    cand = api.trace("torch", tiny_f32, PROMPT, positions="all", full="all", draft=drafters[kind],
+                     options=RunOptions(inject=(fault,)))
+    r = api.check(api.save_trace(cand, tmp_path / "cand.trace"), tiny_f32, envelope=ENV_F32, draft=drafters[kind])
+    culprit = CULPRIT[fault]
+    assert r.verdict == "DEFECT", r.headline
+    assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", 1), r.headline
+    status = {row.checkpoint: row.status for row in r.table}
+    names = mtp_checkpoints(1) if kind == "mtp" else dspark_checkpoints(3)
+    assert [status[n] for n in names[: names.index(culprit)]] == ["ok"] * names.index(culprit)
+    assert status[culprit] == "local"
+    assert all(s == "ok" for n, s in status.items() if n not in names), status   # the trunk, embed .. logits
