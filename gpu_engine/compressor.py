@@ -95,3 +95,15 @@ def compressor_update(cache: CompressorCache, kv: torch.Tensor, score: torch.Ten
     cache.kv, cache.score = seq_kv[keep_from - cache.start :], seq_sc[keep_from - cache.start :]
     cache.start = keep_from
     return rows
+
+
+def compressor_arrays(name: str, cache: CompressorCache, m: int, T: int) -> dict[str, torch.Tensor]:
+    """One compressor after T tokens in the common state layout (the `StateView` capability): rows, the (κ, σ) of
+    the incomplete block's T mod m tokens, and with overlap once a block completed the last complete block's."""
+    p, n = T % m, cache.kv.shape[0]
+    out = {f"{name}.rows": cache.rows, f"{name}.pending_kv": cache.kv[n - p :], f"{name}.pending_score":
+           cache.score[n - p :]}
+    if cache.kv.shape[1] == 2 * cache.rows.shape[1] and m <= T:
+        out |= {f"{name}.previous_kv": cache.kv[n - p - m : n - p],
+                f"{name}.previous_score": cache.score[n - p - m : n - p]}
+    return out

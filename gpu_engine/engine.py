@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gpu_engine.attention import LayerCache, new_layer_cache
+from gpu_engine.compressor import compressor_arrays
 from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
 from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
@@ -393,6 +394,21 @@ class TorchEngine:
         """Capability `StateSnapshots`: a deep copy of a trunk or drafter state (every cached tensor cloned on its
         device). Cost: one copy of every cached tensor, O(L·(W + m + N_comp)·hd) elements for a trunk state."""
         return copy.deepcopy(state)
+
+    def state_arrays(self, state: TorchState | list[Ring]) -> dict[str, np.ndarray]:
+        """Capability `StateView`: a trunk / MTP state or the DSpark rings as named arrays (common layout)."""
+        if isinstance(state, list):
+            return {f"dspark.{k}.{f}": self._out(getattr(r, f)) for k, r in enumerate(state) for f in ("rows", "pos")}
+        out = {}
+        for l, cache in enumerate(state.layers):
+            if cache.pos == 0:
+                continue
+            out[f"blk.{l}.raw"] = cache.raw
+            m = self.ratios[l] if l < self.cfg.n_layers else 0
+            for name, c in (("comp", cache.main), ("index", cache.index)):
+                if c is not None and m:
+                    out |= compressor_arrays(f"blk.{l}.{name}", c, m, cache.pos)
+        return {k: self._out(v) for k, v in out.items()}
 
     def head(self, carrier: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cfg, w = self.cfg, self.w

@@ -480,3 +480,48 @@ def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, *, layout: str
     from parity.spec.fit import fit_mtp_drafter
 
     return fit_mtp_drafter(model, out, layout=layout, seed=seed, steps=steps, quant=quant, log=log)
+
+
+def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torch", draft: str | None = None,
+         script: str | None = None, depth: int = 1, steps: int = 32, gate: str = "none", max_draft: int | None = None,
+         options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
+         progress: Callable[[str], None] | None = None,
+         counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+    """Speculative greedy decoding of `engine` on `model` with the drafter `draft` (MTP depth `depth` or one
+    DSpark block a round), or scripted drafts (`script`: accept-all | reject-at:I, depth `depth`); plain decodes of
+    the engine and the reference; every round attributed by the reference (parity.spec). The tie threshold comes
+    from the envelope (`envelope`, else the stored one of this model with these QAT flags, else measured now).
+    Returns a `parity.spec.report.SpecReport`."""
+    from dataclasses import replace
+
+    from parity.bisect.inputs import envelope_for
+    from parity.gguf.drafter import open_drafter
+    from parity.spec.accept import Gate
+    from parity.spec.drafts import parse_script
+    from parity.spec.report import spec_report
+
+    say = progress or (lambda _m: None)
+    options = options or RunOptions()
+    if (draft is None) == (script is None):
+        raise TraceError("give exactly one of a drafter file (--draft) and scripted drafts (--script)")
+    if envelope is not None and not Path(envelope).exists():
+        raise TraceError(f"envelope file {envelope} does not exist")
+    the_gate, reject_at = Gate.parse(gate), parse_script(script) if script is not None else None
+    qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
+    found = envelope_for(model_identity(model), options.dtype, envelope, _envelope_search(model), qat)
+    if found is not None:
+        env, path = found
+        say(f"envelope: {path} ({options.dtype})")
+    else:
+        say("envelope: none stored for this model with these QAT flags; measuring it now (save one with "
+            "`v4parity envelope`)")
+        env = measure_envelope(model, engine, options, say, counter)
+    ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
+    cand = ref if engine == "reference" and options == RunOptions(**qat) else load_engine(
+        engine, str(model), replace(options, expert_override=None), draft=draft)
+    drafter = open_drafter(draft, ref.config) if draft is not None else None
+    kind = "script" if drafter is None else drafter.config.kind
+    say(f"spec: {engine}, {kind} drafts, {steps} steps on {len(tokens)} prompt tokens")
+    return spec_report(cand, ref, kind, [int(t) for t in tokens], steps, env, depth=depth, gate=the_gate,
+                       max_draft=max_draft, reject_at=reject_at, drafter=drafter.config if drafter else None,
+                       counter=counter)

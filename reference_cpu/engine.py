@@ -48,7 +48,7 @@ from reference_cpu.norms import rms_norm
 from reference_cpu.numerics import f16_round
 from reference_cpu.rope import RopeSpec, RopeTable
 from reference_cpu.roundoff import jitter
-from reference_cpu.state import SequenceState
+from reference_cpu.state import SequenceState, state_arrays
 from reference_cpu.threads import Workers
 from reference_cpu.weights_cache import WeightStore
 
@@ -331,6 +331,12 @@ class ReferenceEngine:
         """Capability `StateSnapshots`: a deep copy of a trunk or drafter state (plain dataclasses of numpy arrays).
         Cost: one copy of every cached array, O(L·(W + m + N_comp)·hd) floats for a trunk state."""
         return copy.deepcopy(state)
+
+    def state_arrays(self, state: SequenceState | list[Ring]) -> dict[str, np.ndarray]:
+        """Capability `StateView`: a trunk / MTP state or the DSpark rings as named arrays (common layout)."""
+        if isinstance(state, list):
+            return {f"dspark.{k}.{f}": np.asarray(getattr(r, f)) for k, r in enumerate(state) for f in ("rows", "pos")}
+        return state_arrays(state)
 
     def cache_stats(self) -> dict[str, int]:
         """Capability: statistics of the dequantized-weight LRU cache."""

@@ -73,3 +73,26 @@ class SequenceState:
                 index=CompressorState.empty(m, cfg.index_head_dim, dtype) if cfg.has_indexer(l) else None,
             ))
         return cls(layers)
+
+
+def compressor_arrays(name: str, c: CompressorState) -> dict[str, np.ndarray]:
+    """One compressor in the common state layout (`StateView`): rows, the incomplete block's (κ, σ), and with
+    overlap once a block completed the last complete block's."""
+    out = {f"{name}.rows": c.rows, f"{name}.pending_kv": c.pend_kv, f"{name}.pending_score": c.pend_score}
+    if c.overlap and len(c.rows):
+        out |= {f"{name}.previous_kv": c.prev_kv, f"{name}.previous_score": c.prev_score}
+    return out
+
+
+def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
+    """Every layer that has run, in the common state layout of the `StateView` capability (blk.l.raw, blk.l.comp.*,
+    blk.l.index.*)."""
+    out: dict[str, np.ndarray] = {}
+    for l, layer in enumerate(state.layers):
+        if layer.next_pos == 0:
+            continue
+        out[f"blk.{l}.raw"] = layer.raw
+        for name, c in (("comp", layer.comp), ("index", layer.index)):
+            if c is not None:
+                out |= compressor_arrays(f"blk.{l}.{name}", c)
+    return out

@@ -222,6 +222,18 @@ class StateSnapshots(Protocol):
 
 
 @runtime_checkable
+class StateView(Protocol):
+    def state_arrays(self, state: Any) -> dict[str, np.ndarray]:
+        """The caches of a trunk or drafter state as named arrays in one layout for every engine (state parity,
+        spec v4-mtp-dspark §6.3.2). Trunk and MTP states, per layer l that has run: `blk.l.raw` [r, hd] the raw
+        window rows of positions T-r..T-1 (r = min(W-1, T)); per compressor c in (`comp`, `index`): `blk.l.c.rows`
+        [⌊T/m⌋, d_c] the emitted rows, `blk.l.c.pending_kv` / `blk.l.c.pending_score` [T mod m, w] the (κ, σ) of
+        the incomplete block, and with overlap once a block completed `blk.l.c.previous_kv` /
+        `blk.l.c.previous_score` [m, w] those of the last complete block. DSpark rings: `dspark.s.rows` [W, hd],
+        `dspark.s.pos` [W] (-1 empty)."""
+
+
+@runtime_checkable
 class CacheStats(Protocol):
     def cache_stats(self) -> dict[str, int]:
         """Statistics of the engine's weight cache (entries, bytes, budget, hits, misses, evictions)."""

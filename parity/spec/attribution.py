@@ -19,8 +19,19 @@ from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.spec.accept import Slot, first_max, label
 from parity.spec.drafts import DSparkSource, MTPSource, need_snapshots
-from parity.spec.driver import Round, SpecRun
+from parity.spec.driver import Round, SpecRun, state_view
+from parity.spec.stateparity import first_difference, state_tolerance
 from parity.tracing.runner import forward_chunk
+
+
+@dataclass(frozen=True)
+class StateDivergence:
+    """The first round after whose commit a cache differs from the reference's on the same prefix."""
+
+    round: int
+    start_pos: int
+    component: str            # e.g. blk.2.comp.rows, mtp.blk.6.raw, dspark.0.rows
+    why: str
 
 
 @dataclass(frozen=True)
@@ -65,13 +76,15 @@ def label_round(r: Round, rho: np.ndarray, margins: np.ndarray, ties: np.ndarray
 
 
 def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun, env: Envelope,
-              counter: Callable[[str, int, int | None], None] | None = None) -> list[RoundAttribution]:
-    """One `RoundAttribution` per round of `run`. `source`: the reference engine's drafter of the run's kind
+              counter: Callable[[str, int, int | None], None] | None = None
+              ) -> tuple[list[RoundAttribution], StateDivergence | None]:
+    """One `RoundAttribution` per round of `run`, and the first round whose committed state differs from the
+    reference's (when the run recorded its states). `source`: the reference engine's drafter of the run's kind
     (None for scripted drafts)."""
     snapshot = need_snapshots(ref).snapshot
     state = ref.new_state()
     forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
-    out = []
+    out, divergence, tol = [], None, state_tolerance(env)
     for n, (r, inputs, first) in enumerate(zip(run.rounds, run.inputs, run.feed_first, strict=True)):
         star, star_logits = np.asarray(r.drafts), None
         if source is not None:
@@ -88,9 +101,12 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
         labels = label_round(r, rho, margins, ties, star, star_logits, env)
         out.append(RoundAttribution(labels, tuple(map(int, rho)), tuple(map(float, margins)),
                                     tuple(map(float, ties)), tuple(map(int, star))))
+        if divergence is None and run.states:
+            found = first_difference(run.states[n], state_view(ref, state, source), tol)
+            divergence = StateDivergence(n, r.start_pos, *found) if found else None
         if counter:
             counter("reference attribution", n + 1, len(run.rounds))
-    return out
+    return out, divergence
 
 
 def online_per_slot(rounds: list[Round], depth: int) -> list[float | None]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity.contract.engine import Engine
+from parity.contract.engine import Engine, StateView
 from parity.contract.errors import ParityError
 from parity.spec.accept import Gate, accept_length, first_max
 from parity.spec.drafts import DSparkSource, MTPSource, Proposal, ScriptSource, need_snapshots
@@ -48,13 +48,15 @@ class Round:
 @dataclass
 class SpecRun:
     """A speculative run: the committed tokens (prompt + generated), its rounds, and the drafter inputs fed before
-    each round's draft (inputs[r] covers positions feed_first[r]..start_pos - 1 of round r)."""
+    each round's draft (inputs[r] covers positions feed_first[r]..start_pos - 1 of round r), and the trunk and drafter
+caches after each round's commit (`state_view`)."""
 
     prompt: list[int]
     tokens: list[int]
     rounds: list[Round] = field(default_factory=list)
     inputs: list[np.ndarray] = field(default_factory=list)
     feed_first: list[int] = field(default_factory=list)
+    states: list[dict[str, np.ndarray]] = field(default_factory=list)  # after each round (engines with StateView)
 
     @property
     def generated(self) -> list[int]:
@@ -112,9 +114,21 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
         run.rounds.append(Round(c + 1, int(batch[0]), tuple(map(int, proposal.drafts)), conf, gamma, cut,
                                 tuple(map(int, verify)), a, replayed,
                                 {"draft": t1 - t0, "verify": t2 - t1, "replay": time.perf_counter() - t2}))
+        if isinstance(engine, StateView):
+            run.states.append(state_view(engine, state, source))
         first = c + 1
         if counter:
             counter("spec rounds", min(len(run.generated), steps), steps)
     run.tokens = run.tokens[: len(run.prompt) + steps]
     return run
 
+
+
+def state_view(engine: StateView, state: object, source: Source) -> dict[str, np.ndarray]:
+    """The trunk caches and the drafter's (MTP ring as `mtp.blk.L.*`, DSpark rings as `dspark.*`) as named arrays."""
+    out = engine.state_arrays(state)
+    if isinstance(source, MTPSource):
+        out |= {f"mtp.{k}": v for k, v in engine.state_arrays(source.state).items()}
+    elif isinstance(source, DSparkSource):
+        out |= engine.state_arrays(source.state)
+    return out

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
+from parity.spec.accept import DEFECT_LABELS
 
 if TYPE_CHECKING:
     from parity.spec.report import SpecReport
@@ -25,9 +26,11 @@ def headline(report: SpecReport) -> str:
         what = (f"{d.cls} at step {d.step} (position {d.position}): spec {d.spec}, plain {d.plain}, reference "
                 f"{d.reference}; reference margin {d.margin:.3g} ({d.margin_ulps:.0f} ulps) vs tie threshold "
                 f"{d.tie:.3g} ({d.tie_ulps:.0f} ulps); {who}")
-    bad = report.defects
-    return what + (f"; DEFECT labels: {', '.join(x for x in bad if not x.startswith('WRONG'))}"
-                   if any(not x.startswith("WRONG") for x in bad) else "")
+    labels = [x for x in report.defects if x.split()[0] in DEFECT_LABELS]
+    sd = report.state_divergence
+    state = (f"; STATE differs after round {sd.round} (position {sd.start_pos}): {sd.component}, {sd.why}"
+             if sd is not None else "")
+    return what + state + (f"; DEFECT labels: {', '.join(labels)}" if labels else "")
 
 
 def summary_lines(report: SpecReport) -> list[str]:
@@ -40,6 +43,10 @@ def summary_lines(report: SpecReport) -> list[str]:
             f"{' '.join(map(_pct, report.reference_per_slot))}; {report.mean_accepted:.2f} drafts accepted per round",
             f"cost: {c['verify_rows']} verify rows + {c['replayed_rows']} replayed rows for {c['plain_rows']} plain "
             f"decode rows; {c['drafted']} drafted, {c['accepted']} accepted; {c['snapshots']} state snapshots",
+            "state parity: " + ("not checked (the engine has no StateView)" if not report.state_checked else
+                                "every commit equal to the reference's" if report.state_divergence is None else
+                                f"first difference after round {report.state_divergence.round}: "
+                                f"{report.state_divergence.component} ({report.state_divergence.why})"),
             "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())]
 
 
@@ -72,8 +79,8 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     """exact, first_divergence ({step, class, spec_induced, position, spec, plain, reference, margin, margin_ulps,
     tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos, anchor, drafts, confidence, verified,
     cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
-    ({per_slot, reference_per_slot, mean}), state_divergence (null: not checked by this version), cost, tokens,
-    options, seconds, defects."""
+    ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, why} or null),
+    state_checked, cost, tokens, options, seconds, defects."""
     d = report.divergence
     div = None
     if d is not None:
@@ -85,7 +92,8 @@ def to_json(report: SpecReport) -> dict[str, Any]:
                       "acceptance": {"per_slot": list(report.per_slot),
                                      "reference_per_slot": list(report.reference_per_slot),
                                      "mean": report.mean_accepted},
-                      "state_divergence": None, "cost": report.cost, "defects": report.defects,
+                      "state_divergence": asdict(report.state_divergence) if report.state_divergence else None,
+                      "state_checked": report.state_checked, "cost": report.cost, "defects": report.defects,
                       "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),
                                  "plain": list(report.plain_tokens), "reference": list(report.reference_tokens)},
                       "options": report.options, "seconds": report.seconds})

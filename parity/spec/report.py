@@ -13,7 +13,7 @@ import numpy as np
 from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
-from parity.spec.attribution import RoundAttribution, attribute, offline_per_slot, online_per_slot
+from parity.spec.attribution import RoundAttribution, StateDivergence, attribute, offline_per_slot, online_per_slot
 from parity.spec.drafts import DSparkSource, MTPSource, ScriptSource
 from parity.spec.driver import Round, speculate
 from parity.spec.exactness import Divergence, first_divergence
@@ -30,6 +30,8 @@ class SpecReport:
     divergence: Divergence | None
     rounds: tuple[Round, ...]
     attribution: tuple[RoundAttribution, ...]
+    state_divergence: StateDivergence | None      # None: every state equal (or `state_checked` False)
+    state_checked: bool                           # the candidate has the StateView capability
     per_slot: tuple[float | None, ...]            # the candidate's online acceptance per slot
     reference_per_slot: tuple[float | None, ...]  # the reference drafter's offline acceptance per slot
     seconds: dict[str, float]
@@ -45,8 +47,10 @@ class SpecReport:
 
     @property
     def defects(self) -> list[str]:
-        """What makes the exit status 1: a WRONG divergence, a defect label."""
+        """What makes the exit status 1: a WRONG divergence, a state divergence, a defect label."""
         out = [f"WRONG at step {self.divergence.step}"] if self.divergence and self.divergence.cls == "WRONG" else []
+        if self.state_divergence is not None:
+            out.append(f"state {self.state_divergence.component} after round {self.state_divergence.round}")
         return out + [f"{k} x{v}" for k, v in self.labels.items() if k in DEFECT_LABELS and v]
 
     @property
@@ -100,7 +104,7 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
         source, ref_source = DSparkSource(cand, drafter), DSparkSource(ref, drafter)
     run = speculate(cand, source, prompt, steps, gate, max_draft, counter)
     t3 = time.perf_counter()
-    attrs = attribute(ref, ref_source, run, env, counter)
+    attrs, state_div = attribute(ref, ref_source, run, env, counter)
     t4 = time.perf_counter()
     width = max((len(r.drafts) for r in run.rounds), default=0)
     options = {"engine": cand.name, "flags": cand.options.flags(), "drafter": kind,
@@ -110,6 +114,7 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
                "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
     return SpecReport(options, tuple(prompt), tuple(run.generated), tuple(cand_plain), tuple(ref_tokens),
                       first_divergence(run.generated, cand_plain, ref_tokens, ref_logits, len(prompt), env),
-                      tuple(run.rounds), tuple(attrs), tuple(online_per_slot(run.rounds, width)),
+                      tuple(run.rounds), tuple(attrs), state_div, bool(run.states),
+                      tuple(online_per_slot(run.rounds, width)),
                       tuple(offline_per_slot(run.rounds, attrs, run.tokens, width)),
                       {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3})

@@ -1,0 +1,100 @@
+"""`v4parity spec`: speculative greedy decoding that must change no token, and who is to blame for rejections."""
+
+from __future__ import annotations
+
+import click
+
+from parity.cli.common import (
+    device_option,
+    echo_json,
+    inject_option,
+    json_errors,
+    json_option,
+    markdown_option,
+    model_option,
+    tokenizer_option,
+    write_text,
+)
+from parity.contract.errors import ParityError
+
+
+class Refused(click.ClickException):
+    """A usage or preflight error: exit status 2, the message on stderr (or as JSON with --json)."""
+
+    exit_code = 2
+
+
+@click.command()
+@model_option(help="deepseek4 GGUF file (the trunk).")
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Drafter GGUF (MTP or DSpark; `v4parity inspect -m TRUNK --draft FILE` shows which).")
+@click.option("--script", default=None, metavar="accept-all|reject-at:I",
+              help="Scripted drafts instead of a drafter (spec §6.4): the reference's greedy continuation, depth "
+                   "--depth, the I-th draft of every round made wrong.")
+@click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
+@click.option("--depth", type=int, default=1, show_default=True,
+              help="Drafts per round: MTP chain depth, or scripted drafts (a DSpark round drafts its block of B).")
+@click.option("--steps", type=int, default=32, show_default=True, help="Tokens to generate.")
+@click.option("--tokens", default=None, help="Prompt token ids, e.g. '0 17 42'.")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of prompt token ids.")
+@click.option("--prompt", help="User text as one chat turn (non-thinking, no system text).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), help="File of user text (read raw).")
+@tokenizer_option()
+@click.option("--gate", default="none", show_default=True, metavar="none|first-below:P|cumulative:P",
+              help="Confidence gate on the DSpark confidences σ(c_j): cut at the first σ < P, or where the "
+                   "running product drops below P (spec §4.3).")
+@click.option("--max-draft", type=int, default=None, help="Verify at most N drafts a round.")
+@click.option("--no-fp8-kv", is_flag=True, help="Turn off the FP8 KV simulation (on in the model definition).")
+@click.option("--no-fp4-indexer", is_flag=True, help="Turn off the FP4 indexer simulation.")
+@device_option()
+@inject_option()
+@click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Envelope file for the tie threshold (default: the stored one of this model with these QAT "
+                   "flags, in the model's directory or ./traces; else measured now).")
+@json_option()
+@markdown_option()
+@json_errors
+def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt, prompt_file, tokenizer, gate,
+         max_draft, no_fp8_kv, no_fp4_indexer, device, inject, envelope_path, as_json, markdown_path) -> None:
+    """Decode speculatively with ENGINE and a drafter, decode plainly with ENGINE and the reference, and check
+    that the tokens agree (a divergence is TIE when the reference's top-1/top-2 margin is inside the noise
+    envelope, else WRONG); label every drafted position (ACCEPT-OK, DRAFTER-MISS, DRAFTER-DRIFT, FALSE-REJECT,
+    FALSE-ACCEPT, NEAR-TIE, VERIFIER-DEFECT, NOT-VERIFIED) from the reference's verifier rows and drafter on the
+    same committed prefix; compare the caches after every commit with the reference's (state parity).
+    docs/spec.md explains the labels, the tie threshold and the cost.
+
+    \b
+    Exit codes: 0 exact (or the first divergence a TIE), states equal and no defect label,
+                1 WRONG, a state divergence after a commit, or a VERIFIER-DEFECT / DRAFTER-DRIFT / FALSE-ACCEPT
+                label, 2 usage or preflight error.
+    Example: v4parity spec -m TRUNK --draft FILE --engine torch --depth 2 --steps 64 --prompt "..."
+    """
+    from parity import api
+    from parity.cli.progress import Progress
+    from parity.cli.trace import resolve_tokens
+    from parity.contract.engine import RunOptions
+    from parity.spec.printers import to_json, to_markdown, to_text
+
+    ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file, tokenizer)
+    bar = Progress()
+    try:
+        options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
+                             inject=tuple(inject))
+        report = api.spec(model, ids, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
+                          gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
+                          progress=bar.note, counter=bar)
+    except ParityError as e:
+        raise Refused(str(e)) from None
+    finally:
+        bar.close()
+    if markdown_path:
+        write_text(markdown_path, to_markdown(report))
+    if as_json:
+        echo_json(to_json(report))
+    elif markdown_path != "-":
+        click.echo(to_text(report))
+    raise SystemExit(1 if report.defects else 0)
+
+
+COMMANDS = [spec]
