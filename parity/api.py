@@ -301,6 +301,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     options = options or RunOptions()
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
+    _check_injectable(engine, options.inject)  # before any work: a misspelt name costs nothing
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     ref = load_engine("reference", str(model), RunOptions(**qat))  # its identity: the GGUF is hashed once here
     found = envelope_for(ref.identity, options.dtype, envelope, _envelope_search(model), qat)
@@ -315,6 +316,18 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     cand = load_engine(engine, str(model), replace(options, expert_override=router))
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter)
+
+
+def _check_injectable(engine: str, inject: Sequence[str]) -> None:
+    """`engine` is registered and offers every fault in `inject` (ParityError naming the first that is not)."""
+    from parity.contract.engine import engine_faults
+    from parity.contract.errors import ParityError
+
+    known = engine_faults(engine)  # raises for an unregistered engine, naming the registered ones
+    unknown = [f for f in inject if f not in known]
+    if unknown:
+        offers = f"it offers: {', '.join(known)}" if known else "it offers no fault switches"
+        raise ParityError(f"--inject {unknown[0]!r}: engine {engine!r} has no such fault ({offers})")
 
 
 def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
@@ -350,7 +363,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     identity, config = w.identity(), w.config
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
-    preflight(trace_, config, identity)
+    named = f"a {trace_.header.engine} trace" if isinstance(candidate, Trace) else str(candidate)
+    preflight(trace_, config, identity, f"candidate {named}, model {model}")
     problems = validate(w.tensor_infos(), config).problems
     if problems:   # judged all the same (both engines read it), but the user is told, as `inspect` tells them
         notes = [*notes, f"`v4parity inspect` reports {len(problems)} contract problem(s) with this file, first: "

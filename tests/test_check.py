@@ -148,8 +148,12 @@ def test_preflight_refuses_another_model(tiny_f32, tiny_mxfp4, clean_trace, tmp_
     api.save_trace(clean_trace, path)
     res = CliRunner().invoke(cli, ["check", "-m", str(tiny_mxfp4), "--candidate", str(path)])
     assert res.exit_code == 2 and "model identity differs" in res.output
+    (tmp_path / "dumps").mkdir()
+    (tmp_path / "dumps" / "run_hc_init-0_pos0.bin").write_bytes(bytes(4))
     with pytest.raises(CheckPreflightError, match="token ids"):
-        api.check(tmp_path / "nowhere" / "run", tiny_f32)  # a ds4 prefix without --tokens
+        api.check(tmp_path / "dumps" / "run", tiny_f32)  # a ds4 prefix without --tokens
+    with pytest.raises(CheckPreflightError, match="nowhere/run: no such file or directory"):
+        api.check(tmp_path / "nowhere" / "run", tiny_f32)  # neither a file nor a ds4 prefix
 
 
 def test_envelope_found_by_model_hash_not_file_name(tiny_f32, clean_trace, tmp_path):

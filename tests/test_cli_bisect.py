@@ -33,10 +33,11 @@ def test_bisect_takes_a_prompt_and_refuses_follow_with_other_run_options(tiny_f3
 
 def test_bisect_progress_off_a_terminal_is_timed_stage_and_count_lines(tiny_f32):
     r = CliRunner().invoke(cli, ["bisect", "-m", str(tiny_f32), "--decode", "1"])
-    lines = [line for line in r.stderr.splitlines() if line]
+    lines = [line for line in re.sub(r"\n  ", " ", r.stderr).splitlines() if line]  # long notes wrap: joined
     stages = [line for line in lines if re.search(r" \[\d+:\d\d\]$", line)]          # message stages, elapsed
     counts = [line for line in lines if re.fullmatch(r".+ \d+/\d+ \d+:\d\d", line)]  # stage done/total elapsed
     assert r.exit_code == 0 and len(stages) >= 3 and len(stages) + len(counts) == len(lines), lines
+    assert max(len(line) for line in r.stderr.splitlines()) <= 100, r.stderr
     assert any(line.startswith("reference run ") and "/" in line for line in counts), lines
     assert any(line.startswith("torch run ") for line in counts), lines
 

@@ -21,11 +21,14 @@ def invoke(*args: str):
 def test_official_vector_against_a_ds4_dump():
     r = invoke(str(FIX / "greedy.official.json"), str(FIX / "ref.ds4.json"))
     assert r.exit_code == 0, r.output
-    last = r.output.strip().splitlines()[-1]
+    assert max(len(line) for line in r.output.splitlines()) <= 100, r.output  # long lines wrap (no --wide)
+    last = r.output.strip().replace("\n  ", " ").splitlines()[-1]
     assert last == ("logprobs: 2/3 steps compared greedy-only (tokens compared, no logprob metrics): "
                     "MATCH 2, TIE-FLIP 0, DRIFT 0, WRONG 0; first divergent step: none; "
                     "ds4_test: n/a (B lists top 3 < 20)")
     assert "A carries greedy tokens only" in r.output and "(only in B)" in r.output
+    wide = invoke(str(FIX / "greedy.official.json"), str(FIX / "ref.ds4.json"), "--wide").output
+    assert wide.strip().splitlines()[-1] == last and "JS in" in wide and "JS in" not in r.output
 
 
 def test_json_report():

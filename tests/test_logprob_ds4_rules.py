@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from parity.cli import cli
 from parity.gguf.vocab import EOS
-from parity.logprobs.compare import compare_runs
+from parity.logprobs.compare import LogprobPreflightError, compare_runs
 from parity.logprobs.io import ds4_dump_text, read_ds4_dump, read_run
 
 EOS_BYTES = list(EOS.encode())
@@ -133,9 +134,32 @@ def test_cli_exit_codes_incomplete_and_mismatched_runs(tmp_path):
                  prompt_tokens=13, ctx=8192)
     r = CliRunner().invoke(cli, ["logprobs", str(full), str(other), "--json"])
     err = json.loads(r.output)
-    assert r.exit_code == 2 and "prompt_tokens differs: A 12, B 13; ctx differs: A 4096, B 8192" in err["error"]
+    assert r.exit_code == 2 and err["error"].endswith("prompt_tokens differs: A 12, B 13")  # ctx: the run fits
     assert CliRunner().invoke(cli, ["logprobs", str(full), str(other), "--force"]).exit_code == 0
     assert CliRunner().invoke(cli, ["logprobs", str(full), str(full)]).exit_code == 0
+
+
+def test_a_different_ctx_is_compared_when_the_run_fits_the_smaller(tmp_path):
+    """ds4 stops a run at ctx - prompt_tokens - 1 steps: a run that fits the smaller ctx is the same run in both."""
+    step = ((1001, b"16"), top20([(1001, b"16", "20", "-0.1")]))
+    a = read_run(dump(tmp_path, "a.json", [step] * 5, top_k=20, ctx=4096))
+    b = read_run(dump(tmp_path, "b.json", [step] * 5, top_k=20, ctx=16384))
+    cmp = compare_runs(a, b)
+    assert "ctx differs (A 4096, B 16384); compared: the run (12 prompt tokens + 5 steps) fits in the smaller " \
+           "ctx" in cmp.notes and cmp.ds4_test() is True
+    # an official.vec case (ctx 4096, no prompt count) against a dump of another ctx: the dump's prompt count
+    one = dump(tmp_path, "one.json", [((1001, b"16"), top20([(1001, b"16", "20", "0")]))], top_k=20, ctx=16384)
+    r = CliRunner().invoke(cli, ["logprobs", vec(tmp_path, "step 0 3136 1\ntop 3136 -4.00000001\n"), str(one),
+                                 "--fail-on", "ds4-test"])
+    assert r.exit_code == 0, r.output
+    assert "the run (12 prompt tokens + 1 steps) fits in the smaller ctx" in r.output.replace("\n  ", " ")
+    # 12 prompt tokens + 6 steps + 1 = 19 > 18: the longer run does not fit the smaller ctx
+    short = read_run(dump(tmp_path, "s.json", [step] * 5, top_k=20, ctx=18))
+    longer = read_run(dump(tmp_path, "l.json", [step] * 6, top_k=20, ctx=4096))
+    assert compare_runs(short, read_run(dump(tmp_path, "f.json", [step] * 5, top_k=20, ctx=4096))).notes
+    with pytest.raises(LogprobPreflightError, match=r"ctx differs: A 18, B 4096 \(12 prompt tokens \+ 6 steps does "
+                                                    r"not fit in ctx 18\)"):
+        compare_runs(short, longer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,16 +6,34 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
+from parity.compare.textcells import md_cell
+from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
     from parity.bisect.check import CheckReport, CheckRow
+
+
+# Checkpoints outside every block: where a cause without a layer (layer None) lies.
+_OUTSIDE_BLOCKS = {"embed": "the embedding (embed, before layer 0)",
+                   "final_norm": "the output norm (final_norm, after the last layer)",
+                   "logits": "the logits (after the last layer)"}
+
+
+def layer_words(layer: int | str | None, report: CheckReport) -> str:
+    """'layer 3'; for a cause outside every block (layer None), the first checkpoint outside any block whose
+    free-running error leaves the envelope, in words ('the embedding (embed, before layer 0)')."""
+    if layer is not None:
+        return f"layer {layer}" if isinstance(layer, int) else str(layer)
+    out = [r.checkpoint for r in report.table
+           if r.free_excess is not None and r.free_excess > 1 and checkpoint_layer(r.checkpoint) is None]
+    return _OUTSIDE_BLOCKS.get(out[0], out[0]) if out else "no single layer"
 
 
 def _where(report: CheckReport) -> str:
     c = report.culprit
     if c is None:
         return ""
-    parts = [f"layer {c.layer}"] + ([f"sub-op {c.subop}"] if c.subop else [])
+    parts = [layer_words(c.layer, report)] + ([f"sub-op {c.subop}"] if c.subop else [])
     if c.decode_step is not None:
         parts.append(f"decode step {c.decode_step} (position {c.position})")
     elif c.position is not None:
@@ -28,8 +46,13 @@ def _benign_summary(report: CheckReport) -> str:
     for c in report.causes:
         if c.kind == "benign":
             groups.setdefault((c.name, c.subop), []).append(c.layer)
-    return "; ".join(f"{n} at layer{'s' if len(ls) > 1 else ''} {', '.join(str(x) for x in ls)}"
-                     + (f" ({s})" if s else "") for (n, s), ls in groups.items())
+
+    def at(layers: list[int | None]) -> str:
+        nums = [str(x) for x in layers if isinstance(x, int)]
+        words = [f"layer{'s' if len(nums) > 1 else ''} {', '.join(nums)}"] if nums else []
+        return " and ".join(words + [layer_words(x, report) for x in layers if not isinstance(x, int)])
+
+    return "; ".join(f"{n} at {at(ls)}" + (f" ({s})" if s else "") for (n, s), ls in groups.items())
 
 
 def headline(report: CheckReport) -> str:
@@ -63,7 +86,7 @@ COLUMNS = ["checkpoint", "free rel-L2", "free excess", "local rel-L2", "local / 
 
 def to_text(report: CheckReport) -> str:
     lines = [report.headline]
-    lines += [f"  cause ({c.kind}): {c.name} at layer {c.layer}" + (f", {c.subop}" if c.subop else "")
+    lines += [f"  cause ({c.kind}): {c.name} at {layer_words(c.layer, report)}" + (f", {c.subop}" if c.subop else "")
               + f": {c.evidence}" for c in report.causes]
     lines += [f"  note: {n}" for n in report.notes]
     cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
@@ -78,7 +101,8 @@ def to_markdown(report: CheckReport) -> str:
     out = [f"# v4parity check: {report.verdict}", "", report.headline, ""]
     if report.causes:
         out += ["| kind | name | layer | sub-op | evidence |", "|---|---|---|---|---|"]
-        out += [f"| {c.kind} | {c.name} | {c.layer} | {c.subop or '-'} | {c.evidence} |" for c in report.causes]
+        out += [f"| {c.kind} | {c.name} | {layer_words(c.layer, report)} | {c.subop or '-'} | {md_cell(c.evidence)} |"
+                for c in report.causes]
         out.append("")
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(row_cells(r)) + " |" for r in report.table]

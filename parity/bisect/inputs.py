@@ -14,7 +14,7 @@ from parity.bisect.envelope import Envelope, load_envelope, read_envelope
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import same_model
-from parity.tracing.importers import LCP_RE, import_ds4, import_llamacpp, llamacpp_chunks
+from parity.tracing.importers import LCP_RE, has_ds4_dumps, import_ds4, import_llamacpp, llamacpp_chunks
 from parity.tracing.io import read_trace
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
@@ -41,6 +41,9 @@ def load_candidate(source: str | os.PathLike, config: ModelConfig, identity: dic
                                model=identity)
     if path.is_dir() and any(LCP_RE.match(f.name) for f in path.iterdir()):
         return _imported(import_llamacpp, path, config, identity, tokens, "llama.cpp dump directory")
+    if not path.exists() and not has_ds4_dumps(source):
+        raise CheckPreflightError(f"{source}: no such file or directory (nor a ds4 dump prefix: no "
+                                  f"{path.name}_<name>-<layer>_pos<pos>.bin files beside it)")
     return _imported(import_ds4, source, config, identity, tokens, "ds4 dump prefix")
 
 
@@ -69,8 +72,9 @@ def _imported(importer: Any, path: str | os.PathLike, config: ModelConfig, ident
     return importer(path, tokens=[int(t) for t in tokens], config=config, model=identity)
 
 
-def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any]) -> None:
-    """Refuse a candidate of another model (size + header hash), shape, or with token ids outside the vocabulary."""
+def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any], names: str = "") -> None:
+    """Refuse a candidate of another model (size + header hash), shape, or with token ids outside the vocabulary;
+    `names` ('candidate X, model Y') goes into the message."""
     h = trace.header
     problems = []
     if not same_model(h.model, identity):
@@ -85,7 +89,7 @@ def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any]) -> No
     if len(bad):
         problems.append(f"token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size})")
     if problems:
-        raise CheckPreflightError("preflight: " + "; ".join(problems))
+        raise CheckPreflightError(f"preflight{f' ({names})' if names else ''}: " + "; ".join(problems))
 
 
 def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike],

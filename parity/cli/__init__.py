@@ -37,6 +37,17 @@ for _name in COMMAND_MODULES:
         cli.add_command(_cmd)
 
 
+def show_error(e: click.ClickException) -> None:
+    """A click error as click shows it (usage and help hint first for a usage error), with the one prefix every
+    error of this CLI has: `error: `."""
+    ctx = e.ctx if isinstance(e, click.UsageError) else None
+    if ctx is not None:
+        names = ctx.command.get_help_option_names(ctx) if ctx.command.get_help_option(ctx) is not None else []
+        hint = f"Try '{ctx.command_path} {max(names, key=len)}' for help.\n" if names else ""
+        click.echo(f"{ctx.get_usage()}\n{hint}", err=True)
+    click.secho(f"error: {e.format_message()}", fg="red", err=True)
+
+
 def main() -> None:
     as_json = "--json" in sys.argv[1:]  # errors raised before a command runs (parsing) are JSON too
     try:
@@ -47,7 +58,7 @@ def main() -> None:
         if as_json:
             echo_json({"error": e.format_message(), "kind": type(e).__name__, "exit_code": e.exit_code})
         else:
-            e.show()
+            show_error(e)
         raise SystemExit(e.exit_code) from None
     except ParityError as e:
         if as_json:

@@ -100,7 +100,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @click.command()
 @model_opt
 @engine_opt
-@click.option("--tokens", default=None, help="Prompt token ids, e.g. '0 17 42' (default: a built-in prompt).")
+@click.option("--tokens", default=None, help="Prompt token ids, e.g. 0,17,42 (default: a built-in prompt).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File with whitespace/comma separated prompt token ids.")
 @click.option("--prompt", default=None, help="User text as one chat turn (as `trace --prompt`).")
@@ -123,9 +123,10 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @json_option(help="Print the full report as JSON (errors too).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
 @html_option()
+@click.option("--wide", is_flag=True, help="Print the summary's lines unwrapped (default: within 100 columns).")
 @json_errors
 def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, decode, chunk, inject, dtype,
-           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot, html_path):
+           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot, html_path, wide):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
@@ -169,7 +170,9 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
     if as_json:
         echo_json(report.to_json())
     else:
-        click.echo(report.summary)
+        from parity.compare.textcells import fit_line
+
+        click.echo(report.summary if wide else "\n".join(fit_line(line) for line in report.summary.splitlines()))
     sys.exit(1 if report.verdict == "defect" else 0)
 
 

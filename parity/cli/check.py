@@ -31,7 +31,7 @@ class Refused(click.ClickException):
               help="Envelope file (default: the stored one measured on this model (size, header and data hash, "
                    "never the file name) with the candidate's dtype and QAT flags, in the model's directory or "
                    "./traces; else the reference's own, measured now).")
-@click.option("--tokens", default=None, help="Token ids of imported dumps, e.g. '0 17 42' (traces carry their own).")
+@click.option("--tokens", default=None, help="Token ids of imported dumps, e.g. 0,17,42 (traces carry their own).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File with the token ids of imported dumps.")
 @click.option("--fault-engine", "fault_engines", multiple=True, default=("torch",), show_default=True,

@@ -32,15 +32,16 @@ def _diff(a, b, force, rel_tol, norm_tol, as_json=False):
     try:
         return api.diff(a, b, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
     except PreflightError as e:
-        _preflight_exit(e, as_json)
+        _preflight_exit(e, as_json, a, b)
 
 
-def _preflight_exit(e: Exception, as_json: bool) -> None:
-    """Two traces that cannot be compared: the reason (as JSON with --json) and exit 2."""
+def _preflight_exit(e: Exception, as_json: bool, a: str, b: str) -> None:
+    """Two traces that cannot be compared: the reason, naming both files (as JSON with --json), and exit 2."""
+    message = f"preflight (A {a}, B {b}): {e}"
     if as_json:
-        echo_json({"error": f"preflight: {e}", "kind": "PreflightError", "exit_code": 2})
+        echo_json({"error": message, "kind": "PreflightError", "exit_code": 2})
     else:
-        click.secho(f"preflight: {e}", fg="red", err=True)
+        click.secho(f"error: {message}", fg="red", err=True)
     raise SystemExit(2) from None
 
 
@@ -185,7 +186,7 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
         result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
                             names=(golden, candidate))
     except PreflightError as e:
-        _preflight_exit(e, as_json)
+        _preflight_exit(e, as_json, golden, candidate)
     checked = _check(candidate, check_model, envelope_path)
     if checked is not None:
         from parity.bisect.check_report import headline

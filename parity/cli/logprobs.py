@@ -31,9 +31,11 @@ from parity.logprobs.compare import DRIFT_TOL, FAIL_ON, TIE_MARGIN
               help="Reference logprob gap (nats) under which a different token is a TIE-FLIP, not WRONG.")
 @click.option("--drift-tol", type=float, default=DRIFT_TOL, show_default=True,
               help="Top-1 logprob difference (nats) above which a same-token step is DRIFT.")
+@click.option("--wide", is_flag=True, help="Every column (adds the JS interval and tail masses), lines unwrapped "
+                                           "(default: within 100 columns).")
 @json_errors
 def logprobs(a: str, b: str, as_json: bool, markdown_path: str | None, fail_on: tuple[str, ...], force: bool,
-             tie_margin: float, drift_tol: float) -> None:
+             tie_margin: float, drift_tol: float, wide: bool) -> None:
     """Compare top-k logprobs of A (reference) and B (candidate), step by step.
 
     A and B may each be a ds4 --dump-logprobs JSON (ours: `v4parity trace --dump-logprobs`), an official
@@ -59,7 +61,7 @@ def logprobs(a: str, b: str, as_json: bool, markdown_path: str | None, fail_on: 
     if as_json:
         echo_json({**cmp.to_dict(), "fail_on": list(fail_on), "failed": failed})
     elif markdown_path != "-":
-        click.echo(render_text(cmp))
+        click.echo(render_text(cmp, wide=wide))
         if failed:
             click.secho(f"FAILED: {', '.join(failed)}", fg="red", err=True)
     if failed:

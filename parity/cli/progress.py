@@ -57,11 +57,14 @@ class Progress:
 
     def note(self, message: str) -> None:
         """A stage that has no count (a callback taking one message, as the bisect API's `progress`): the
-        message with the time since the first report, on its own line."""
+        message with the time since the first report, on its own line (wrapped within 100 columns, continuation
+        lines indented)."""
+        from parity.compare.textcells import fit_line
+
         now = self.clock()
         self._end_line()
         self.first = now if self.first is None else self.first
-        self.stream.write(f"{message} [{_clock(now - self.first)}]\n")
+        self.stream.write(fit_line(f"{message} [{_clock(now - self.first)}]") + "\n")
         self.stream.flush()
 
     def _bar(self, stage: str, done: int, total: int | None, elapsed: float) -> str:

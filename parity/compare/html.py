@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.compare.differ import DiffReport
-from parity.compare.printers import WIDE, cells, checkpoint_rows, thresholds_line, verdict_line
+from parity.compare.printers import WIDE, cells, checkpoint_rows, flags_line, thresholds_line, verdict_line
 from parity.contract.files import atomic_write_text
 
 CSS = """
@@ -133,7 +133,7 @@ def diff_sections(report: DiffReport, plot: bool = True) -> list[Section]:
         out.append(Section("Drift profile", image(png_bytes(report), "drift profile")))
     out.append(Section("Routing, indexer and HC diagnostics", diagnostics(report)))
     notes = [f"warning (forced): {w}" for w in report.warnings]
-    notes += [f"flags differ: {k}: A={v[0]} B={v[1]}" for k, v in report.flags_differ.items()]
+    notes += [f"flags differ: {flags}"] if (flags := flags_line(report)) is not None else []
     if notes:
         out.append(Section("Warnings", preformatted("\n".join(notes))))
     out.append(Section("Run headers", headers_side_by_side(report.a, report.b,

@@ -10,6 +10,7 @@ is plain fixed-width text: the compact form (default) fits 100 columns for V4-Fl
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ import pandas as pd
 
 from parity.compare.differ import DiffReport
 from parity.compare.jsonvalues import json_safe
+from parity.compare.textcells import md_cell
 
 
 @dataclass(frozen=True)
@@ -204,12 +206,26 @@ def thresholds_line(r: DiffReport) -> str:
             "(each value is that metric's worst position); method fp = fingerprint estimate, full = full vectors")
 
 
+def flags_line(r: DiffReport) -> str | None:
+    """The run flags that differ, on one line (None when they agree): `key: A=value B=value` in JSON spelling, `-`
+    where a side lacks the key; a side that records no flags at all (`flags {}`) is said once."""
+    if not r.flags_differ:
+        return None
+    fa, fb = r.a["flags"], r.b["flags"]
+    spell = lambda d, k: json.dumps(d[k], separators=(",", ":")) if k in d else "-"  # noqa: E731
+    if not fa or not fb:
+        empty, other, flags = ("A", "B", fb) if not fa else ("B", "A", fa)
+        return (f"{empty} records no flags; {other}'s: " + ", ".join(f"{k}={spell(flags, k)}" for k in sorted(flags)))
+    return "; ".join(f"{k}: A={spell(fa, k)} B={spell(fb, k)}" for k in r.flags_differ)
+
+
 def print_report(r: DiffReport, wide: bool = False, echo: Callable[..., None] = click.echo) -> None:
     """Console rendering: warnings, the per-checkpoint table, layer diagnostics, verdict (colour on a terminal)."""
     for w in r.warnings:
         echo(click.style("warning (forced): ", fg="yellow") + w)
-    for k, v in r.flags_differ.items():
-        echo(click.style("flags differ: ", fg="cyan") + f"{k}: A={v[0]} B={v[1]}")
+    if (flags := flags_line(r)) is not None:
+        text = textwrap.fill(f"flags differ: {flags}", 100, subsequent_indent="  ")
+        echo(click.style("flags differ:", fg="cyan") + text[len("flags differ:"):])
     first = r.first_drift["checkpoint"] if r.first_drift else None
 
     def style(text: str, row: CheckpointRow) -> str:
@@ -231,13 +247,13 @@ def to_markdown(r: DiffReport) -> str:
     lines = [f"**v4parity diff**: A = {r.a['engine']} {r.a['version']}, B = {r.b['engine']} {r.b['version']}", "",
              f"**{verdict_line(r)}**", ""]
     lines += [f"> warning (forced): {w}" for w in r.warnings]
-    lines += [f"> flags differ: `{k}` A={v[0]} B={v[1]}" for k, v in r.flags_differ.items()]
+    lines += [f"> flags differ: {flags}"] if (flags := flags_line(r)) is not None else []
     lines += ["", "| " + " | ".join(WIDE) + " |", "|" + "---|" * len(WIDE)]
-    lines += ["| " + " | ".join(cells(row, wide=True)) + " |" for row in checkpoint_rows(r)]
+    lines += ["| " + " | ".join(md_cell(c) for c in cells(row, wide=True)) + " |" for row in checkpoint_rows(r)]
     differing = layer_differences(r)
     if differing:
         lines += ["", "| layer | diagnostics that differ |", "|---|---|"]
-        lines += [f"| {layer} | {'; '.join(parts)} |" for layer, parts in differing]
+        lines += [f"| {layer} | {md_cell('; '.join(parts))} |" for layer, parts in differing]
     lines += ["", *logit_lines(r)] if len(r.logits) else []
     cos = f" (cosine >= {r.thresholds.cos_tol:.10g} for equal norms)."
     lines += ["", thresholds_line(r).replace("* =", "`*` =") + cos]

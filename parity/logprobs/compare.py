@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from parity.compare.jsonvalues import json_safe
+from parity.compare.textcells import fit_line, md_cell
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.errors import ParityError
 from parity.logprobs.io import LogprobRun, Step, Tok
@@ -82,19 +83,42 @@ class LogprobPreflightError(ParityError):
     """The two logprob files come from different runs (prompt length, top_k or ctx differ)."""
 
 
-def preflight(ref: LogprobRun, cand: LogprobRun) -> list[str]:
-    """Why two files are not the same run: prompt_tokens / top_k / ctx both files record and that differ.
+def preflight(ref: LogprobRun, cand: LogprobRun) -> tuple[list[str], list[str]]:
+    """(problems, notes): why two files are not the same run -- prompt_tokens / top_k / ctx both files record and
+    that differ -- and the differences that do not matter.
 
     prompt_tokens and top_k are compared between two ds4 dumps (an official file's prompt count is the API's
-    and its top 20 is not a run setting of ours); ctx wherever both record it (a dump, an official.vec case).
+    and its top 20 is not a run setting of ours); ctx wherever both record it (a dump, an official.vec case). A
+    different ctx matters only when the run does not fit in the smaller one (ds4 stops a run at ctx -
+    prompt_tokens - 1 steps): when it fits, the difference is a note and the files are compared.
     """
-    out = []
+    problems, notes = [], []
     keys = ("prompt_tokens", "top_k", "ctx") if ref.format == cand.format == "ds4-dump" else ("ctx",)
     for k in keys:
         a, b = ref.meta.get(k), cand.meta.get(k)
-        if a is not None and b is not None and a != b:
-            out.append(f"{k} differs: A {a}, B {b}")
-    return out
+        if a is None or b is None or a == b:
+            continue
+        if k != "ctx":
+            problems.append(f"{k} differs: A {a}, B {b}")
+            continue
+        fits, run = _fits(ref, cand, min(a, b))
+        if fits:
+            notes.append(f"ctx differs (A {a}, B {b}); compared: the run ({run}) fits in the smaller ctx")
+        else:
+            problems.append(f"ctx differs: A {a}, B {b} ({run})")
+    return problems, notes
+
+
+def _fits(ref: LogprobRun, cand: LogprobRun, ctx: int) -> tuple[bool, str]:
+    """Whether the longer of the two runs fits in `ctx` (prompt + steps + 1 <= ctx, ds4's cap), and the run in
+    words; a run whose prompt length neither file records does not fit (it cannot be told)."""
+    steps = max(len(ref.steps), len(cand.steps))
+    counts = [n for n in (ref.meta.get("prompt_tokens"), cand.meta.get("prompt_tokens")) if n is not None]
+    if not counts:
+        return False, f"{steps} steps, prompt length not recorded: whether it fits the smaller ctx is unknown"
+    n = max(counts)
+    fits = n + steps + 1 <= ctx
+    return fits, f"{n} prompt tokens + {steps} steps{'' if fits else f' does not fit in ctx {ctx}'}"
 
 
 @dataclass
@@ -274,13 +298,14 @@ def compare_runs(ref: LogprobRun, cand: LogprobRun, tie_margin: float = TIE_MARG
 
     Raises LogprobPreflightError when the files come from different runs (see `preflight`), unless `force`
     (then the refusals become notes)."""
-    problems = preflight(ref, cand)
+    problems, fit_notes = preflight(ref, cand)
     if problems and not force:
-        raise LogprobPreflightError("refusing to compare logprobs of different runs (--force compares anyway): "
-                                    + "; ".join(problems))
+        where = lambda r: r.path + (f"#{r.meta['case']}" if "case" in r.meta else "")  # noqa: E731
+        raise LogprobPreflightError(f"refusing to compare logprobs of different runs (A {where(ref)}, B {where(cand)}; "
+                                    "--force compares anyway): " + "; ".join(problems))
     greedy_only = ref.greedy_only or cand.greedy_only
     out = Comparison(ref.describe(), cand.describe(), greedy_only, tie_margin, drift_tol, [],
-                     [f"forced: {p}" for p in problems], _ds4_test_na(ref, cand))
+                     [*fit_notes, *(f"forced: {p}" for p in problems)], _ds4_test_na(ref, cand))
     if greedy_only:
         both = ref.greedy_only and cand.greedy_only
         side = "A and B carry" if both else ("A" if ref.greedy_only else "B") + " carries"
@@ -321,12 +346,14 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "inf" if math.isinf(x) else format(x, spec)
 
 
-def render_text(cmp: Comparison) -> str:
-    """The console report: header, one row per step, notes, the summary line."""
+def render_text(cmp: Comparison, wide: bool = False) -> str:
+    """The console report: header, one row per step, notes, the summary line. Within 100 columns (long lines wrap,
+    words are never cut); `wide` adds the JS interval and the tail masses and never wraps."""
     lines = [f"A (reference): {cmp.ref}", f"B (candidate): {cmp.cand}",
              f"tie margin {cmp.tie_margin} nats, drift tolerance {cmp.drift_tol} nats", ""]
+    extra = f" {'JS in':>19} {'tail A/B':>15}" if wide else ""
     head = (f"{'step':>4}  {'verdict':<8} {'A token':<16} {'B token':<16} {'jacc':>5} {'max|Δlp|':>8} "
-            f"{'rank±':>5} {'KL≥':>8} {'JS in':>19} {'tail A/B':>15}  ds4_test")
+            f"{'rank±':>5} {'KL≥':>8}{extra}  ds4_test")
     lines += [head, "-" * len(head)]
     for s in cmp.steps:
         dv = s.divergence
@@ -335,10 +362,10 @@ def render_text(cmp: Comparison) -> str:
         ds4 = {True: "ok", False: "FAIL " + s.ds4_test_detail, None: "-"}[s.ds4_test]
         lines.append(f"{s.step:>4}  {s.verdict or '-':<8} {s.ref_token or '-':<16.16} {s.cand_token or '-':<16.16} "
                      f"{_fmt(s.jaccard, '.2f'):>5} {_fmt(s.max_abs_dlogprob):>8} {_fmt(s.max_rank_shift, 'd'):>5} "
-                     f"{_fmt(dv.kl_lower if dv else None):>8} {js:>19} {tails:>15}  {ds4}"
-                     + (f"  ({s.note})" if s.note else ""))
+                     f"{_fmt(dv.kl_lower if dv else None):>8}" + (f" {js:>19} {tails:>15}" if wide else "")
+                     + f"  {ds4}" + (f"  ({s.note})" if s.note else ""))
     lines += [""] + [f"note: {n}" for n in cmp.notes] + [cmp.summary_line()]
-    return "\n".join(lines)
+    return "\n".join(lines if wide else [fit_line(line) for line in lines])
 
 
 def render_markdown(cmp: Comparison) -> str:
@@ -351,6 +378,6 @@ def render_markdown(cmp: Comparison) -> str:
         kl = _fmt(s.divergence.kl_lower) if s.divergence else "-"
         cells = [str(s.step), s.verdict or "-", s.ref_token or "-", s.cand_token or "-", _fmt(s.jaccard, ".2f"),
                  _fmt(s.max_abs_dlogprob), kl, ds4 + (f" ({s.note})" if s.note else "")]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     lines += [""] + [f"> note: {n}" for n in cmp.notes]
     return "\n".join(lines) + "\n"

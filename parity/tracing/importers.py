@@ -62,6 +62,11 @@ def _ds4_files(prefix: str | os.PathLike) -> list[tuple[Path, str]]:
     return [(f, f.name[1:] if f.name.startswith("_") else f.name) for f in sorted(Path(head).glob("*"))]
 
 
+def has_ds4_dumps(prefix: str | os.PathLike) -> bool:
+    """Whether `prefix` names at least one file as a ds4 dump prefix (see `_ds4_files`)."""
+    return bool(_ds4_files(prefix))
+
+
 def _rows(data: np.ndarray, width: int, what: str) -> np.ndarray:
     if data.size % width:
         raise TraceError(f"{what}: {data.size} values is not a multiple of the row width {width}")

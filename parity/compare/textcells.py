@@ -1,0 +1,19 @@
+"""Text layout of printed reports: console lines within 100 columns, Markdown table cells that stay cells."""
+
+from __future__ import annotations
+
+import textwrap
+
+
+def fit_line(line: str, width: int = 100) -> str:
+    """`line` wrapped at `width` columns, continuations indented two spaces past its own indent; words are never
+    cut (a single word longer than `width`, a long path, stays whole)."""
+    if len(line) <= width:
+        return line
+    lead = line[: len(line) - len(line.lstrip())]
+    return textwrap.fill(line, width, subsequent_indent=lead + "  ", break_long_words=False, break_on_hyphens=False)
+
+
+def md_cell(text: str) -> str:
+    """`text` safe in a Markdown table cell: `|` escaped (an unescaped one splits the cell), newlines as spaces."""
+    return text.replace("|", "\\|").replace("\n", " ")

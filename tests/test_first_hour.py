@@ -1,0 +1,153 @@
+"""The paper cuts of a new user's first hour (issue 28, item 7), one test each: no Python `None` in a verdict,
+a mistyped path named as such, Markdown tables that keep their cells, `flags {}` said once, misspelt fault
+names refused before any work, preflight errors naming both files, one `error:` spelling, one `--tokens`
+example, output within 100 columns."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+from trace_samples import toy_trace
+
+from parity.bisect.check import Cause, CheckReport, CheckRow
+from parity.bisect.check_report import headline, to_markdown, to_text
+from parity.cli import cli, main
+from parity.tracing.io import write_trace
+
+
+def _traces(tmp_path, edit_b=None):
+    a, b = toy_trace(7), toy_trace(7)
+    if edit_b:
+        edit_b(b)
+    return write_trace(a, tmp_path / "a.trace"), write_trace(b, tmp_path / "b.trace")
+
+
+def _invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+# ----------------------------------------------------------------------------------------------
+# check: a cause outside every block is named, never "layer None"
+
+def _report_outside_blocks(verdict: str) -> CheckReport:
+    rows = (CheckRow("embed", 1e-3, 4.0, None, None, 2.5e-4, 0, "outside"),
+            CheckRow("blk.0.attn", 1e-3, 3.0, 1e-7, 0.0, 3e-4, 0, "outside"))
+    cause = Cause("benign", "amplified-drift", None, None, "free-running excess 4 at embed: amplified drift")
+    report = CheckReport(verdict, "", None, (cause,), rows, {"follow": 2}, (), 3)
+    return CheckReport(verdict, headline(report), None, (cause,), rows, {"follow": 2}, (), 3)
+
+
+def test_a_cause_without_a_layer_names_the_embedding():
+    r = _report_outside_blocks("NOISE")
+    text, md = to_text(r), to_markdown(r)
+    for out in (text, md):
+        assert "None" not in out, out
+    assert "amplified-drift at the embedding (embed, before layer 0)" in r.headline
+    assert "cause (benign): amplified-drift at the embedding (embed, before layer 0)" in text
+    assert "| benign | amplified-drift | the embedding (embed, before layer 0) |" in md
+
+
+# ----------------------------------------------------------------------------------------------
+# check --candidate: a mistyped path is "no such file", not a question about ds4 token ids
+
+def test_a_mistyped_candidate_path_is_no_such_file(tiny_f32, tmp_path):
+    r = _invoke("check", "-m", tiny_f32, "--candidate", tmp_path / "torhc.trace")
+    assert r.exit_code == 2
+    assert f"{tmp_path / 'torhc.trace'}: no such file or directory" in r.output, r.output
+    assert "token ids" not in r.output
+
+
+# ----------------------------------------------------------------------------------------------
+# diff: Markdown cells escape '|', flags {} is one line
+
+def test_diff_markdown_escapes_pipes_in_cells(tmp_path):
+    pa, pb = _traces(tmp_path, lambda t: t.moe["w"].__setitem__((1, 0), t.moe["w"][1, 0] + 0.25))
+    md = tmp_path / "d.md"
+    r = _invoke("diff", pa, pb, "--markdown", md, "--no-fail")
+    assert r.exit_code == 0, r.output
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| 0 |")]  # moe row 1: layer 0
+    assert len(rows) == 1 and "max |diff|" in rows[0].replace("\\|", "|"), md.read_text()
+    cells = re.split(r"(?<!\\)\|", rows[0])
+    assert len(cells) == 4 and cells[2].strip().startswith("expert weights max \\|diff\\| 0.25"), cells
+
+
+def test_empty_flags_are_said_once(tmp_path):
+    def many_flags(t):
+        t.header.flags = {f"f{i}": i for i in range(8)}
+
+    a = toy_trace(7)
+    many_flags(a)
+    b = copy.deepcopy(a)
+    b.header.flags = {}
+    pa, pb = write_trace(a, tmp_path / "a.trace"), write_trace(b, tmp_path / "b.trace")
+    r = _invoke("diff", pa, pb)
+    lines = [line for line in r.output.splitlines() if "flags differ" in line]
+    assert len(lines) == 1 and "None" not in r.output, r.output
+    assert lines[0].startswith("flags differ: B records no flags; A's: f0=0, f1=1"), lines
+    same = _invoke("diff", pa, pa)
+    assert "flags differ" not in same.output
+
+
+# ----------------------------------------------------------------------------------------------
+# bisect: misspelt fault or engine refused before any work (no progress line first)
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--inject", "nosuch"), "--inject 'nosuch': engine 'torch' has no such fault (it offers: "),
+    (("--engine", "nosuch"), "unknown engine 'nosuch'; registered: "),
+])
+def test_bisect_refuses_bad_names_before_any_work(tiny_f32, args, words):
+    r = _invoke("bisect", "-m", tiny_f32, *args)
+    assert r.exit_code != 0 and words in str(r.exception), (r.output, r.exception)
+    assert r.output == "", r.output  # no stage line (envelope, reference run) before the refusal
+
+
+# ----------------------------------------------------------------------------------------------
+# preflight errors name both files
+
+def test_diff_and_gate_preflight_errors_name_both_files(tmp_path):
+    pa, pb = _traces(tmp_path, lambda t: t.header.model.__setitem__("size", 999))
+    for args in (("diff", pa, pb), ("gate", "--golden", pa, "--candidate", pb)):
+        r = _invoke(*args)
+        assert r.exit_code == 2 and f"preflight (A {pa}, B {pb}): " in r.output, r.output
+        assert r.output.startswith("error: "), r.output
+
+
+def test_check_preflight_names_candidate_and_model(tiny_f32, tmp_path):
+    path = write_trace(toy_trace(7), tmp_path / "toy.trace")
+    r = _invoke("check", "-m", tiny_f32, "--candidate", path)
+    assert r.exit_code == 2 and f"preflight (candidate {path}, model {tiny_f32}): model identity differs" in r.output
+
+
+# ----------------------------------------------------------------------------------------------
+# one `error:` spelling from the entry point, usage errors included
+
+@pytest.mark.parametrize("args", [["diff", "only-one.trace"], ["diff", "--no-such-option"], ["check", "-m"]])
+def test_errors_are_spelled_error_colon(monkeypatch, capsys, args):
+    monkeypatch.setattr(sys, "argv", ["v4parity", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Error:" not in err and re.search(r"^error: \S", err, re.M), err
+
+
+# ----------------------------------------------------------------------------------------------
+# one --tokens example
+
+def _commands(group: click.Group, prefix: str = "") -> dict[str, click.Command]:
+    out = {}
+    for name, cmd in group.commands.items():
+        out[prefix + name] = cmd
+        if isinstance(cmd, click.Group):
+            out |= _commands(cmd, f"{prefix}{name} ")
+    return out
+
+
+def test_every_tokens_option_gives_the_same_example():
+    helps = {name: p.help for name, cmd in _commands(cli).items() for p in cmd.params
+             if isinstance(p, click.Option) and "--tokens" in p.opts}
+    assert len(helps) >= 6 and all("e.g. 0,17,42" in h for h in helps.values()), helps
