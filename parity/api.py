@@ -378,7 +378,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
                                   f"{', '.join(map(str, search))}: measure one with `v4parity envelope --dtype "
                                   f"{trace_.header.dtype}` or pass --envelope")
     if found is None:
-        say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked)")
+        say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
+            "19 round-off twins)")
         env = measure_envelope(model, "reference", RunOptions(**qat), say)
     else:
         env = found[0]
