@@ -35,7 +35,7 @@ class Refused(click.ClickException):
 @click.option("--depth", type=int, default=1, show_default=True,
               help="Drafts per round: MTP chain depth, or scripted drafts (a DSpark round drafts its block of B).")
 @click.option("--steps", type=int, default=32, show_default=True, help="Tokens to generate.")
-@click.option("--tokens", default=None, help="Prompt token ids, e.g. '0 17 42'.")
+@click.option("--tokens", default=None, help="Prompt token ids, e.g. 0,17,42.")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File of prompt token ids.")
 @click.option("--prompt", help="User text as one chat turn (non-thinking, no system text).")
