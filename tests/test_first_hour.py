@@ -6,10 +6,12 @@ example, output within 100 columns."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from trace_samples import toy_trace
@@ -151,3 +153,58 @@ def test_every_tokens_option_gives_the_same_example():
     helps = {name: p.help for name, cmd in _commands(cli).items() for p in cmd.params
              if isinstance(p, click.Option) and "--tokens" in p.opts}
     assert len(helps) >= 6 and all("e.g. 0,17,42" in h for h in helps.values()), helps
+
+
+# ----------------------------------------------------------------------------------------------
+# item 2: diff names the departure as well as the threshold crossing, and points to `check`
+
+SCALES = {"embed": 0.0, "blk.0.attn": 1e-6, "blk.0": 2e-6, "blk.1.attn": 4e-4, "blk.1": 3e-3, "final_norm": 5e-3}
+
+
+def _drifting(tmp_path):
+    """B's fingerprints scaled per checkpoint by 1 + s * noise: a 200x jump at blk.1.attn (4e-4, under the
+    threshold), the crossing at blk.1."""
+    a = toy_trace(7)
+    b = copy.deepcopy(a)
+    rng = np.random.default_rng(0)
+    names = a.header.checkpoints
+    for i, ck in enumerate(b.ckpt["ck"].tolist()):
+        b.ckpt["fp"][i] = a.ckpt["fp"][i] * (1 + SCALES[names[ck]] * rng.standard_normal(a.ckpt["fp"].shape[1]))
+    return a, b, write_trace(a, tmp_path / "a.trace"), write_trace(b, tmp_path / "b.trace")
+
+
+def test_diff_names_the_departure_and_the_crossing(tmp_path):
+    a, b, pa, pb = _drifting(tmp_path)
+    doc = json.loads(_invoke("diff", pa, pb, "--json").output)
+    names = a.header.checkpoints  # second implementation: worst rel-L2 per checkpoint, then the largest ratio
+    worst = [max(float(np.linalg.norm(b.ckpt["fp"][i].astype(np.float64) - a.ckpt["fp"][i]) /
+                       np.linalg.norm(a.ckpt["fp"][i].astype(np.float64)))
+                 for i in np.flatnonzero(a.ckpt["ck"] == k)) for k in range(len(names))]
+    eps = float(np.finfo(np.float32).eps)
+    ratios = [max(worst[k], eps) / max(worst[k - 1], eps) for k in range(1, len(names))]
+    k = 1 + int(np.argmax(ratios))
+    assert names[k] == "blk.1.attn" and doc["first_drift"]["checkpoint"] == "blk.1"
+    d = doc["departure"]
+    assert (d["checkpoint"], d["after"], d["layer"]) == ("blk.1.attn", "blk.0", 1)
+    assert d["jump"] == pytest.approx(ratios[k - 1], rel=1e-6) and d["rel_l2"] == pytest.approx(worst[k], rel=1e-6)
+    text = _invoke("diff", pa, pb).output.replace("\n  ", " ")
+    assert "departure: blk.1.attn (layer 1), the largest jump: rel-L2" in text
+    assert "crosses the threshold at blk.1" in text
+    assert json.loads(_invoke("diff", pa, pa, "--json").output)["departure"] is None  # no drift: no departure
+
+
+def test_drift_output_points_to_check(tmp_path):
+    _, _, pa, pb = _drifting(tmp_path)
+    hint = f"this may be benign float noise: run `v4parity check -m toy.gguf --candidate {pb}`"
+    for args in (("diff", pa, pb), ("plot", pa, pb, "-o", tmp_path / "d.png"),
+                 ("report", pa, pb, "-o", tmp_path / "r.html", "--no-fail")):
+        assert hint in _invoke(*args).output.replace("\n  ", " "), args
+    for args in (("diff", pa, pa), ("plot", pa, pa, "-o", tmp_path / "s.png")):
+        assert "benign float noise" not in _invoke(*args).output, args
+
+
+def test_the_typical_session_includes_check():
+    session = _invoke("--help").output.split("Typical session:", 1)[1].split("Exit codes", 1)[0]
+    lines = [line.strip() for line in session.splitlines() if line.strip()]
+    diff = next(i for i, line in enumerate(lines) if line.startswith("v4parity diff "))
+    assert lines[diff + 1].startswith("v4parity check -m m.gguf --candidate cand.trace"), lines

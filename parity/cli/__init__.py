@@ -24,8 +24,9 @@ def cli() -> None:
     Typical session:
       v4parity synth -o m.gguf
       v4parity trace --engine reference -m m.gguf --prompt "Hello" --decode 4 -o ref.trace
-      v4parity trace --engine torch -m m.gguf --follow ref.trace -o cand.trace
-      v4parity diff ref.trace cand.trace          (exit 1 on drift)
+      v4parity trace --engine torch -m m.gguf --follow ref.trace --full all -o cand.trace
+      v4parity diff ref.trace cand.trace          (exit 1 on drift: may be benign float noise)
+      v4parity check -m m.gguf --candidate cand.trace   (the verdict: MATCH / NOISE 0, DEFECT 1)
       v4parity report ref.trace cand.trace -o report.html
       v4parity bisect -m m.gguf
     Exit codes everywhere: 0 ok, 1 a finding, 2 usage or preflight error; --json prints errors as JSON too.

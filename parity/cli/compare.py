@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from parity.cli.common import echo_json, html_option, json_errors, json_option, markdown_option, write_text
+from parity.compare.textcells import fit_line
 from parity.contract.files import atomic_write_text
 
 a_arg = click.argument("a", metavar="A", type=click.Path(exists=True, dir_okay=False))
@@ -78,7 +79,7 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
     Example: v4parity diff ref.trace torch.trace --markdown diff.md
     Example: v4parity diff ref.trace torch.trace --check-model tiny-f32.gguf
     """
-    from parity.compare.printers import print_report, to_markdown, worst_rows
+    from parity.compare.printers import check_hint, print_report, to_markdown, worst_rows
 
     report = _diff(a, b, force, rel_tol, norm_tol, as_json)
     if markdown_path:
@@ -97,6 +98,8 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
         for line in judged.lines() if judged else ():
             click.echo(line)
         _echo_check(checked)
+        if not report and judged is None and checked is None:
+            click.echo(fit_line(check_hint(report, b)))
     passed = (checked.verdict != "DEFECT" if checked is not None else judged.passed if judged else bool(report))
     if not passed and not no_fail:
         raise SystemExit(1)
@@ -118,7 +121,7 @@ def plot(a, b, output, force, rel_tol, norm_tol, as_json) -> None:
     Example: v4parity plot ref.trace torch.trace -o drift.png
     """
     from parity import api
-    from parity.compare.printers import verdict_line
+    from parity.compare.printers import check_hint, verdict_line
 
     output = _plot_path(output)
     report = _diff(a, b, force, rel_tol, norm_tol, as_json)
@@ -127,6 +130,8 @@ def plot(a, b, output, force, rel_tol, norm_tol, as_json) -> None:
         echo_json({"wrote": str(path), "agree": bool(report), "verdict": verdict_line(report)})
     else:
         click.echo(f"wrote {path} ({verdict_line(report)})")
+        if not report:
+            click.echo(fit_line(check_hint(report, b)))
 
 
 @click.command()
@@ -148,7 +153,7 @@ def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
     Example: v4parity report ref.trace torch.trace -o report.html
     """
     from parity.compare.html import write_report
-    from parity.compare.printers import verdict_line
+    from parity.compare.printers import check_hint, verdict_line
 
     rep = _diff(a, b, force, rel_tol, norm_tol, as_json)
     path = write_report(output, rep)
@@ -156,6 +161,8 @@ def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
         echo_json({"wrote": str(path), "agree": bool(rep), "verdict": verdict_line(rep)})
     else:
         click.echo(f"wrote {path} ({verdict_line(rep)})")
+        if not rep:
+            click.echo(fit_line(check_hint(rep, b)))
     if not rep and not no_fail:
         raise SystemExit(1)
 

@@ -114,6 +114,7 @@ class DiffReport:
     first_drift: dict[str, Any] | None
     flags_differ: dict[str, Any] = field(default_factory=dict)
     logits: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LOGIT_COLUMNS))
+    departure: dict[str, Any] | None = None  # the largest rel-L2 jump between consecutive checkpoints (on drift)
 
     def __bool__(self) -> bool:
         return self.first_drift is None
@@ -143,7 +144,8 @@ class DiffReport:
 
         return {"a": self.a, "b": self.b, "thresholds": {**asdict(self.thresholds), "cos_tol": self.thresholds.cos_tol},
                 "warnings": self.warnings, "flags_differ": self.flags_differ, "agree": bool(self),
-                "exact": self.exact, "first_drift": self.first_drift, "checkpoints": records(self.summary),
+                "exact": self.exact, "first_drift": self.first_drift, "departure": self.departure,
+                "checkpoints": records(self.summary),
                 "positions": records(self.table), "layers": records(self.layers), "logits": records(self.logits)}
 
 
@@ -174,7 +176,8 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
         layers = layers_job.result()
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
-        layers=layers, first_drift=_first_drift(table, th) or _logits_drift(logits, th),
+        layers=layers, first_drift=(first := _first_drift(table, th) or _logits_drift(logits, th)),
+        departure=_departure(table) if first is not None else None,
         logits=logits,
         flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
@@ -330,6 +333,30 @@ def _logits_drift(logits: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None
     return {"checkpoint": LOGITS, "layer": None, "first_pos": int(d["pos"].iloc[0]), "worst_pos": int(row["pos"]),
             "positions": d["pos"].tolist(), "method": "full", "rel_l2": json_safe(row["rel_l2"], nan=None),
             "norm_ratio": None, "cosine": json_safe(row["cosine"], nan=None), "reason": reason}
+
+
+JUMP_FLOOR = float(np.finfo(np.float32).eps)  # rel-L2 at or below float32's epsilon is round-off: jumps from it count
+# from the epsilon, so a first non-zero rel-L2 after an exact checkpoint is not an infinite jump
+
+
+def _departure(table: pd.DataFrame) -> dict[str, Any] | None:
+    """Where B departs: the checkpoint with the largest jump of the worst rel-L2 (over positions) from the
+    checkpoint before it, in depth order. jump = max(r_k, eps) / max(r_(k-1), eps), eps = float32's epsilon; a
+    non-finite r_k is an infinite jump (the first one wins ties). The first threshold crossing can come later: the
+    drift grows after the departure until it crosses the threshold. None with fewer than two checkpoints."""
+    worst = table.assign(r=table["rel_l2"].astype(float).fillna(np.inf)).groupby("checkpoint", sort=False)
+    per = worst.agg(depth=("depth", "first"), layer=("layer", "first"), r=("r", "max"))
+    per = per.sort_values("depth", kind="stable").reset_index()
+    if len(per) < 2:
+        return None
+    r = np.maximum(per["r"].to_numpy(), JUMP_FLOOR)
+    with np.errstate(invalid="ignore"):
+        jumps = np.where(np.isinf(r[1:]), np.inf, r[1:] / r[:-1])
+    k = int(np.argmax(jumps)) + 1
+    row, prev = per.iloc[k], per.iloc[k - 1]
+    return {"checkpoint": row["checkpoint"], "layer": None if row["layer"] < 0 else int(row["layer"]),
+            "after": prev["checkpoint"], "rel_l2": json_safe(float(row["r"])),
+            "rel_l2_before": json_safe(float(prev["r"])), "jump": json_safe(float(jumps[k - 1]))}
 
 
 def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from parity.compare.differ import DiffReport
-from parity.compare.printers import WIDE, cells, checkpoint_rows, flags_line, thresholds_line, verdict_line
+from parity.compare.printers import (
+    WIDE,
+    cells,
+    checkpoint_rows,
+    departure_line,
+    flags_line,
+    thresholds_line,
+    verdict_line,
+)
 from parity.contract.files import atomic_write_text
 
 CSS = """
@@ -134,8 +142,9 @@ def diff_sections(report: DiffReport, plot: bool = True) -> list[Section]:
     out.append(Section("Routing, indexer and HC diagnostics", diagnostics(report)))
     notes = [f"warning (forced): {w}" for w in report.warnings]
     notes += [f"flags differ: {flags}"] if (flags := flags_line(report)) is not None else []
+    notes += [dep] if (dep := departure_line(report)) is not None else []
     if notes:
-        out.append(Section("Warnings", preformatted("\n".join(notes))))
+        out.append(Section("Warnings and notes", preformatted("\n".join(notes))))
     out.append(Section("Run headers", headers_side_by_side(report.a, report.b,
                                                            (f"A = {report.a['engine']}", f"B = {report.b['engine']}"))))
     return out

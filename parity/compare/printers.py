@@ -103,6 +103,24 @@ def verdict_line(r: DiffReport) -> str:
             f"[{f['method']}]")
 
 
+def departure_line(r: DiffReport) -> str | None:
+    """Where B departs (the largest rel-L2 jump from one checkpoint to the next), when it is not where the
+    threshold is first crossed; None without drift or when both are the same checkpoint."""
+    d, f = r.departure, r.first_drift
+    if d is None or f is None or d["checkpoint"] == f["checkpoint"]:
+        return None
+    where = f"layer {d['layer']}" if d["layer"] is not None else d["checkpoint"]
+    return (f"departure: {d['checkpoint']} ({where}), the largest jump: rel-L2 {_fmt(d['rel_l2_before'], '.3g')} at "
+            f"{d['after']} -> {_fmt(d['rel_l2'], '.3g')} ({_fmt(d['jump'], '.3g')}x); the drift grows from there "
+            f"and crosses the threshold at {f['checkpoint']}")
+
+
+def check_hint(r: DiffReport, candidate: str) -> str:
+    """What to run for the verdict on a drift (`check` judges the candidate `candidate` against its model)."""
+    return (f"this may be benign float noise: run `v4parity check -m {r.b['model']['file']} --candidate {candidate}` "
+            "for the verdict (MATCH / NOISE / DEFECT)")
+
+
 def _fmt(v: float, spec: str) -> str:
     return "-" if v is None or np.isnan(v) else format(v, spec)
 
@@ -239,6 +257,8 @@ def print_report(r: DiffReport, wide: bool = False, echo: Callable[..., None] = 
         echo(textwrap.fill(line, 100, subsequent_indent="  "))
     echo(click.style(textwrap.fill(verdict_line(r), 100, subsequent_indent="  "), fg="green" if r else "red",
                      bold=not r))
+    if (dep := departure_line(r)) is not None:
+        echo(textwrap.fill(dep, 100, subsequent_indent="  "))
     echo(textwrap.fill(thresholds_line(r), 100, subsequent_indent="  "))
 
 
@@ -246,6 +266,7 @@ def to_markdown(r: DiffReport) -> str:
     """The report as GitHub Markdown: verdict, warnings, the wide table, layer diagnostics with differences."""
     lines = [f"**v4parity diff**: A = {r.a['engine']} {r.a['version']}, B = {r.b['engine']} {r.b['version']}", "",
              f"**{verdict_line(r)}**", ""]
+    lines += [departure_line(r), ""] if departure_line(r) is not None else []
     lines += [f"> warning (forced): {w}" for w in r.warnings]
     lines += [f"> flags differ: {flags}"] if (flags := flags_line(r)) is not None else []
     lines += ["", "| " + " | ".join(WIDE) + " |", "|" + "---|" * len(WIDE)]
