@@ -52,6 +52,27 @@ def test_announced_approximation_passes_both_pins(plugins, tmp_path, tiny_f32):
     assert {"seconds", "cpu_seconds"}.isdisjoint(rec)
     for f in ("report.md", "validate.png", "timing.json", RESULTS):
         assert (tmp_path / "out" / f).stat().st_size > 0
+    md = (tmp_path / "out" / "report.md").read_text()  # no budget: only the pins were judged, and it says so
+    assert "**PASS (pins only - no budget given, metrics not judged)**" in md and "declared act_quant=q8_0;" in md
+    assert "{'" not in md and "named on stderr: yes" in md
+
+
+def test_validate_plot_has_a_legend_for_both_axes_and_no_dict_in_titles(plugins, tmp_path, tiny_f32, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from parity.validate.report import plot_report
+
+    r = run(tmp_path, tiny_f32, "vfake:act_quant=q8_0")
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    plot_report(r, tmp_path / "v.png")
+    legend = figs[0].axes[0].get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["top-1 differs",
+                                                                               "mean KL (lower bound)"]
+    titles = [ax.get_title() for ax in figs[0].axes] + [figs[0]._suptitle.get_text()]
+    assert not any("{" in t for t in titles), titles
+    monkeypatch.undo()
+    plt.close(figs[0])
 
 
 def test_silent_approximate_plugin_fails_the_announce_pin(plugins, tmp_path, tiny_f32):

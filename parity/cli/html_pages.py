@@ -50,9 +50,10 @@ def bisect_page(path: str, report: Any) -> Path:
 
 def validate_page(path: str, report: dict, out_dir: Path) -> Path:
     """`validate`: pass/fail with the findings, the Markdown report as text, the plot written to the run dir."""
-    from parity.validate.report import render_markdown
+    from parity.validate.report import NO_BUDGET, render_markdown
 
-    verdict = "every budget bound and pin holds" if report["passed"] else "; ".join(report["findings"])
+    judged = "every budget bound and pin holds" if report["budget"] else NO_BUDGET
+    verdict = judged if report["passed"] else "; ".join(report["findings"])
     sections = [Section("Report", preformatted(render_markdown(report)))]
     png = out_dir / "validate.png"
     if png.exists():

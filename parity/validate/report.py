@@ -24,6 +24,21 @@ def _g(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
+NO_BUDGET = "pins only - no budget given, metrics not judged"  # what a PASS without --budget rests on
+
+
+def verdict_words(report: dict) -> str:
+    """PASS / FAIL in words: a PASS without a budget says that only the pins were judged."""
+    if not report["passed"]:
+        return "FAIL"
+    return "PASS" if report["budget"] else f"PASS ({NO_BUDGET})"
+
+
+def counts_words(counts: dict, none: str = "none") -> str:
+    """{'WRONG': 3, 'TIE-FLIP': 1} -> 'WRONG 3, TIE-FLIP 1' (no Python dict repr in a report)."""
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or none
+
+
 def render_markdown(report: dict) -> str:
     agg = report["aggregates"]
     budget = {b["metric"]: b for b in report["budget"] or []}
@@ -33,7 +48,7 @@ def render_markdown(report: dict) -> str:
              f"{report['decode']} decode steps ({report['steps']} greedy steps per prompt), seed {report['seed']}, "
              f"top-k {report['top_k']}. CIs: percentile bootstrap over prompts, {report['bootstrap']} resamples; "
              f"MDE at alpha = {report['alpha']}, beta = {report['beta']}.", "",
-             f"**{'PASS' if report['passed'] else 'FAIL'}**", ""]
+             f"**{verdict_words(report)}**", ""]
     lines += [f"- {f}" for f in report["findings"]] + ([""] if report["findings"] else [])
     lines += ["| metric | value | 95% CI | MDE | budget | |", "|---|---:|---|---:|---|---|"]
     for name in (*MEAN_METRICS, *POOLED):
@@ -52,12 +67,13 @@ def render_markdown(report: dict) -> str:
     div = report["divergence"]
     ex, an = pins["exactness"], pins["announce"]
     median = "" if div["first_step_median"] is None else f", median first divergent step {div['first_step_median']:g}"
-    lines += ["", f"First divergent step classes: {div['classes'] or 'none'}{median}.", "",
+    lines += ["", f"First divergent step classes: {counts_words(div['classes'])}{median}.", "",
               f"Exactness pin ({len(ex['prompts'])} prompts: exact twice"
               + (f", and `{ex['explicit_spec']}`" if ex["explicit_spec"] else "") + f"): "
               f"{'pass' if ex['passed'] else 'FAIL'}.",
-              f"Announce pin (declared {an['declared'] or 'nothing'}; numerics differ on "
-              f"{an['numerics_differ_on']}/{report['n']} prompts; named on stderr: {an['stderr_announced']}): "
+              f"Announce pin (declared {', '.join(f'{k}={v}' for k, v in an['declared'].items()) or 'nothing'}; "
+              f"numerics differ on {an['numerics_differ_on']}/{report['n']} prompts; named on stderr: "
+              f"{'yes' if an['stderr_announced'] else 'no'}): "
               f"{'pass' if an['passed'] else 'FAIL'}."]
     lines += [f"Note: {n}" for n in an["notes"]]
     return "\n".join(lines) + "\n"
@@ -79,11 +95,13 @@ def plot_report(report: dict, path: Path) -> Path:
     ax2 = ax.twinx()
     ax2.plot(steps, div["per_step_kl_mean"], color="tab:red", label="mean KL (lower bound)")
     ax2.set_ylabel("KL (nats)")
+    handles = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]  # one legend for both axes
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left")
     ax.set_title("per-step divergence and KL")
     axes[1].bar(steps, div["first_step_histogram"])
     axes[1].set_xlabel("first divergent step")
     axes[1].set_ylabel("prompts")
-    axes[1].set_title(f"first divergence ({div['classes'] or 'none'})")
+    axes[1].set_title(f"first divergence ({counts_words(div['classes'])})")
     n_layers = sum(k.endswith(".mean") for k in agg)
     for s in ("mean", "p99", "max"):
         axes[2].plot(range(n_layers), [agg[f"rel_l2.blk.{l}.{s}"]["value"] for l in range(n_layers)], marker="o",
