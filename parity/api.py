@@ -354,7 +354,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
-    from parity.contract.engine import engine_faults
+    from parity.contract.engine import engine_class, engine_faults
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
 
@@ -389,8 +389,11 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
     drafter = None if draft is None else str(draft)
+    draft_library = [] if drafter is None else [
+        (n, lambda o, n=n: load_engine(n, str(model), o, draft=drafter), faults)
+        for n in fault_engines if (faults := tuple(getattr(engine_class(n), "draft_faults", ())))]
     return run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
-                     fault_engines=library,
+                     fault_engines=library, draft_fault_engines=draft_library,
                      subops=subops, notes=notes, progress=say, counter=counter, config=config)
 
 

@@ -161,12 +161,32 @@ def test_a_perturbed_mtp0_is_located_by_diff_and_check(tiny_f32, drafters, tmp_p
     worst = r.table[r.table["checkpoint"] == "mtp.0"]["rel_l2"]
     assert worst.min() > 1.9e-3 and worst.max() < 2.1e-3   # the perturbation: 2e-3 by construction
     report = api.check(api.save_trace(bad, tmp_path / "bad.trace"), tiny_f32, envelope=ENV_F32,
-                       draft=drafters["ds4-mtp"])
+                       draft=drafters["ds4-mtp"], fault_engines=())   # no library: test_drafter_faults_are_named
     assert report.verdict == "DEFECT" and report.culprit.layer == "drafter mtp.0", report.headline
+    assert [c.name for c in report.causes] == ["unexplained"]
     rows = {row.checkpoint: row for row in report.table}
     assert rows["mtp.0.in"].status == rows["mtp.0.attn"].status == "ok" and rows["mtp.0"].status == "local"
     assert rows["mtp.0.logits"].status == "ok"        # the engine's own logits: not perturbed
     assert rows["blk.5"].status == "ok" and rows["blk.5"].local == 0.0   # the trunk: the reference's own
+
+
+def test_drafter_faults_are_named(tiny_f32, drafters, mtp_traces):
+    """A torch candidate with the drafter fault mtp-no-hc-post: check's drafter stage departs at mtp.0 and the
+    defect library (torch's drafter faults of the MTP head, on the candidate's trunk carriers) names the fault."""
+    from parity.bisect.draft_check import draft_check, draft_library
+    from parity.contract.engine import load_engine
+    from reference_cpu.engine import ReferenceEngine
+
+    draft = str(drafters["ds4-mtp"])
+    bad = api.trace("torch", tiny_f32, PROMPT, decode=DECODE, positions="all", full="all", draft=draft,
+                    options=dataclasses.replace(OPTS, inject=("mtp-no-hc-post",)),
+                    forced=mtp_traces["reference"].header.tokens[len(PROMPT):])
+    dc = draft_check(bad, ReferenceEngine(str(tiny_f32), OPTS, draft=draft))
+    assert dc.first.checkpoint == "mtp.0" and dc.first.test.exceed == T - 1
+    library = [("torch", lambda o: load_engine("torch", str(tiny_f32), o, draft=draft),
+                ("mtp-hnorm-flat", "mtp-no-hc-post", "dspark-causal-block"))]
+    best, runs = draft_library(bad, dc, OPTS, library)
+    assert best.name == "mtp-no-hc-post" and best.explains and runs == 3   # clean + the two MTP faults
 
 
 def test_export_round_trip(mtp_traces, dspark_traces, tmp_path):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
-from parity.bisect.draft_check import draft_check, unjudged
+from parity.bisect.draft_check import draft_check, draft_library, unjudged
 from parity.bisect.envelope import Envelope
 from parity.bisect.hypotheses import (
     Fit,
@@ -247,10 +247,12 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config: ModelConfig,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS) -> CheckReport:
+          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS,
+          draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = ()) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
-    own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down.
+    own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down;
+    draft_fault_engines: as fault_engines, opened with the candidate's drafter, for its drafter faults.
     progress(message) announces the stages; counter(stage, done, total) counts the chunks of the two long passes."""
     say = progress or (lambda _m: None)
     count = counter or (lambda _s, _d, _t: None)
@@ -310,7 +312,8 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     names = [*(n for n in h.checkpoints if not is_draft(n)), *([LOGITS] if LOGITS in free else [])]
     table = _table(names, free, local, env, h.positions)
     if h.draft:
-        table += _drafts(trace, ref_engine, n_twins, st, say, count)
+        table += _drafts(trace, ref_engine, n_twins, st, say, count,
+                         [(n, _quiet(f, announced), faults) for n, f, faults in draft_fault_engines])
     if announced:
         st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
     verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
@@ -322,10 +325,11 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     return replace(report, headline=headline(report))
 
 
-def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Progress,
-            count: Counter) -> list[CheckRow]:
+def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Progress, count: Counter,
+            fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]]) -> list[CheckRow]:
     """The draft checkpoints, teacher-forced on the candidate's trunk carriers (`parity.bisect.draft_check`): a
-    row each; the first outside the round-off null is a defect (the culprit when the trunk has none)."""
+    row each; the first outside the round-off null is a defect (the culprit when the trunk has none), matched
+    against the drafter faults of `fault_engines`."""
     h = trace.header
     names = draft_names(h.draft)
     drafter = getattr(ref_engine, "drafter", None)
@@ -347,9 +351,23 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Pr
     first = dc.first
     if first is not None and first.test.first is not None:
         pos = first.test.first.position
-        st.causes.append(Cause("defect", "unexplained", f"drafter {first.checkpoint}", None,
-                               f"{first.test.summary()} (rel-L2 {first.err:.3g}; teacher-forced on the candidate's "
-                               "trunk carriers)"))
+        evidence = (f"{first.test.summary()} (rel-L2 {first.err:.3g}; teacher-forced on the candidate's trunk "
+                    "carriers)")
+        say(f"drafter: {first.checkpoint} departs; running the drafter faults")
+        opts = ref_engine.options
+        best, runs = draft_library(trace, dc, RunOptions(fp8_kv=opts.fp8_kv, fp4_indexer=opts.fp4_indexer),
+                                   fault_engines)
+        st.runs["drafter_library"] = runs
+        if best is not None and best.explains:
+            cause = Cause("defect", best.name, f"drafter {first.checkpoint}", None,
+                          f"matches {best.name}: {best.exceed} of {best.cells} draft cells outside the round-off "
+                          f"twins around its run (residual {best.worst:.3g}); exact path: {evidence}")
+        else:
+            closest = (f"; the closest drafter fault, {best.name}, leaves {best.exceed} of {best.cells} cells outside"
+                       if best is not None else "; no engine offers drafter faults" if not fault_engines else
+                       "; no drafter fault of this head was tried")
+            cause = Cause("defect", "unexplained", f"drafter {first.checkpoint}", None, evidence + closest)
+        st.causes.append(cause)
         if st.culprit is None:
             st.culprit = CheckCulprit(f"drafter {first.checkpoint}", None, pos, _decode_step(pos, h.n_prompt))
     return [CheckRow(r.checkpoint, None, None, r.err, r.test.worst.ratio if r.test.worst else 0.0, r.twin_max,

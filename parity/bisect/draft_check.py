@@ -16,15 +16,16 @@ carries into mtp.0.attn, mtp.0 and the logits, and only the first departing chec
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
-from parity.bisect.null import N_TWINS, NullTest, judge
+from parity.bisect.null import ALPHA, N_TWINS, NullTest, binomial_tail, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import FINAL_NORM, block
-from parity.contract.engine import Engine, RoundoffTwins
+from parity.contract.engine import Engine, RoundoffTwins, RunOptions
 from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.records import Trace
 
@@ -47,6 +48,7 @@ class DraftRow:
 class DraftCheck:
     rows: tuple[DraftRow, ...]    # every draft checkpoint, in order
     notes: tuple[str, ...]
+    twins: dict[str, np.ndarray] = field(default_factory=dict)  # per checkpoint the twins' distances from R0 [N, P]
 
     @property
     def first(self) -> DraftRow | None:
@@ -79,13 +81,7 @@ def draft_check(trace: Trace, reference: Engine, n_twins: int = N_TWINS,
     if missing:
         return DraftCheck((), (f"draft checkpoints not judged: the candidate recorded no full vectors of {missing[0]}, "
                                "the drafter's input",))
-    carriers = {l: np.asarray(vec[block(l)], np.float32) for l in layers}
-    final = trace.checkpoint_rows(FINAL_NORM)
-    last_argmax = int(trace.ckpt["argmax"][final[-1]])
-
-    def run(engine: Engine) -> dict[str, np.ndarray]:
-        return draft_records(engine, h.draft, carriers, h.tokens, h.positions, last_argmax)
-
+    run = partial(_candidate_records, trace)
     exact = run(reference)
     if not isinstance(reference, RoundoffTwins):
         raise TypeError(f"engine {reference.name} has no round-off twins: the draft null needs them")
@@ -94,11 +90,67 @@ def draft_check(trace: Trace, reference: Engine, n_twins: int = N_TWINS,
         twins.append(run(reference.roundoff_twin(i + 1)))
         if on_twin:
             on_twin(i + 1)
-    rows = []
+    rows, dist = [], {}
     for name in names:
-        pos = np.asarray(h.positions_of(name))
         e = rel_l2(exact[name], vec[name])
-        t = np.stack([rel_l2(exact[name], tw[name]) for tw in twins])
-        test = judge({name: e}, {name: t}, {name: pos})
-        rows.append(DraftRow(name, float(e.max(initial=0.0)), float(t.max(initial=0.0)), test))
-    return DraftCheck(tuple(rows), ())
+        dist[name] = np.stack([rel_l2(exact[name], tw[name]) for tw in twins])
+        test = judge({name: e}, {name: dist[name]}, {name: np.asarray(h.positions_of(name))})
+        rows.append(DraftRow(name, float(e.max(initial=0.0)), float(dist[name].max(initial=0.0)), test))
+    return DraftCheck(tuple(rows), (), dist)
+
+
+@dataclass(frozen=True)
+class DraftFaultMatch:
+    name: str
+    exceed: int       # cells outside every twin, over all draft checkpoints, of the candidate around the fault's run
+    cells: int
+    worst: float      # the largest distance of the candidate from the fault's run
+
+    @property
+    def explains(self) -> bool:
+        return self.exceed == 0 or binomial_tail(self.cells, 1.0 / (N_TWINS + 1), self.exceed) >= ALPHA
+
+
+def draft_library(trace: Trace, dc: DraftCheck, base: RunOptions,
+                  fault_engines: Sequence[tuple[str, Callable[[RunOptions], Engine], tuple[str, ...]]],
+                  ) -> tuple[DraftFaultMatch | None, int]:
+    """Every drafter fault of the trace's head kind (fault names `mtp-*` / `dspark-*`) as a mutation of the draft
+    head on the candidate's trunk carriers (factories open the engine with the candidate's drafter), judged by the
+    reference's twins: the candidate's distances from the fault's run against the twins' distances from R0, cell by
+    cell, as `draft_check`. Returns the best reproduction (fewest exceeding cells, then the worst distance) and the
+    draft-head runs spent; an engine whose clean run already reproduces the candidate credits none of its faults."""
+    h, vec = trace.header, trace.vectors or {}
+    best, runs = None, 0
+    for _name, factory, faults in fault_engines:
+        mine = [f for f in faults if f.startswith(h.draft["kind"] + "-")]
+        if not mine:
+            continue
+        clean = _match("clean", _candidate_records(trace, factory(replace(base, inject=()))), vec, dc)
+        runs += 1
+        if clean.explains:
+            continue
+        for fault in mine:
+            m = _match(fault, _candidate_records(trace, factory(replace(base, inject=(fault,)))), vec, dc)
+            runs += 1
+            if best is None or (m.exceed, m.worst) < (best.exceed, best.worst):
+                best = m
+    return best, runs
+
+
+def _match(name: str, got: dict[str, np.ndarray], vec: dict[str, np.ndarray], dc: DraftCheck) -> DraftFaultMatch:
+    exceed = cells = 0
+    worst = 0.0
+    for q, twins in dc.twins.items():
+        e = rel_l2(got[q], vec[q])
+        exceed += int((~(e <= twins.max(axis=0))).sum())
+        cells += len(e)
+        worst = max(worst, float(np.nan_to_num(e, nan=np.inf).max(initial=0.0)))
+    return DraftFaultMatch(name, exceed, cells, worst)
+
+
+def _candidate_records(trace: Trace, engine: Engine) -> dict[str, np.ndarray]:
+    """`engine`'s draft head on the candidate's trunk carriers (as `draft_check` runs the reference)."""
+    h, vec = trace.header, trace.vectors or {}
+    carriers = {l: np.asarray(vec[block(l)], np.float32) for l in tapped_layers(engine, h.draft)}
+    last = int(trace.ckpt["argmax"][trace.checkpoint_rows(FINAL_NORM)[-1]])
+    return draft_records(engine, h.draft, carriers, h.tokens, h.positions, last)
