@@ -246,3 +246,20 @@ def test_a_header_with_subops_matches_the_json_schema(clean):
         jsonschema.validate({**header, "subops": ["q_pth"]}, schema)
     no_records = {k: v for k, v in header.items() if k != "subops"}   # optional, as in every older trace
     jsonschema.validate(no_records, schema)
+
+
+def test_llamacpp_engine_records_its_captures(tiny_f32, tmp_path):
+    """The llamacpp engine captures every sub-op too: its records cut back into chunks are its own captures."""
+    from requires import require
+
+    require("llama_cpp")
+    opts = RunOptions(fp8_kv=False, fp4_indexer=False)
+    eng = load_engine("llamacpp", str(tiny_f32), opts)
+    t = api.trace(eng, tiny_f32, list(range(2, 21)), positions="all", full="all", decode=2, chunk=7, subops=True)
+    api.save_trace(t, tmp_path / "lcp.npz")
+    chunks = subop_chunks(api.load_trace(tmp_path / "lcp.npz"), eng.config)
+    runs = run_sequence(eng, list(range(2, 21)), 2, chunk=7, forced=t.header.tokens[19:], capture=True)
+    for got, want in zip(chunks, runs, strict=True):
+        for l in range(eng.config.n_layers):
+            for q, a in want.captures[l].items():
+                assert np.array_equal(np.asarray(a, np.float32), got.captures[l][q]), (want.start_pos, l, q)

@@ -87,7 +87,7 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @click.option("--full", default=None, help="Also store full vectors: 'all' or e.g. blk.2,blk.2.attn,final_norm,logits.")
 @click.option("--subops", is_flag=True,
               help="Also store every layer's sub-op outputs (side file; `check` then judges op by op). Needs "
-                   "--positions all; engines that capture sub-ops: reference, torch.")
+                   "--positions all; engines that capture sub-ops: reference, torch, llamacpp.")
 @click.option("--draft", type=click.Path(exists=True, dir_okay=False),
               help="A drafter GGUF (MTP or DSpark, docs/drafters.md): also record the draft checkpoints (mtp.* / "
                    "dspark.*, docs/trace-format.md) of its head run on this run's trunk carriers.")
