@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,3 +122,38 @@ def attend(q: torch.Tensor, start_pos: int, raw: torch.Tensor, raw0: int, window
         out[a:b] = attention(q[a:b], torch.cat([raw[lo : start_pos + b - raw0], comp]), mask, sinks, budget)
     return out
 
+
+
+def attend_ring_exact_window(q: torch.Tensor, start_pos: int, raw: torch.Tensor, raw0: int, window: int,
+                             comp: torch.Tensor, n_vis: torch.Tensor, sel: torch.Tensor | None, sinks: torch.Tensor,
+                             attention: AttentionOp, budget: int) -> torch.Tensor:
+    """The spec-ring-exact-window fault (spec v4-mtp-dspark §4.4, D1): a multi-row chunk after the prompt (a verify
+    batch) in a ring of exactly W slots, every row written before any attends. Query t's key of position s then holds
+    the row of s + W whenever the chunk wrote s + W (s <= end - 1 - W): the earliest rows read later rows in place of
+    the oldest keys of their window. One-row chunks (decode) and the prompt are `attend` itself.  Same shapes as
+    `attend`."""
+    n, end = q.shape[0], start_pos + q.shape[0]
+    if n == 1 or start_pos == 0:
+        return attend(q, start_pos, raw, raw0, window, comp, n_vis, sel, sinks, attention, budget)
+    out = torch.empty_like(q)
+    for a in range(n):
+        t = start_pos + a
+        s = torch.arange(max(raw0, t - window + 1), t + 1, device=q.device)
+        src = torch.where(s <= end - 1 - window, s + window, s)
+        t1 = torch.tensor([t], device=q.device)
+        mask = chunk_mask(t1, s, window, n_vis[a : a + 1], comp.shape[0], None if sel is None else sel[a : a + 1])
+        out[a : a + 1] = attention(q[a : a + 1], torch.cat([raw[src - raw0], comp]), mask, sinks, budget)
+    return out
+
+
+
+def restore_keeping_rows(live: list[LayerCache], saved: list[LayerCache]) -> list[LayerCache]:
+    """The spec-no-compressor-restore fault (spec v4-mtp-dspark §4.4, D2): a restore that brings back the raw
+    windows and the compressors' pending (κ, σ) but keeps the emitted rows (and their count) of the live state, so
+    the rows of blocks a rejected verify row completed stay: phantom rows, and the replay appends them again."""
+    out = []
+    for now, old in zip(live, saved, strict=True):
+        comp = [None if o is None else replace(o, rows=n.rows)
+                for n, o in ((now.main, old.main), (now.index, old.index))]
+        out.append(LayerCache(old.pos, old.raw, *comp))
+    return out

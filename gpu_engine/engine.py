@@ -19,13 +19,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_engine.attention import LayerCache, new_layer_cache
+from gpu_engine.attention import LayerCache, new_layer_cache, restore_keeping_rows
 from gpu_engine.compressor import compressor_arrays
 from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
 from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
-from gpu_engine.faults import DRAFT_FAULTS, FAULTS, Faults, compose
+from gpu_engine.faults import DRAFT_FAULTS, FAULTS, SPEC_FAULTS, Faults, compose
 from gpu_engine.fit import fit_mtp
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
@@ -132,6 +132,7 @@ class TorchEngine:
     name = "torch"
     faults = FAULTS  # capability: the porting bugs of the trunk RunOptions.inject can switch on
     draft_faults = DRAFT_FAULTS  # those of the draft heads (RunOptions.inject takes them too; the trunk ignores them)
+    spec_faults = SPEC_FAULTS  # those of the speculative path (verify batches, snapshots; plain decode ignores them)
 
     def __init__(self, model_path: str, options: RunOptions, cache_mb: int = DEFAULT_CACHE_MB,
                  expert_threads: int | None = None, draft: str | None = None) -> None:
@@ -394,6 +395,13 @@ class TorchEngine:
         """Capability `StateSnapshots`: a deep copy of a trunk or drafter state (every cached tensor cloned on its
         device). Cost: one copy of every cached tensor, O(L·(W + m + N_comp)·hd) elements for a trunk state."""
         return copy.deepcopy(state)
+
+    def restore(self, state: TorchState | list[Ring], saved: TorchState | list[Ring]) -> TorchState | list[Ring]:
+        """Capability `StateSnapshots`: the snapshot replaces the state (the fault spec-no-compressor-restore keeps
+        the live compressors' emitted rows)."""
+        if self.switches.spec_no_compressor_restore and isinstance(state, TorchState):
+            return TorchState(restore_keeping_rows(state.layers, saved.layers))
+        return saved
 
     def state_arrays(self, state: TorchState | list[Ring]) -> dict[str, np.ndarray]:
         """Capability `StateView`: a trunk / MTP state or the DSpark rings as named arrays (common layout)."""

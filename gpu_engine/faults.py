@@ -4,15 +4,17 @@
 `DRAFT_FAULT_TABLE`) and yields an object with one boolean per fault (dashes become underscores). A fault is an
 alternative op of the same signature as the model's: `compose` puts it in place of the correct op in the engine's
 `Ops` (one line per fault); the one fault that is not an op (`compress-ratios-u32`, a wrong read of the layer
-schedule) is one line in `TorchEngine.__init__`. `FAULT_TABLE` documents the trunk's faults, `DRAFT_FAULT_TABLE` the
-draft heads' (which never act on the trunk: its ops are not theirs); both for `--help`/docs.
+schedule) is one line in `TorchEngine.__init__`, and `spec-no-compressor-restore` (an incomplete state snapshot) one
+line in `TorchEngine.restore`. `FAULT_TABLE` documents the trunk's faults, `DRAFT_FAULT_TABLE` the draft heads'
+(which never act on the trunk: its ops are not theirs), `SPEC_FAULT_TABLE` the speculative path's (verify batches
+and snapshots: plain decode is unchanged); all for `--help`/docs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from gpu_engine.attention import n_visible_late, sink_attention_no_sink
+from gpu_engine.attention import attend_ring_exact_window, n_visible_late, sink_attention_no_sink
 from gpu_engine.compressor import completed_blocks_multi_token, csa_slots_halves_swapped
 from gpu_engine.draft import (
     dspark_mask_causal,
@@ -87,8 +89,23 @@ DRAFT_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
                           "D9: TensorSharp TS_DSV4_DSPARK_CAPTURE=0"),
 }
 
+# speculative-path fault -> (where the switch lives, what it breaks, where it acts first, spec §4.6)
+SPEC_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
+    "spec-ring-exact-window": ("attention.attend_ring_exact_window",
+                               "a verify batch in a ring of exactly W slots, written before attending: early rows "
+                               "read the batch's later rows in place of their oldest keys",
+                               "the first verify batch reaching past W - n + 1 positions (plain decode unchanged)",
+                               "D1: ds4 metal_graph_raw_cap_for_context rationale"),
+    "spec-no-compressor-restore": ("attention.restore_keeping_rows (TorchEngine.restore)",
+                                   "a restore after a rejection brings back the windows and the compressors' "
+                                   "pending state but keeps the rows the verify batch emitted (phantom rows)",
+                                   "the first rejection after a verify batch that completed a compressed block",
+                                   "D2: GDzhu01/vllm-ascend-deepseekv4 #131, PR #132"),
+}
+
 FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)               # the trunk's: each acts on a trunk layer
 DRAFT_FAULTS: tuple[str, ...] = tuple(DRAFT_FAULT_TABLE)   # the draft heads': the trunk is unchanged bit for bit
+SPEC_FAULTS: tuple[str, ...] = tuple(SPEC_FAULT_TABLE)     # the speculative path's: plain decode is unchanged
 
 
 @dataclass(frozen=True)
@@ -112,11 +129,13 @@ class Faults:
     dspark_causal_block: bool = False
     dspark_markov_unconditioned: bool = False
     dspark_stale_ring: bool = False
+    spec_ring_exact_window: bool = False
+    spec_no_compressor_restore: bool = False
 
     @classmethod
     def parse(cls, names: tuple[str, ...] | list[str]) -> Faults:
         """Validated switches for the given fault names; an unknown name is a ParityError."""
-        known = FAULTS + DRAFT_FAULTS
+        known = FAULTS + DRAFT_FAULTS + SPEC_FAULTS
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ParityError(f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
@@ -150,7 +169,8 @@ def compose(f: Faults, ops: Ops) -> Ops:
         dspark_mask=dspark_mask_causal if f.dspark_causal_block else ops.dspark_mask,
         markov_chain=markov_chain_unconditioned if f.dspark_markov_unconditioned else ops.markov_chain,
         ring_write=ring_write_newest_row if f.dspark_stale_ring else ops.ring_write,
+        attend=attend_ring_exact_window if f.spec_ring_exact_window else ops.attend,
     )
 
 
-assert set(FAULTS) | set(DRAFT_FAULTS) == {f.name.replace("_", "-") for f in fields(Faults)}
+assert set(FAULTS) | set(DRAFT_FAULTS) | set(SPEC_FAULTS) == {f.name.replace("_", "-") for f in fields(Faults)}

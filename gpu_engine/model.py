@@ -62,6 +62,7 @@ class Ops:
     n_visible: Callable[[Tensor, int], Tensor] = n_visible
     select_rows: SelectOp = select_rows
     attention: AttentionOp = sink_attention
+    attend: Callable[..., Tensor] = attend                   # every query over its keys (gpu_engine.attention.attend)
     hc_post: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = hc_post
     swiglu: Callable[[Tensor, Tensor, float], Tensor] = swiglu_clamped
     weight_scores: Callable[[Tensor, Tensor], Tensor] = unbiased_scores
@@ -203,7 +204,7 @@ def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cac
     q_rot, k = ops.rope(q, pos, plan.freqs), ops.kv_round(ops.rope(kv, pos, plan.freqs))
     comp, n_vis, sel = compressed_keys(w, cfg, ops, plan, cache, x, qr, start_pos, cap if capture else None)
     raw = torch.cat([cache.raw, k])
-    o = attend(q_rot, start_pos, raw, start_pos - cache.raw.shape[0], cfg.window_size, comp, n_vis, sel,
+    o = ops.attend(q_rot, start_pos, raw, start_pos - cache.raw.shape[0], cfg.window_size, comp, n_vis, sel,
                w.vector(p + "attn_sinks.weight"), ops.attention, SCORE_BUDGET)
     out = grouped_output(w, cfg, p, ops.rope(o, pos, plan.freqs, inverse=True))
     keep_window(cache, raw, cfg.window_size, start_pos + n)

@@ -332,6 +332,11 @@ class ReferenceEngine:
         Cost: one copy of every cached array, O(L·(W + m + N_comp)·hd) floats for a trunk state."""
         return copy.deepcopy(state)
 
+    def restore(self, state: SequenceState | list[Ring], saved: SequenceState | list[Ring]
+                ) -> SequenceState | list[Ring]:
+        """Capability `StateSnapshots`: the snapshot replaces the state (it is a deep copy)."""
+        return saved
+
     def state_arrays(self, state: SequenceState | list[Ring]) -> dict[str, np.ndarray]:
         """Capability `StateView`: a trunk / MTP state or the DSpark rings as named arrays (common layout)."""
         if isinstance(state, list):

@@ -217,6 +217,33 @@ def test_an_incomplete_snapshot_is_named_by_state_parity(engines):
     assert rep.defects[0 if rep.exact else 1].startswith("state blk.2.comp.")
 
 
+@pytest.fixture(scope="module")
+def faulty(tiny_f32, drafts):
+    from gpu_engine.engine import TorchEngine
+
+    return {f: TorchEngine(str(tiny_f32), RunOptions(fp8_kv=False, fp4_indexer=False, inject=(f,)),
+                           draft=str(drafts["mtp"])) for f in ("spec-ring-exact-window", "spec-no-compressor-restore")}
+
+
+def test_spec_faults_leave_plain_decode_alone_and_are_found_where_they_act(engines, faulty):
+    from gpu_engine.faults import SPEC_FAULTS
+
+    assert set(SPEC_FAULTS) == set(faulty)
+    # a verify batch in a W-slot ring: round 0's rows 1.. read later rows (W = 8, batch of 4 at positions 6..9)
+    ring = run(engines, "torch", "script", steps=8, depth=3, reject_at=3, cand=faulty["spec-ring-exact-window"])
+    assert ring.plain_tokens == ring.reference_tokens
+    assert ring.attribution[0].labels[0] in ("FALSE-REJECT", "VERIFIER-DEFECT")
+    assert ring.divergence.cls == "WRONG" and ring.divergence.spec_induced and ring.defects
+    # a restore that keeps the emitted rows: round 0 accepts 2 of 3 (positions 6..9 complete block 1 of the
+    # ratio-4 layer 2 at position 7, replayed: a phantom row)
+    rows = run(engines, "torch", "script", steps=8, depth=3, reject_at=3, cand=faulty["spec-no-compressor-restore"])
+    assert rows.plain_tokens == rows.reference_tokens
+    assert rows.rounds[0].accepted == 2 and rows.rounds[0].replayed == 3
+    d = rows.state_divergence
+    assert (d.round, d.component, d.why) == (0, "blk.2.comp.rows", "shape (3, 96) vs reference (2, 96)")
+    assert rows.defects
+
+
 # ---------------------------------------------------------------- the command
 
 

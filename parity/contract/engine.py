@@ -212,13 +212,18 @@ class DraftHeads(Protocol):
 
 @runtime_checkable
 class StateSnapshots(Protocol):
+    """Snapshot and restore of a decode state. With the verify batch, which is an ordinary prefill chunk over the
+    trunk (`forward_layer` on q rows), this is what speculative decoding needs: snapshot, verify, then on a
+    rejection restore and replay the accepted rows (parity.spec)."""
+
     def snapshot(self, state: Any) -> Any:
-        """An independent copy of a decode state (a trunk state of `new_state`, or a drafter state): using the copy
-        in place of the original restores every cache as it was when taken (raw window rows, compressor and
-        indexer accumulators and emitted rows, drafter rings); later writes to either leave the other unchanged.
-        With the verify batch, which is an ordinary prefill chunk over the trunk (`forward_layer` on q rows), this
-        is what speculative decoding needs: snapshot, verify, then on a rejection restore and replay the accepted
-        rows (parity.spec)."""
+        """What `restore` needs to bring `state` (a trunk state of `new_state`, or a drafter state) back to now:
+        every cache as it is (raw window rows, compressor and indexer accumulators and emitted rows, drafter
+        rings); later writes to `state` leave it unchanged."""
+
+    def restore(self, state: Any, saved: Any) -> Any:
+        """The state to continue with: `state` brought back to when `saved = snapshot(state)` was taken (the
+        returned object replaces `state`; an engine may return `saved` itself or roll `state` back in place)."""
 
 
 @runtime_checkable

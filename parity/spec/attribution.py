@@ -81,7 +81,7 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
     """One `RoundAttribution` per round of `run`, and the first round whose committed state differs from the
     reference's (when the run recorded its states). `source`: the reference engine's drafter of the run's kind
     (None for scripted drafts)."""
-    snapshot = need_snapshots(ref).snapshot
+    snapshot, restore = need_snapshots(ref).snapshot, ref.restore
     state = ref.new_state()
     forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
     out, divergence, tol = [], None, state_tolerance(env)
@@ -94,7 +94,7 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
         batch = np.asarray([r.anchor, *r.drafts[: r.verified]], np.int64)
         logits = forward_chunk(ref, state, batch, r.start_pos).logits
         if r.accepted < r.verified:
-            state = saved
+            state = restore(state, saved)
             forward_chunk(ref, state, batch[: r.accepted + 1], r.start_pos)
         rho, margins = first_max(logits), top_two_margin(logits)
         ties = np.array([env.tie_margin(float(row.max())) for row in logits])

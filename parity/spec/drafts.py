@@ -75,10 +75,12 @@ class MTPSource:
     def draft(self, inputs: np.ndarray, seq: Sequence[int], first: int,
               forced: np.ndarray | None = None) -> Proposal:
         """inputs: X^(L) of positions first..c; seq: committed tokens t_0..t_{c+1}. `forced`: chain on these
-        drafts instead of the source's own (teacher forcing: the reference drafter on the candidate's drafts)."""
+        drafts instead of the source's own (teacher forcing: the reference drafter on the candidate's drafts), on a
+        snapshot of the MTP state used as scratch (the reference's snapshot is a deep copy)."""
         c = first + len(inputs) - 1
-        tokens = np.asarray(seq[first + 1 : c + 2], np.int64)
-        out = self.engine.mtp_forward(self.state, inputs, tokens, first, "same")
+        # prev pairs of the rows first..c+1: X^(L)_{c+1} (the anchor's row, not run yet) is not paired, a zero row
+        carriers = np.concatenate([inputs, np.zeros_like(inputs[:1])])
+        out = self.engine.mtp_forward(self.state, carriers, np.asarray(seq[first : c + 2], np.int64), first, "prev")
         logits = [out.logits[-1]]
         if forced is None:
             logits += [o.logits[0] for o in self.engine.mtp_chain(self.state, out, c + 1, self.depth)]

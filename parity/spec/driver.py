@@ -84,7 +84,7 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
         raise ParityError(f"--steps must be >= 1, got {steps}")
     if max_draft is not None and max_draft < 0:
         raise ParityError(f"--max-draft must be >= 0, got {max_draft}")
-    snapshot = need_snapshots(engine).snapshot
+    snapshot, restore = need_snapshots(engine).snapshot, engine.restore
     state = engine.new_state()
     rows = forward_chunk(engine, state, np.asarray(prompt, np.int64), 0)
     run = SpecRun(list(prompt), [*prompt, int(first_max(rows.logits)[-1])])
@@ -108,7 +108,7 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
         run.tokens += [*map(int, drafts[:a]), int(verify[a])]
         rows, replayed = verify_rows, 0
         if a < gamma:
-            state = saved
+            state = restore(state, saved)
             rows, replayed = forward_chunk(engine, state, batch[: a + 1], c + 1), a + 1
         conf = tuple(map(float, proposal.confidence)) if proposal.confidence is not None else None
         run.rounds.append(Round(c + 1, int(batch[0]), tuple(map(int, proposal.drafts)), conf, gamma, cut,
