@@ -77,6 +77,19 @@ def test_gates_cut_where_the_confidences_say():
             Gate.parse(bad)
 
 
+def test_the_gate_then_max_draft_then_the_step_budget_cut_the_drafts():
+    from parity.spec.drafts import Proposal
+    from parity.spec.driver import cut_drafts
+
+    sig = np.array([0.9, 0.8, 0.4, 0.95, 0.9])
+    p = Proposal(np.arange(5), np.log(sig / (1 - sig)), None)
+    assert cut_drafts(p, Gate.parse("none"), None, 10) == (5, "")
+    assert cut_drafts(p, Gate.parse("first-below:0.5"), None, 10) == (2, "gate")
+    assert cut_drafts(p, Gate.parse("first-below:0.5"), 1, 10) == (1, "max-draft")
+    assert cut_drafts(p, Gate.parse("none"), 3, 1) == (1, "budget")
+    assert cut_drafts(p, Gate.parse("none"), None, 0) == (0, "budget")
+
+
 @pytest.mark.parametrize("slot, expected", [
     (None, "NOT-VERIFIED"),
     (Slot(7, 7, 7, 2.0, 0.1, 7, 0.0, 0.1), "ACCEPT-OK"),
