@@ -26,7 +26,7 @@ from gpu_engine.dequant import dequantize
 from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
 from gpu_engine.faults import DRAFT_FAULTS, FAULTS, SPEC_FAULTS, Faults, compose
-from gpu_engine.fit import fit_mtp
+from gpu_engine.fit import fit_dspark, fit_mtp
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
 from gpu_engine.ops import (
@@ -427,8 +427,9 @@ class TorchEngine:
             logits = w.linear(final, "output.weight")
         return self._out(final), self._out(logits)
 
-    # capability for `v4parity synth --draft mtp --fit`: Adam through this engine's own MTP ops (gpu_engine.fit)
+    # capabilities for `v4parity synth --draft mtp|dspark --fit`: Adam through this engine's own draft-head ops
     fit_mtp = staticmethod(fit_mtp)
+    fit_dspark = staticmethod(fit_dspark)
 
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Callable[[], np.ndarray]:

@@ -1,21 +1,27 @@
-"""Fit a tiny MTP drafter to its trunk by gradient descent through the engine's own ops (spec v4-mtp-dspark §6.6).
+"""Fit tiny MTP and DSpark drafters to their trunk by gradient descent through the engine's own ops (spec
+v4-mtp-dspark §6.6).
 
-The forward is the torch engine's MTP head (`Ops().mtp_input`, `model.block_forward` on layer L, the MTP HC head,
-the output head), run on `TrainableWeights`: the product interface `DeviceWeights` gives the ops (linear, grouped
-and expert products, rows, vectors, matrices) over float32 tensors, the drafter's as leaves with gradients, the
-trunk's embedding and output head fixed. Loss: the cross-entropy of the MTP logits of each prev pair
-(X^(L)_{p-1}, t_p) against the trunk's own greedy token at row p (its argmax there), averaged over the rows of a
-step's sequences. Adam, seeded (the sequence order), deterministic on one thread.
+The forwards are the torch engine's draft heads composed with the model's ops (`Ops()`: no fault, QAT sims off):
+the MTP head (`mtp_input`, `model.block_forward` on layer L, the MTP HC head, the output head) and the DSpark round
+(main rows into fresh rings, `draft_blocks.dspark_stage` per stage, the HC head, the output head), run on
+`TrainableWeights`: the product interface `DeviceWeights` gives the ops (linear, grouped and expert products,
+rows, vectors, matrices) over float32 tensors, the drafter's as leaves with gradients, the trunk's embedding and
+output head fixed. Targets: the trunk's own greedy tokens. Adam, seeded (the item order), deterministic on one
+thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from gpu_engine.attention import new_layer_cache
+from gpu_engine.draft import Ring, confidence, dspark_main
+from gpu_engine.draft_blocks import dspark_stage, main_kv
+from gpu_engine.hc import hc_head
 from gpu_engine.model import LayerPlan, Ops, block_forward
 from gpu_engine.ops import rms_norm, rope_frequencies
 from parity.contract.errors import ParityError, TensorError
@@ -32,6 +38,8 @@ class TrainableWeights:
 
     def __init__(self, tensors: Mapping[str, Tensor]) -> None:
         self.t = dict(tensors)
+        # expert tensors split once: indexing [e] at every use would give every use a full-size gradient to add
+        self.experts = {k: v.unbind(0) for k, v in self.t.items() if v.dim() == 3}
 
     def _get(self, name: str) -> Tensor:
         if name not in self.t:
@@ -59,7 +67,8 @@ class TrainableWeights:
 
     def expert_linear(self, x: Tensor, name: str, e: int, weight: Tensor | None = None) -> Tensor:
         """y = (x · weight) W_eᵀ of expert e of (E, out, in).  x [n, in], weight [n] or None -> [n, out]"""
-        return (x if weight is None else x * weight[:, None]) @ self._get(name)[e].T
+        self._get(name)
+        return (x if weight is None else x * weight[:, None]) @ self.experts[name][e].T
 
 
 def mtp_logits(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, G: Tensor, tau: Tensor) -> Tensor:
@@ -75,42 +84,109 @@ def mtp_logits(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, G: Tensor
     return w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight")
 
 
-def mtp_plan(cfg: ModelConfig, layer: int) -> LayerPlan:
+def drafter_plan(cfg: ModelConfig, layer: int) -> LayerPlan:
     """Layer `layer` as the engine runs a drafter block: ratio 0, RoPE base θ without YaRN."""
     freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, False, 1.0, 0, 0.0, 0.0).to(torch.float32)
     return LayerPlan(layer, 0, freqs)
 
 
-def fit_mtp(weights: Mapping[str, np.ndarray], cfg: ModelConfig, first_layer: int,
-            sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], steps: int, seed: int,
-            lr: float = 3e-3, batch: int = 8, log: Callable[[int, float], None] | None = None) -> dict[str, np.ndarray]:
-    """Adam on every drafter tensor of `weights` (canonical names; the FIXED trunk tensors stay), seeded.
+def dspark_logits(w: TrainableWeights, cfg: ModelConfig, plans: Sequence[LayerPlan], taps: Sequence[Tensor],
+                  blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """R DSpark rounds at once, each as `TorchEngine.dspark_round` on a fresh ring (`Ops()`): round r's ring holds
+    the main rows of its taps (the c_r <= W rows up to its p_r), its block runs through the S stages
+    (`draft_blocks.dspark_stage`), then the head. The R blocks are one call of each stage: round r's slots take
+    positions F+1+rB.., its ring rows the same offsets to them as at p_r (RoPE is relative: the engine's values up
+    to rounding), and the stage's key mask (`Ops.dspark_mask`) is block diagonal, each round seeing only its ring
+    and its own block.  taps R x [c_r, m·D], blocks int64 [R, B] (anchor, noise ...) -> base logits [R, B, V]
+    (before the Markov bias), z [R, B, D] (the HC head's output, the confidence input)."""
+    R, B = blocks.shape
+    frame, eps = cfg.window_size, cfg.norm_eps           # F >= W - 1 keeps every shifted position >= 0
+    counts = [t.shape[0] for t in taps]
+    pos = torch.cat([torch.arange(1 - c, 1) + frame + r * B for r, c in enumerate(counts)])
+    owner = torch.cat([torch.full((c,), r) for r, c in enumerate(counts)] + [torch.arange(R).repeat_interleave(B)])
+    mask = owner[len(pos):, None] == owner[None, :]    # [R·B, rows + R·B]: same round only
+    ops = replace(Ops(), dspark_mask=lambda ring_pos, p, window, block: mask)
+    M = dspark_main(torch.cat(list(taps)), w.matrix("dspark.main_proj.weight", w.act),
+                    w.vector("dspark.main_norm.weight"), eps)
+    tok = blocks.reshape(-1)
+    X = w.rows("token_embd.weight", tok)[:, None, :].expand(-1, cfg.hc_mult, -1)
+    for plan in plans:
+        X = dspark_stage(w, cfg, ops, plan, Ring(main_kv(w, cfg, ops, plan, M, pos), pos), X, tok, frame)[1]
+    z = hc_head(X, w.matrix("dspark.hc_head_fn.weight", w.act), w.vector("dspark.hc_head_scale.weight"),
+                w.vector("dspark.hc_head_base.weight"), eps, cfg.hc_eps)
+    base = w.linear(rms_norm(z, w.vector("dspark.norm.weight"), eps), "output.weight")
+    return base.reshape(R, B, -1), z.reshape(R, B, -1)
 
-    sequences: (carriers X^(L) [n, H, D], tokens [n], targets [n-1]) with targets[i] = the trunk's argmax at row
-    i+1, what the prev pair (X_i, t_{i+1}) must predict. Each step takes `batch` sequences (a seeded permutation,
-    cycled). Returns the fitted tensors (float32 numpy, the FIXED ones left out).
-    """
-    if steps < 1 or batch < 1 or not sequences:
-        raise ParityError(f"fit_mtp: steps ({steps}) and batch ({batch}) must be >= 1 with >= 1 sequence")
+
+def adam(weights: Mapping[str, np.ndarray], items: Sequence, loss_of: Callable[[TrainableWeights, list], Tensor],
+         steps: int, seed: int, lr: float, batch: int,
+         log: Callable[[int, float], None] | None) -> dict[str, np.ndarray]:
+    """Adam on every tensor of `weights` but the FIXED trunk ones, seeded: each step takes `batch` items (a seeded
+    permutation, cycled) and minimises `loss_of(w, those items)` (a mean over them).
+    -> the trained tensors (float32 numpy, the FIXED ones left out)."""
+    if steps < 1 or batch < 1 or not items:
+        raise ParityError(f"fit: steps ({steps}) and batch ({batch}) must be >= 1 with >= 1 training item")
     for name in FIXED:
         if name not in weights:
-            raise TensorError(f"fit_mtp: the trunk tensor {name!r} is missing")
-    gen = torch.Generator().manual_seed(seed)
+            raise TensorError(f"fit: the trunk tensor {name!r} is missing")
     params = {k: torch.tensor(np.asarray(v, dtype=np.float32), requires_grad=k not in FIXED)
               for k, v in weights.items()}
-    w, plan = TrainableWeights(params), mtp_plan(cfg, first_layer)
-    data = [(torch.from_numpy(np.asarray(X, np.float32)[:-1]), torch.from_numpy(np.asarray(t, np.int64)[1:]),
-             torch.from_numpy(np.asarray(y, np.int64))) for X, t, y in sequences]
     opt = torch.optim.Adam([p for k, p in params.items() if k not in FIXED], lr=lr)
-    order = torch.randperm(len(data), generator=gen).tolist()
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
     for step in range(steps):
-        picks = [order[(step * batch + i) % len(data)] for i in range(min(batch, len(data)))]
+        picks = [order[(step * batch + i) % len(items)] for i in range(min(batch, len(items)))]
         opt.zero_grad()
-        loss = sum(torch.nn.functional.cross_entropy(mtp_logits(w, cfg, plan, *data[i][:2]), data[i][2],
-                                                     reduction="sum") for i in picks)
-        loss = loss / sum(len(data[i][2]) for i in picks)
+        w = TrainableWeights(params)   # this step's graph (the expert split is part of it)
+        loss = loss_of(w, [items[i] for i in picks])
         loss.backward()
         opt.step()
         if log is not None:
             log(step, loss.item())
     return {k: p.detach().numpy().copy() for k, p in params.items() if k not in FIXED}
+
+
+def fit_mtp(weights: Mapping[str, np.ndarray], cfg: ModelConfig, first_layer: int,
+            sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], steps: int, seed: int,
+            lr: float = 3e-3, batch: int = 8, log: Callable[[int, float], None] | None = None) -> dict[str, np.ndarray]:
+    """Fit the MTP drafter `weights` (canonical names, with the FIXED trunk tensors) by `adam`.
+
+    sequences: (carriers X^(L) [n, H, D], tokens [n], targets [n-1]) with targets[i] = the trunk's argmax at row
+    i+1, what the prev pair (X_i, t_{i+1}) must predict; loss: the mean cross-entropy over a sequence's pairs."""
+    plan = drafter_plan(cfg, first_layer)
+    items = [(torch.from_numpy(np.asarray(X, np.float32)[:-1]), torch.from_numpy(np.asarray(t, np.int64)[1:]),
+              torch.from_numpy(np.asarray(y, np.int64))) for X, t, y in sequences]
+
+    def loss_of(w: TrainableWeights, picked: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+        return sum(torch.nn.functional.cross_entropy(mtp_logits(w, cfg, plan, G, tau), y)
+                   for G, tau, y in picked) / len(picked)
+
+    return adam(weights, items, loss_of, steps, seed, lr, batch, log)
+
+
+def fit_dspark(weights: Mapping[str, np.ndarray], cfg: ModelConfig, first_layer: int, n_stages: int,
+               rounds: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], steps: int, seed: int,
+               lr: float = 3e-3, batch: int = 16, log: Callable[[int, float], None] | None = None
+               ) -> dict[str, np.ndarray]:
+    """Fit the DSpark drafter `weights` (canonical names, with the FIXED trunk tensors) by `adam`.
+
+    rounds: (taps [c <= W, m·D] of the positions up to p, block [B] = anchor then noise, targets [B]) with
+    targets[j] = the trunk's argmax at row p+1+j, what slot j must draft; `batch` rounds run as one call. Loss:
+    the mean over the slots of the cross-entropy of the Markov-biased logits ℓ_j + W2 W1[o_j], teacher-forced
+    (o_0 = anchor, o_j = targets[j-1], the chain the drafts follow once they are right), plus the binary
+    cross-entropy of the confidence logit c_j = w_c·[z_j; W1[o_j]] against whether slot j's argmax is its target."""
+    plans = [drafter_plan(cfg, first_layer + k) for k in range(n_stages)]
+    items = [(torch.from_numpy(np.asarray(T, np.float32)), torch.from_numpy(np.asarray(b, np.int64)),
+              torch.from_numpy(np.asarray(y, np.int64))) for T, b, y in rounds]
+
+    def loss_of(w: TrainableWeights, picked: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+        blocks, y = torch.stack([b for _, b, _ in picked]), torch.stack([t for _, _, t in picked])
+        base, z = dspark_logits(w, cfg, plans, [T for T, _, _ in picked], blocks)
+        u = w.matrix("dspark.markov_w1.weight", w.act)[torch.cat([blocks[:, :1], y[:, :-1]], dim=1)]
+        biased = base + u @ w.matrix("dspark.markov_w2.weight", w.act).T
+        conf = confidence(z.reshape(-1, z.shape[-1]), u.reshape(-1, u.shape[-1]),
+                          w.matrix("dspark.conf_proj.weight", w.act))
+        right = (biased.argmax(dim=-1) == y).reshape(-1).to(conf.dtype)
+        return (torch.nn.functional.cross_entropy(biased.reshape(-1, biased.shape[-1]), y.reshape(-1))
+                + torch.nn.functional.binary_cross_entropy_with_logits(conf, right))
+
+    return adam(weights, items, loss_of, steps, seed, lr, batch, log)

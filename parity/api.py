@@ -491,13 +491,14 @@ def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[
     return drafter_report(model, draft)
 
 
-def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, *, layout: str = "ds4-mtp", seed: int = 0,
-                steps: int = 40, quant: str = "f32", log: Callable[[int, float], None] | None = None) -> Any:
-    """`synth --draft mtp --fit`: the tiny MTP drafter fitted to the model's own greedy continuations, written to
-    `out` (`parity.spec.fit.fit_mtp_drafter`; `log(step, loss)` per Adam step) -> its `FitReport`."""
-    from parity.spec.fit import fit_mtp_drafter
+def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, kind: str, *, layout: str | None = None,
+                seed: int = 0, steps: int | None = None, quant: str = "f32",
+                log: Callable[[int, float], None] | None = None) -> Any:
+    """`synth --draft mtp|dspark --fit`: the tiny drafter fitted to the model's own greedy continuations, written
+    to `out` (`parity.spec.fit.fit_drafter`; `log(step, loss)` per Adam step) -> its `FitReport`."""
+    from parity.spec.fit import fit_drafter as fit
 
-    return fit_mtp_drafter(model, out, layout=layout, seed=seed, steps=steps, quant=quant, log=log)
+    return fit(model, out, kind, layout=layout, seed=seed, steps=steps, quant=quant, log=log)
 
 
 def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torch", draft: str | None = None,

@@ -30,14 +30,15 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
 @click.option("--draft-out", type=click.Path(dir_okay=False), default=None, help="Drafter GGUF file to write.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="f32", show_default=True,
               help="f32: all F32; q8_0: block and projection matrices Q8_0, the rest F32.")
-@click.option("--fit", is_flag=True, help="Fit the MTP drafter to the model's own greedy continuations (Adam "
-              "through the torch engine's MTP ops, seeded, CPU) and print its agreement with the trunk, measured by "
-              "the reference engine on the fitted and on held-out prompts (docs/drafters.md).")
-@click.option("--fit-steps", type=click.IntRange(min=1), default=40, show_default=True, help="Adam steps of --fit.")
+@click.option("--fit", is_flag=True, help="Fit the drafter to the model's own greedy continuations (Adam through the "
+              "torch engine's draft-head ops, seeded, CPU) and print its agreement with the trunk per slot, measured "
+              "by the reference engine on the fitted and on held-out prompts (docs/drafters.md).")
+@click.option("--fit-steps", type=click.IntRange(min=1), default=None,
+              help="Adam steps of --fit  [default: 40 mtp, 100 dspark]")
 @json_option()
 @json_errors
 def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, draft_layout: str | None,
-          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int, as_json: bool) -> None:
+          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int | None, as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
     \b
@@ -47,12 +48,12 @@ def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, dr
     from parity.gguf.synth import synthesize
 
     layout = _draft_layout(draft, draft_layout, draft_out)
-    if fit and draft != "mtp":
-        raise click.UsageError("--fit fits an MTP drafter: it needs --draft mtp (DSpark fitting is not implemented)")
+    if fit and layout is None:
+        raise click.UsageError("--fit needs --draft, --draft-layout and --draft-out")
     path = synthesize(output, preset, quant, seed)
     size = path.stat().st_size
     if fit:
-        _fit(path, size, draft_out, layout, seed, fit_steps, draft_quant, as_json)
+        _fit(path, size, draft, draft_out, layout, seed, fit_steps, draft_quant, as_json)
         return
     if layout is not None:
         from parity.gguf.synth_draft import synthesize_drafter
@@ -113,23 +114,31 @@ def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None
         raise SystemExit(1)
 
 
-def _fit(path, size: int, draft_out: str, layout: str, seed: int, steps: int, quant: str, as_json: bool) -> None:
-    """synth --fit: write the fitted MTP drafter and print what it agrees with."""
+def _fit(path, size: int, kind: str, draft_out: str, layout: str, seed: int, steps: int | None, quant: str,
+         as_json: bool) -> None:
+    """synth --fit: write the fitted drafter and print what it agrees with (per slot)."""
     from parity import api
 
-    r = api.fit_drafter(path, draft_out, layout=layout, seed=seed, steps=steps, quant=quant)
-    agree = {"fitted_prompts": r.fitted, "heldout_prompts": r.heldout, "random_drafter_fitted_prompts":
-             r.random_fitted, "random_drafter_heldout_prompts": r.random_heldout}
+    r = api.fit_drafter(path, draft_out, kind, layout=layout, seed=seed, steps=steps, quant=quant)
+    names = {"fitted": "fitted_prompts", "heldout": "heldout_prompts", "random_fitted": "random_drafter_fitted_prompts",
+             "random_heldout": "random_drafter_heldout_prompts"}
     if as_json:
         echo_json({"wrote": str(path), "bytes": size, "draft": {
-            "wrote": str(r.path), "bytes": r.path.stat().st_size, "kind": "mtp", "layout": layout, "quant": quant,
-            "fit": {"steps": steps, "seed": seed, "agreement": agree, "pairs": list(r.pairs), "seconds": r.seconds}}})
+            "wrote": str(r.path), "bytes": r.path.stat().st_size, "kind": kind, "layout": layout, "quant": quant,
+            "fit": {"steps": r.steps, "seed": seed, "agreement_per_slot": {names[k]: list(v) for k, v in
+                                                                           r.agreement.items()},
+                    "counted": list(r.counted), "seconds": r.seconds}}})
         return
+    pct = lambda v: " ".join(f"{x:.1%}" for x in v)  # noqa: E731
+    a = r.agreement
     click.echo(f"wrote {path} ({size:,} bytes)")
-    click.echo(f"wrote {r.path} (fitted mtp drafter layout={layout} quant={quant}; {steps} Adam steps, seed {seed})")
-    click.echo(f"agreement with the trunk's next-next token (reference engine, {r.pairs[0]} / {r.pairs[1]} drafted "
-               f"pairs): fitted prompts {r.fitted:.1%}, held-out prompts {r.heldout:.1%} "
-               f"(random drafter: {r.random_fitted:.1%}, {r.random_heldout:.1%})")
+    click.echo(f"wrote {r.path} (fitted {kind} drafter layout={layout} quant={quant}; {r.steps} Adam steps, "
+               f"seed {seed})")
+    click.echo(f"agreement with the trunk's greedy tokens per slot (reference engine; {r.counted[0]} / "
+               f"{r.counted[1]} drafted {'pairs' if kind == 'mtp' else 'rounds'}):")
+    click.echo(f"  fitted drafter:  fitted prompts {pct(a['fitted'])}; held-out prompts {pct(a['heldout'])}")
+    click.echo(f"  random drafter:  fitted prompts {pct(a['random_fitted'])}; held-out prompts "
+               f"{pct(a['random_heldout'])}")
     click.echo("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()))
 
 

@@ -1,13 +1,15 @@
-"""Tiny MTP drafters fitted to their trunk's own greedy continuations (spec v4-mtp-dspark §6.6).
+"""Tiny drafters fitted to their trunk's own greedy continuations (spec v4-mtp-dspark §6.6).
 
 A random drafter never agrees with the trunk, so speculative acceptance on a tiny model would mean nothing. Here the
-reference engine decodes seeded random prompts greedily; every prev pair (X^(L)_i, t_{i+1}) of those trajectories
-is a training row whose target is the trunk's own argmax at row i+1 (the token a draft from that pair must equal).
-The torch engine's `fit_mtp` capability runs Adam through its own MTP ops (the trunk's embedding and output head
-stay fixed), `synthesize_drafter` writes the fitted tensors in the requested layout, and the REFERENCE engine opened
-with the written file measures the agreement: on the fitted trajectories and on held-out prompts, next to the seeded
-random drafter's. Agreement counts the pairs a speculative round drafts from, i >= prompt length - 1 (the anchor is
-a generated token). QAT simulations are off throughout (the fitted forward has none).
+reference engine decodes seeded random prompts greedily and the trajectories become training items whose targets
+are the trunk's own argmaxes: MTP, every prev pair (X^(L)_i, t_{i+1}) must draft the argmax at row i+1; DSpark,
+every round at p (taps of the rows <= p, anchor t_{p+1}) must draft the argmaxes at rows p+1..p+B in its B slots.
+The torch engine's `fit_mtp` / `fit_dspark` capability runs Adam through its own draft-head ops (the trunk's
+embedding and output head stay fixed), `synthesize_drafter` writes the fitted tensors in the requested layout, and
+the REFERENCE engine opened with the written file measures the agreement per slot: on the fitted trajectories and
+on held-out prompts, next to the seeded random drafter's. Only drafted positions count: pairs / rounds at
+p >= prompt length - 1 (the anchor a generated token). QAT simulations are off throughout (the fitted forward has
+none).
 """
 
 from __future__ import annotations
@@ -23,40 +25,43 @@ import numpy as np
 from parity.contract.checkpoints import block
 from parity.contract.engine import Engine, RunOptions, engine_class
 from parity.contract.errors import ParityError
-from parity.gguf.drafter import LAYOUTS, extend_config
+from parity.gguf.drafter import LAYOUTS, DrafterConfig, extend_config
 from parity.gguf.synth_draft import random_drafter_weights, synthesize_drafter, tiny_drafter_config
 from parity.gguf.weights import Weights
 from parity.tracing.runner import all_tokens, run_sequence, stack
 
 FIT_OPTIONS = RunOptions(fp8_kv=False, fp4_indexer=False)
-TRUNK_TENSORS = ("token_embd.weight", "output.weight")   # the head shares them with the trunk
+TRUNK_TENSORS = ("token_embd.weight", "output.weight")   # the heads share them with the trunk
 FIRST_TOKEN = 2                                           # prompts avoid the tiny vocabulary's BOS 0 / EOS 1
+STEPS = {"mtp": 40, "dspark": 100}                        # the CLI defaults (docs/drafters.md: measured)
 
 
 @dataclass(frozen=True)
 class Trajectory:
-    """A prompt and the trunk's greedy continuation: tokens [n], final carriers X^(L) [n, H, D], the trunk's
-    first argmax at every row [n] (argmax[i] = tokens[i+1] past the prompt)."""
+    """A prompt and the trunk's greedy continuation: tokens [n], final carriers X^(L) [n, H, D], DSpark tap rows
+    [n, m·D] (None for an MTP fit), the trunk's first argmax at every row [n] (argmax[i] = tokens[i+1] past the
+    prompt)."""
 
     tokens: np.ndarray
     carriers: np.ndarray
+    taps: np.ndarray | None
     argmax: np.ndarray
     n_prompt: int
 
 
 @dataclass(frozen=True)
 class FitReport:
-    """What `fit_mtp_drafter` wrote and measured (agreements: fractions of drafted pairs, reference engine)."""
+    """What `fit_drafter` wrote and measured. agreement: per slot (MTP: one), the fraction of drafted positions
+    whose draft equals the trunk's argmax, by the reference engine, for "fitted" / "heldout" (the fitted drafter on
+    its training / held-out prompts) and "random_fitted" / "random_heldout" (the seeded random drafter)."""
 
     path: Path
+    kind: str
     layout: str
     seed: int
     steps: int
-    fitted: float          # the fitted drafter on its training trajectories
-    heldout: float         # the fitted drafter on held-out prompts
-    random_fitted: float   # the seeded random drafter on the training trajectories
-    random_heldout: float  # ... and on the held-out prompts
-    pairs: tuple[int, int]  # drafted pairs counted (training, held-out)
+    agreement: dict[str, tuple[float, ...]]
+    counted: tuple[int, int]   # drafted pairs (MTP) / rounds (DSpark) counted: training, held-out
     seconds: dict[str, float]
 
 
@@ -66,42 +71,73 @@ def seeded_prompts(seed: int, count: int, length: int, vocab: int, stream: int) 
     return [rng.integers(FIRST_TOKEN, vocab, length) for _ in range(count)]
 
 
-def greedy_trajectory(engine: Engine, prompt: np.ndarray, decode: int) -> Trajectory:
-    """Prefill `prompt`, decode `decode` greedy tokens; keep the final carriers and argmaxes of every row."""
+def greedy_trajectory(engine: Engine, prompt: np.ndarray, decode: int,
+                      tap_layers: Sequence[int] | None = None) -> Trajectory:
+    """Prefill `prompt`, decode `decode` greedy tokens; keep the final carriers, the argmaxes and (`tap_layers`,
+    an engine opened with a DSpark drafter) the tap rows `engine.dspark_taps` makes of every row."""
     results = run_sequence(engine, prompt, decode)
     carriers = stack(results, block(engine.config.n_layers - 1))
-    return Trajectory(all_tokens(results), carriers, stack(results, "logits").argmax(axis=1), len(prompt))
+    taps = None if tap_layers is None else engine.dspark_taps([stack(results, block(l)) for l in tap_layers])
+    return Trajectory(all_tokens(results), carriers, taps, stack(results, "logits").argmax(axis=1), len(prompt))
 
 
-def training_rows(t: Trajectory) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mtp_rows(t: Trajectory) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(carriers [n, H, D], tokens [n], targets [n-1]): prev pair i = (X_i, t_{i+1}) must predict argmax[i+1]."""
     return t.carriers, t.tokens, t.argmax[1:]
 
 
-def agreement(engine: Engine, trajectories: Sequence[Trajectory]) -> tuple[float, int]:
+def dspark_rounds(t: Trajectory, dc: DrafterConfig, window: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The drafted rounds of a trajectory, p = n_prompt-1 .. n-1-B: (taps of the rows up to p the ring keeps,
+    the last W; block [anchor t_{p+1}, noise x (B-1)]; targets argmax[p+1 .. p+B])."""
+    B, out = dc.block_size, []
+    for p in range(t.n_prompt - 1, len(t.tokens) - B):
+        block_ids = np.array([t.tokens[p + 1]] + [dc.noise_token_id] * (B - 1))
+        out.append((t.taps[max(0, p - window + 1) : p + 1], block_ids, t.argmax[p + 1 : p + 1 + B]))
+    return out
+
+
+def mtp_agreement(engine: Engine, trajectories: Sequence[Trajectory]) -> tuple[tuple[float, ...], int]:
     """The fraction of drafted prev pairs i >= n_prompt - 1 whose MTP first argmax equals the trunk's argmax at
-    row i+1, over `trajectories`, by `engine`'s `mtp_forward` (opened with the drafter); and the pair count."""
+    row i+1, by `engine`'s `mtp_forward` (opened with the drafter); and the pair count."""
     hits = total = 0
     for t in trajectories:
         out = engine.mtp_forward(engine.new_mtp_state(), t.carriers, t.tokens, 0, "prev")
         drafted = slice(t.n_prompt - 1, None)
         hits += int((out.logits.argmax(axis=1)[drafted] == t.argmax[1:][drafted]).sum())
         total += len(t.argmax[1:][drafted])
-    return hits / total, total
+    return (hits / total,), total
 
 
-def fit_mtp_drafter(trunk: str | Path, out: str | Path, *, layout: str = "ds4-mtp", seed: int = 0,
-                    steps: int = 40, quant: str = "f32", prompts: int = 4, prompt_len: int = 8, decode: int = 32,
-                    heldout: int = 2, train_prompts: Sequence[Sequence[int]] | None = None,
-                    log: Callable[[int, float], None] | None = None) -> FitReport:
-    """Fit the tiny MTP drafter of `trunk` (`steps` Adam steps, seeded) and write it to `out` in `layout`.
+def dspark_agreement(engine: Engine, trajectories: Sequence[Trajectory], dc: DrafterConfig,
+                     window: int) -> tuple[tuple[float, ...], int]:
+    """Per slot j, the fraction of drafted rounds whose draft d_{j+1} equals the trunk's argmax at row p+1+j, by
+    `engine`'s `dspark_round` (opened with the drafter; a fresh state gets the round's ring rows); the round count."""
+    hits, total = np.zeros(dc.block_size, dtype=np.int64), 0
+    for t in trajectories:
+        for p, (taps, block_ids, targets) in enumerate(dspark_rounds(t, dc, window), start=t.n_prompt - 1):
+            r = engine.dspark_round(engine.new_dspark_state(), taps, p + 1 - len(taps), int(block_ids[0]))
+            hits += r.drafts == targets
+            total += 1
+    return tuple(float(h) / total for h in hits), total
+
+
+def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | None = None, seed: int = 0,
+                steps: int | None = None, quant: str = "f32", prompts: int = 4, prompt_len: int = 8,
+                decode: int = 32, heldout: int = 2, train_prompts: Sequence[Sequence[int]] | None = None,
+                log: Callable[[int, float], None] | None = None) -> FitReport:
+    """Fit the tiny `kind` drafter ("mtp" | "dspark") of `trunk` (`steps` Adam steps, None: STEPS[kind]; seeded)
+    and write it to `out` in `layout` (None: ds4-mtp / ds4-dspark).
 
     Training trajectories: `prompts` seeded random prompts of `prompt_len` tokens, or `train_prompts` when given
     (e.g. the prompts a speculative test will decode), each continued greedily for `decode` tokens; `heldout` more
     seeded prompts (another stream) only measure."""
-    if LAYOUTS.get(layout) != "mtp":
-        raise ParityError(f"fit: {layout!r} is not an MTP layout; choose from "
-                          f"{', '.join(k for k, v in LAYOUTS.items() if v == 'mtp')}")
+    if kind not in STEPS:
+        raise ParityError(f"fit: unknown drafter kind {kind!r}; choose from {', '.join(STEPS)}")
+    layout = layout if layout is not None else f"ds4-{kind}"
+    steps = steps if steps is not None else STEPS[kind]
+    if LAYOUTS.get(layout) != kind:
+        raise ParityError(f"fit: {layout!r} is not a {kind} layout; choose from "
+                          f"{', '.join(k for k, v in LAYOUTS.items() if v == kind)}")
     if min(steps, prompts, prompt_len, decode, heldout) < 1:
         raise ParityError(f"fit: steps ({steps}), prompts ({prompts}), prompt_len ({prompt_len}), decode ({decode}) "
                           f"and heldout ({heldout}) must all be >= 1")
@@ -110,28 +146,38 @@ def fit_mtp_drafter(trunk: str | Path, out: str | Path, *, layout: str = "ds4-mt
     seconds, t0 = {}, time.perf_counter()
     weights = Weights(trunk)
     cfg = weights.config
-    reference = engine_class("reference")(str(trunk), FIT_OPTIONS)
-    chosen = ([np.asarray(p, dtype=np.int64) for p in train_prompts] if train_prompts is not None
-              else seeded_prompts(seed, prompts, prompt_len, cfg.vocab_size, 1))
-    train = [greedy_trajectory(reference, p, decode) for p in chosen]
-    held = [greedy_trajectory(reference, p, decode) for p in seeded_prompts(seed, heldout, prompt_len,
-                                                                            cfg.vocab_size, 2)]
-    seconds["trajectories"], t0 = time.perf_counter() - t0, time.perf_counter()
-    dc = tiny_drafter_config("mtp", layout, cfg)
+    dc = tiny_drafter_config(kind, layout, cfg)
+    if kind == "dspark" and decode < dc.block_size:
+        raise ParityError(f"fit: decode ({decode}) must be >= the DSpark block size {dc.block_size}")
     model_cfg = extend_config(cfg, dc.n_blocks)
-    init = {k: a for k, (a, _) in random_drafter_weights(dc, model_cfg, seed).items()}
-    init |= {k: weights.tensor(k) for k in TRUNK_TENSORS}
-    fitted = engine_class("torch").fit_mtp(init, model_cfg, cfg.n_layers, [training_rows(t) for t in train],
-                                           steps, seed, log=log)
-    path = synthesize_drafter(out, trunk, "mtp", layout, seed, quant, weights=fitted)
-    seconds["fit"], t0 = time.perf_counter() - t0, time.perf_counter()
-    scores = {}
     with tempfile.TemporaryDirectory() as tmp:
-        rand = synthesize_drafter(Path(tmp) / "random.gguf", trunk, "mtp", layout, seed, quant)
-        for name, drafter in (("fitted", path), ("random", rand)):
+        rand = synthesize_drafter(Path(tmp) / "random.gguf", trunk, kind, layout, seed, quant)
+        reference = engine_class("reference")(str(trunk), FIT_OPTIONS, draft=str(rand))
+        chosen = ([np.asarray(p, dtype=np.int64) for p in train_prompts] if train_prompts is not None
+                  else seeded_prompts(seed, prompts, prompt_len, cfg.vocab_size, 1))
+        taps = dc.target_layer_ids if kind == "dspark" else None
+        train = [greedy_trajectory(reference, p, decode, taps) for p in chosen]
+        held = [greedy_trajectory(reference, p, decode, taps)
+                for p in seeded_prompts(seed, heldout, prompt_len, cfg.vocab_size, 2)]
+        seconds["trajectories"], t0 = time.perf_counter() - t0, time.perf_counter()
+        init = {k: a for k, (a, _) in random_drafter_weights(dc, model_cfg, seed).items()}
+        init |= {k: weights.tensor(k) for k in TRUNK_TENSORS}
+        torch_engine = engine_class("torch")
+        if kind == "mtp":
+            fitted = torch_engine.fit_mtp(init, model_cfg, cfg.n_layers, [mtp_rows(t) for t in train], steps, seed,
+                                          log=log)
+        else:
+            rounds = [r for t in train for r in dspark_rounds(t, dc, cfg.window_size)]
+            fitted = torch_engine.fit_dspark(init, model_cfg, cfg.n_layers, dc.n_blocks, rounds, steps, seed,
+                                             log=log)
+        path = synthesize_drafter(out, trunk, kind, layout, seed, quant, weights=fitted)
+        seconds["fit"], t0 = time.perf_counter() - t0, time.perf_counter()
+        scores = {}
+        for name, drafter in (("", path), ("random_", rand)):
             engine = engine_class("reference")(str(trunk), FIT_OPTIONS, draft=str(drafter))
-            scores[name] = agreement(engine, train), agreement(engine, held)
+            for which, trajectories in (("fitted", train), ("heldout", held)):
+                scores[name + which] = (mtp_agreement(engine, trajectories) if kind == "mtp"
+                                        else dspark_agreement(engine, trajectories, dc, cfg.window_size))
     seconds["measure"] = time.perf_counter() - t0
-    (fit_train, n_train), (fit_held, n_held) = scores["fitted"]
-    return FitReport(Path(path), layout, seed, steps, fit_train, fit_held, scores["random"][0][0],
-                     scores["random"][1][0], (n_train, n_held), seconds)
+    return FitReport(Path(path), kind, layout, seed, steps, {k: v[0] for k, v in scores.items()},
+                     (scores["fitted"][1], scores["heldout"][1]), seconds)
