@@ -535,6 +535,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
         say("envelope: none stored for this model with these QAT flags; measuring it now (save one with "
             "`v4parity envelope`)")
         env = measure_envelope(model, engine, options, say, counter)
+    env.check_options(options)   # an envelope calibrated with other QAT flags is refused, naming the flag
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
     cand = ref if engine == "reference" and options == RunOptions(**qat) else load_engine(
         engine, str(model), replace(options, expert_override=None), draft=draft)

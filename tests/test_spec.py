@@ -267,8 +267,8 @@ def cli(*args):
 
 
 def test_cli_json_keys_and_exit_codes(tiny_f32, drafts):
-    common = ["-m", tiny_f32, "--tokens", "0 5 7 9 11 13", "--no-fp8-kv", "--no-fp4-indexer", "--envelope",
-              ENVELOPE, "--steps", 6]
+    base = ["-m", tiny_f32, "--tokens", "0 5 7 9 11 13", "--envelope", ENVELOPE, "--steps", 6]
+    common = [*base, "--no-fp8-kv", "--no-fp4-indexer"]
     res = cli(*common, "--draft", drafts["mtp"], "--engine", "reference", "--depth", 2, "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
@@ -282,7 +282,9 @@ def test_cli_json_keys_and_exit_codes(tiny_f32, drafts):
     assert res.exit_code == 1, res.output
     div = json.loads(res.stdout)["first_divergence"]
     assert div["class"] == "WRONG" and div["spec_induced"] is False and div["step"] == 0
-    for bad in (["--script", "accept-all", "--draft", drafts["mtp"]], ["--script", "reject-at:0"],
-                ["--draft", drafts["mtp"], "--gate", "first-below:0.5"]):
-        res = cli(*common, *bad)
+    for bad in ([*common, "--script", "accept-all", "--draft", drafts["mtp"]], [*common, "--script", "reject-at:0"],
+                [*common, "--draft", drafts["mtp"], "--gate", "first-below:0.5"],
+                [*base, "--draft", drafts["mtp"], "--no-fp4-indexer"]):   # FP8 sim on, the envelope measured off
+        res = cli(*bad)
         assert res.exit_code == 2, (bad, res.output)
+    assert "measured with fp8_kv=False" in res.output
