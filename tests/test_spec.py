@@ -6,6 +6,7 @@ gates on hand-computed numbers; the CLI's JSON keys and exit codes."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -253,8 +254,27 @@ def test_spec_faults_leave_plain_decode_alone_and_are_found_where_they_act(engin
     assert rows.plain_tokens == rows.reference_tokens
     assert rows.rounds[0].accepted == 2 and rows.rounds[0].replayed == 3
     d = rows.state_divergence
-    assert (d.round, d.component, d.why) == (0, "blk.2.comp.rows", "shape (3, 96) vs reference (2, 96)")
-    assert rows.defects
+    assert (d.round, d.component, d.kind) == (0, "blk.2.comp.rows", "shape")
+    assert d.why == "shape (3, 96) vs reference (2, 96)" and "state blk.2.comp.rows after round 0" in rows.defects
+    # with a QAT simulation on, a difference of values only may be one code flip (spec §4.5.2): noted, not a defect
+    flags = {**rows.options["flags"], "fp8_kv": True}
+    noted = replace(rows, state_divergence=replace(d, kind="values"), options={**rows.options, "flags": flags})
+    assert noted.state_flip_possible and not any(x.startswith("state") for x in noted.defects)
+    assert not replace(rows, options={**rows.options, "flags": flags}).state_flip_possible   # a shape: a defect
+
+
+def test_state_differences_by_kind():
+    from parity.spec.stateparity import component_difference, first_difference
+
+    a = np.array([[1.0, 2.0], [3.0, -np.inf]])
+    assert component_difference(a, a.copy(), 1e-6) is None
+    assert component_difference(a[:1], a, 1e-6) == ("shape", "shape (1, 2) vs reference (2, 2)")
+    assert component_difference(np.nan_to_num(a, neginf=0.0), a, 1e-6)[0] == "non-finite"
+    b = a.copy()
+    b[0, 0] += 1e-3     # rel-L2 = 1e-3 / sqrt(1 + 4 + 9) over the finite entries
+    assert component_difference(b, a, 2e-4)[0] == "values"
+    assert component_difference(b, a, 3e-4) is None
+    assert first_difference({"x": a}, {"x": a, "y": a}, 1e-6) == ("y", "shape", "missing in the candidate")
 
 
 # ---------------------------------------------------------------- the command

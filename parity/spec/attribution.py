@@ -31,6 +31,7 @@ class StateDivergence:
     round: int
     start_pos: int
     component: str            # e.g. blk.2.comp.rows, mtp.blk.6.raw, dspark.0.rows
+    kind: str                 # shape | non-finite | values
     why: str
 
 

@@ -28,7 +28,8 @@ def headline(report: SpecReport) -> str:
                 f"{d.tie:.3g} ({d.tie_ulps:.0f} ulps); {who}")
     labels = [x for x in report.defects if x.split()[0] in DEFECT_LABELS]
     sd = report.state_divergence
-    state = (f"; STATE differs after round {sd.round} (position {sd.start_pos}): {sd.component}, {sd.why}"
+    flip = " (QAT sims on: possibly a code flip, not judged a defect)" if report.state_flip_possible else ""
+    state = (f"; STATE differs after round {sd.round} (position {sd.start_pos}): {sd.component}, {sd.why}{flip}"
              if sd is not None else "")
     return what + state + (f"; DEFECT labels: {', '.join(labels)}" if labels else "")
 
@@ -79,8 +80,9 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     """exact, first_divergence ({step, class, spec_induced, position, spec, plain, reference, margin, margin_ulps,
     tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos, anchor, drafts, confidence, verified,
     cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
-    ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, why} or null),
-    state_checked, cost, tokens, options, seconds, defects."""
+    ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, kind, why} or null;
+    kind shape | non-finite | values), state_flip_possible (a values difference with QAT sims on: noted, not a
+    defect), state_checked, cost, tokens, options, seconds, defects."""
     d = report.divergence
     div = None
     if d is not None:
@@ -93,7 +95,8 @@ def to_json(report: SpecReport) -> dict[str, Any]:
                                      "reference_per_slot": list(report.reference_per_slot),
                                      "mean": report.mean_accepted},
                       "state_divergence": asdict(report.state_divergence) if report.state_divergence else None,
-                      "state_checked": report.state_checked, "cost": report.cost, "defects": report.defects,
+                      "state_checked": report.state_checked, "state_flip_possible": report.state_flip_possible,
+                      "cost": report.cost, "defects": report.defects,
                       "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),
                                  "plain": list(report.plain_tokens), "reference": list(report.reference_tokens)},
                       "options": report.options, "seconds": report.seconds})
