@@ -268,3 +268,16 @@ def test_names_at_the_cap_are_read(tmp_path, kind, n):
     path.write_bytes(blob.replace(struct.pack("<Q", n) + name, struct.pack("<Q", n + 1) + name + b"k", 1))
     with pytest.raises(GGUFError, match=f"declares {n + 1} bytes, at most {n} allowed"):
         GGUFFile(path)
+
+
+def test_the_writer_refuses_names_the_reader_would_refuse(tmp_path):
+    from parity.gguf.container import TensorData, write_gguf
+
+    t = TensorData("t" * 64, (32,), 0, bytes(128))  # 64 bytes: no room for ggml's NUL in char[64]
+    with pytest.raises(GGUFError, match="64 bytes, more than the 63 a reader accepts"):
+        write_gguf(tmp_path / "a.gguf", {}, [t])
+    with pytest.raises(GGUFError, match="65536 bytes, more than the 65535 a reader accepts"):
+        write_gguf(tmp_path / "b.gguf", {"k" * 65536: Value(VT.U8, 1)}, [])
+    write_gguf(tmp_path / "c.gguf", {"k" * 65535: Value(VT.U8, 1)}, [TensorData("t" * 63, (32,), 0, bytes(128))])
+    f = GGUFFile(tmp_path / "c.gguf")
+    assert list(f.tensors) == ["t" * 63] and list(f.kv) == ["k" * 65535]

@@ -356,6 +356,11 @@ class TensorData:
 def write_gguf(path: str | os.PathLike, kv: dict[str, Value], tensors: list[TensorData],
                alignment: int = DEFAULT_ALIGNMENT) -> None:
     """Write a GGUF v3 file with `atomic_write` (mode 0644). Same inputs give identical bytes."""
+    too_long = [(k, MAX_KEY_BYTES) for k in kv if len(k.encode()) > MAX_KEY_BYTES] + \
+        [(t.name, MAX_TENSOR_NAME_BYTES) for t in tensors if len(t.name.encode()) > MAX_TENSOR_NAME_BYTES]
+    if too_long:
+        name, cap = too_long[0]
+        raise GGUFError(f"writing {quote(name)}: {len(name.encode())} bytes, more than the {cap} a reader accepts")
     parts = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
     for key, val in kv.items():
         parts += [_encode_value(Value(VT.STRING, key)), struct.pack("<I", int(val.type)), _encode_value(val)]
