@@ -2,20 +2,28 @@
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
+CORE    := $(VENV)/.installed-core
 STAMP   := $(VENV)/.installed
 
 .PHONY: demo test lint bench golden clean
 
-$(STAMP): pyproject.toml
+# what the demo needs: torch and v4parity's own dependencies (no C/C++ build, no apt)
+$(CORE): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e .
+	touch $(CORE)
+
+# everything the tests need: the dev tools, the llamacpp / hf / ray extras (llama-cpp-python built from its
+# sdist: a C/C++ toolchain and cmake) and Debian chromium for the HTML tests (apt, as root)
+$(STAMP): $(CORE)
 	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(VPY) -m pip install -q --no-binary llama-cpp-python -e '.[dev,llamacpp,hf,ray]'
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "warning: Debian chromium not installed; the HTML tests fail in CI without it"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(VENV)/bin/v4parity demo --out out/demo
 
 test: $(STAMP)

@@ -52,9 +52,9 @@ def test_readme_walkthrough_runs_in_a_scratch_directory_with_the_documented_exit
     script = [f"cd {repo}", steps[0][0], steps[1][0]]
     script += [f'{cmd} ; rc=$?; [ $rc -eq {rc} ] || {{ echo "README step exited $rc, documented {rc}: {cmd}" >&2;'
                f' exit 99; }}' for cmd, rc in steps[2:]]
-    script.append("ls -A")
+    script.append("echo '--- ls'; ls -A")
     res = subprocess.run(["bash", "-c", "\n".join(script)], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    made = set(res.stdout.split())
+    made = set(res.stdout.rsplit("--- ls\n", 1)[1].split())  # the files only (the commands print words too)
     assert {"tiny.gguf", "ref.trace", "drift.png", "report.html", "gate.xml", "gate.md", "diff.md"} <= made
     assert [name for name in made if (repo / name).exists()] == []  # nothing it wrote landed in the repo root

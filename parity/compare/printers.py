@@ -118,7 +118,7 @@ def departure_line(r: DiffReport) -> str | None:
 def check_hint(r: DiffReport, candidate: str) -> str:
     """What to run for the verdict on a drift (`check` judges the candidate `candidate` against its model)."""
     return (f"this may be benign float noise: run `v4parity check -m {r.b['model']['file']} --candidate {candidate}` "
-            "for the verdict (MATCH / NOISE / DEFECT)")
+            "for the verdict: MATCH, NOISE or DEFECT")
 
 
 def _fmt(v: float, spec: str) -> str:
