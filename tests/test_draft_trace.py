@@ -210,8 +210,28 @@ def test_binary_and_text_forms_carry_the_draft_rows(dspark_traces, tmp_path):
 
 
 def test_the_html_report_lists_the_draft_checkpoints(mtp_traces):
-    html = "".join(s.body for s in diff_sections(api.diff(mtp_traces["reference"], mtp_traces["torch"]), plot=False))
+    report = api.diff(mtp_traces["reference"], mtp_traces["torch"])
+    html = "".join(s.body for s in diff_sections(report))   # with the plot (blank cells: no record at position 0)
     assert all(f">{n}<" in html for n in mtp_checkpoints(2))
+
+
+def test_cli_trace_draft_options(tiny_f32, drafters, tmp_path):
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    base = ["trace", "--engine", "reference", "-m", str(tiny_f32), "--tokens", "0,5,7", "--no-fp8-kv",
+            "--no-fp4-indexer", "-o", str(tmp_path / "t.trace")]
+    res = CliRunner().invoke(cli, [*base, "--mtp-depth", "2"])
+    assert res.exit_code == 2 and "--mtp-depth set(s) the MTP draft head: give --draft FILE" in res.output
+    res = CliRunner().invoke(cli, [*base, "--draft", str(drafters["ds4-dspark"]), "--mtp-pairing", "same"])
+    assert isinstance(res.exception, TraceError) and "takes no MTP pairing / depth" in str(res.exception)
+    res = CliRunner().invoke(cli, [*base, "--draft", str(drafters["llamacpp-mtp"]), "--mtp-pairing", "same",
+                                   "--full", "mtp.0.logits"])
+    assert res.exit_code == 0, res.output
+    t = read_trace(tmp_path / "t.trace")
+    assert t.header.draft["pairing"] == "same" and t.header.positions_of("mtp.0") == [2]   # 'last'; same: p >= 0
+    assert list(t.vectors) == ["mtp.0.logits"]
 
 
 # ---------------------------------------------------------------------------------------------- a C engine's writer

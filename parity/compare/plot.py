@@ -103,8 +103,13 @@ def drift_figure(report: DiffReport):
 
     grid = t.pivot_table(index="pos", columns="depth", values="rel_l2", aggfunc="max")
     grid = grid.reindex(columns=depth)
+    # a cell with no row (a draft checkpoint has none at some positions) is left blank; a NaN rel-L2 is red
+    missing = t.assign(n=1).pivot_table(index="pos", columns="depth", values="n", aggfunc="sum").reindex(
+        index=grid.index, columns=depth).isna().to_numpy()
     img = np.log10(np.clip(np.nan_to_num(grid.to_numpy(dtype=np.float64), nan=1.0, posinf=1.0), FLOOR, 1.0))
-    im = ax_h.imshow(img, aspect="auto", origin="lower", cmap=threshold_colormap(th.rel_tol), vmin=LOG_MIN,
+    img = np.ma.masked_array(img, missing)
+    cmap = threshold_colormap(th.rel_tol).with_extremes(bad="white")
+    im = ax_h.imshow(img, aspect="auto", origin="lower", cmap=cmap, vmin=LOG_MIN,
                      vmax=LOG_MAX, interpolation="nearest",
                      extent=(-0.5, len(depth) - 0.5, -0.5, len(grid.index) - 0.5))
     ax_h.set_xticks(range(len(depth)), labels, fontsize=small, rotation=90 if len(depth) > 20 else 0)
@@ -119,7 +124,8 @@ def drift_figure(report: DiffReport):
         ax_h.text(-0.45, y, "decode ↑ / prompt ↓", va="center", ha="left", fontsize=7, color="tab:blue",
                   bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     ax_h.set(title="relative L2 error by position and checkpoint (fixed scale; red = above the rel-L2 threshold)",
-             xlabel="checkpoint (Na = half-layer blk.N.attn, N = blk.N)", ylabel="position")
+             xlabel="checkpoint (Na = half-layer blk.N.attn, N = blk.N" + ("; blank = no record there" if missing.any()
+                                                                              else "") + ")", ylabel="position")
     cb = fig.colorbar(im, ax=ax_h, label=f"rel-L2, fixed log scale (black line: threshold {th.rel_tol:g})")
     ticks = list(range(int(LOG_MIN), int(LOG_MAX) + 1, 3))
     cb.set_ticks(ticks, labels=[f"1e{k}" for k in ticks])
