@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from gpu_engine.attention import new_layer_cache
+from gpu_engine.attention import LayerCache, new_layer_cache
 from gpu_engine.draft import Ring, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
 from gpu_engine.hc import hc_head
@@ -71,17 +71,41 @@ class TrainableWeights:
         return (x if weight is None else x * weight[:, None]) @ self.experts[name][e].T
 
 
-def mtp_logits(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, G: Tensor, tau: Tensor) -> Tensor:
-    """The MTP head over n pairs from position 0 on a fresh ring, composed as `TorchEngine._mtp_rows` with the
-    model's ops (`Ops()`: no fault, QAT sims off): X0 = mtp_input(E[τ], G); X1 = Block_L(X0);
-    logits = W_out RMSNorm_norm(HC_head_mtp(X1)).  G [n, H, D], tau int64 [n] -> [n, V]."""
+def mtp_rows(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, cache: LayerCache, G: Tensor, tau: Tensor,
+             start_pos: int) -> tuple[Tensor, Tensor, Tensor]:
+    """MTP rows at positions start_pos.. through `cache`, composed as `TorchEngine._mtp_rows` with the model's ops
+    (`Ops()`: no fault, QAT sims off): X0 = mtp_input(E[τ], G); X1 = Block_L(X0);
+    logits = W_out RMSNorm_norm(HC_head_mtp(X1)).  G [n, H, D], tau int64 [n] -> logits [n, V], X1 [n, H, D],
+    the rows' keys as the ring stores them [n, hd]."""
     ops = Ops()
     X0 = ops.mtp_input(w.rows("token_embd.weight", tau), G, w.vector("mtp.enorm.weight"),
                        w.vector("mtp.hnorm.weight"), w.matrix("mtp.e_proj.weight", w.act),
                        w.matrix("mtp.h_proj.weight", w.act), cfg.norm_eps)
-    res = block_forward(w, cfg, ops, plan, new_layer_cache(cfg, 0, G.device, w.act), X0, tau, 0, None, False)
-    z = ops.mtp_hc_head(w, cfg, ops.mtp_carrier(res.attn_carrier, res.carrier))
-    return w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight")
+    res = block_forward(w, cfg, ops, plan, cache, X0, tau, start_pos, None, True)
+    X1 = ops.mtp_carrier(res.attn_carrier, res.carrier)
+    z = ops.mtp_hc_head(w, cfg, X1)
+    return w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight"), X1, \
+        res.attn.captures["rope_kv"]
+
+
+def mtp_logits(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, G: Tensor, tau: Tensor) -> Tensor:
+    """`mtp_rows` of n pairs from position 0 on a fresh ring (as `mtp_forward` after `new_mtp_state`).
+    G [n, H, D], tau int64 [n] -> [n, V]."""
+    return mtp_rows(w, cfg, plan, new_layer_cache(cfg, 0, G.device, w.act), G, tau, 0)[0]
+
+
+def mtp_chain_logits(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, keys: Tensor, X1: Tensor, c: int,
+                     tokens: Tensor) -> list[Tensor]:
+    """Depths 2..k+1 after pair c, as `TorchEngine.mtp_chain` on the ring of pairs <= c (`keys` [>= c+1, hd] of
+    the pairs from position 0, the last W-1 up to c kept), but teacher-forced: depth j+2 takes (X1 of depth j+1,
+    tokens[j]) at position c+1+j.  X1 [>= c+1, H, D] of the pairs, tokens int64 [k] -> k x logits [1, V]."""
+    W = cfg.window_size
+    cache = LayerCache(c + 1, keys[max(0, c + 2 - W) : c + 1])
+    G, out = X1[c : c + 1], []
+    for j in range(tokens.shape[0]):
+        logits, G, _ = mtp_rows(w, cfg, plan, cache, G, tokens[j : j + 1], c + 1 + j)
+        out.append(logits)
+    return out
 
 
 def drafter_plan(cfg: ModelConfig, layer: int) -> LayerPlan:
@@ -146,19 +170,36 @@ def adam(weights: Mapping[str, np.ndarray], items: Sequence, loss_of: Callable[[
 
 
 def fit_mtp(weights: Mapping[str, np.ndarray], cfg: ModelConfig, first_layer: int,
-            sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], steps: int, seed: int,
-            lr: float = 3e-3, batch: int = 8, log: Callable[[int, float], None] | None = None) -> dict[str, np.ndarray]:
+            sequences: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]], steps: int, seed: int,
+            depth: int = 1, lr: float = 3e-3, batch: int = 8, chain_batch: int = 16,
+            log: Callable[[int, float], None] | None = None) -> dict[str, np.ndarray]:
     """Fit the MTP drafter `weights` (canonical names, with the FIXED trunk tensors) by `adam`.
 
-    sequences: (carriers X^(L) [n, H, D], tokens [n], targets [n-1]) with targets[i] = the trunk's argmax at row
-    i+1, what the prev pair (X_i, t_{i+1}) must predict; loss: the mean cross-entropy over a sequence's pairs."""
+    sequences: (carriers X^(L) [n, H, D], tokens [n], targets [n-1], first drafted pair) with targets[i] = the
+    trunk's argmax at row i+1, what the prev pair (X_i, t_{i+1}) must predict. Loss: the mean cross-entropy over a
+    sequence's pairs; with depth > 1 plus, over `chain_batch` anchors c >= first drafted pair drawn per step (seeded),
+    the mean cross-entropy of the chained depths 2..depth (`mtp_chain_logits`, fed the trunk's tokens) against
+    targets[c+1..c+depth-1]."""
+    if depth < 1 or chain_batch < 1:
+        raise ParityError(f"fit_mtp: depth ({depth}) and chain_batch ({chain_batch}) must be >= 1")
     plan = drafter_plan(cfg, first_layer)
     items = [(torch.from_numpy(np.asarray(X, np.float32)[:-1]), torch.from_numpy(np.asarray(t, np.int64)[1:]),
-              torch.from_numpy(np.asarray(y, np.int64))) for X, t, y in sequences]
+              torch.from_numpy(np.asarray(y, np.int64)), int(first)) for X, t, y, first in sequences]
+    gen = torch.Generator().manual_seed(seed + 1)
 
-    def loss_of(w: TrainableWeights, picked: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
-        return sum(torch.nn.functional.cross_entropy(mtp_logits(w, cfg, plan, G, tau), y)
-                   for G, tau, y in picked) / len(picked)
+    def loss_of(w: TrainableWeights, picked: list[tuple[Tensor, Tensor, Tensor, int]]) -> Tensor:
+        loss, chains = 0, []
+        for G, tau, y, first in picked:
+            logits, X1, keys = mtp_rows(w, cfg, plan, new_layer_cache(cfg, 0, G.device, w.act), G, tau, 0)
+            loss = loss + torch.nn.functional.cross_entropy(logits, y) / len(picked)
+            chains += [(keys, X1, c, y) for c in range(first, len(y) - depth + 1)]
+        if depth == 1 or not chains:
+            return loss
+        picks = torch.randperm(len(chains), generator=gen)[:chain_batch].tolist()
+        chain = [torch.nn.functional.cross_entropy(lg, y[c + 1 + j : c + 2 + j])
+                 for keys, X1, c, y in (chains[i] for i in picks)
+                 for j, lg in enumerate(mtp_chain_logits(w, cfg, plan, keys, X1, c, y[c : c + depth - 1]))]
+        return loss + sum(chain) / len(chain)
 
     return adam(weights, items, loss_of, steps, seed, lr, batch, log)
 

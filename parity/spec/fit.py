@@ -61,7 +61,7 @@ class FitReport:
     seed: int
     steps: int
     agreement: dict[str, tuple[float, ...]]
-    counted: tuple[int, int]   # drafted pairs (MTP) / rounds (DSpark) counted: training, held-out
+    counted: tuple[int, int]   # drafted anchors (MTP) / rounds (DSpark) counted: training, held-out
     seconds: dict[str, float]
 
 
@@ -81,9 +81,10 @@ def greedy_trajectory(engine: Engine, prompt: np.ndarray, decode: int,
     return Trajectory(all_tokens(results), carriers, taps, stack(results, "logits").argmax(axis=1), len(prompt))
 
 
-def mtp_rows(t: Trajectory) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(carriers [n, H, D], tokens [n], targets [n-1]): prev pair i = (X_i, t_{i+1}) must predict argmax[i+1]."""
-    return t.carriers, t.tokens, t.argmax[1:]
+def mtp_rows(t: Trajectory) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(carriers [n, H, D], tokens [n], targets [n-1], first drafted pair n_prompt-1): prev pair i = (X_i, t_{i+1})
+    must predict argmax[i+1]."""
+    return t.carriers, t.tokens, t.argmax[1:], t.n_prompt - 1
 
 
 def dspark_rounds(t: Trajectory, dc: DrafterConfig, window: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -96,16 +97,23 @@ def dspark_rounds(t: Trajectory, dc: DrafterConfig, window: int) -> list[tuple[n
     return out
 
 
-def mtp_agreement(engine: Engine, trajectories: Sequence[Trajectory]) -> tuple[tuple[float, ...], int]:
-    """The fraction of drafted prev pairs i >= n_prompt - 1 whose MTP first argmax equals the trunk's argmax at
-    row i+1, by `engine`'s `mtp_forward` (opened with the drafter); and the pair count."""
-    hits = total = 0
+def mtp_agreement(engine: Engine, trajectories: Sequence[Trajectory], depth: int) -> tuple[tuple[float, ...], int]:
+    """Per slot k = 1..depth, the fraction of drafted anchors c (pairs c >= n_prompt-1 with c+depth <= n-1) whose
+    draft d_k equals the trunk's argmax at row c+k: d_1 the first argmax of pair c's MTP logits, d_2.. those of
+    `mtp_chain` after it, by `engine` (opened with the drafter) with the MTP ring written one pair at a time as a
+    speculative loop does; and the anchor count."""
+    hits, total = np.zeros(depth, dtype=np.int64), 0
     for t in trajectories:
-        out = engine.mtp_forward(engine.new_mtp_state(), t.carriers, t.tokens, 0, "prev")
-        drafted = slice(t.n_prompt - 1, None)
-        hits += int((out.logits.argmax(axis=1)[drafted] == t.argmax[1:][drafted]).sum())
-        total += len(t.argmax[1:][drafted])
-    return (hits / total,), total
+        state, first = engine.new_mtp_state(), t.n_prompt - 1
+        if first > 0:
+            engine.mtp_forward(state, t.carriers[: first + 1], t.tokens[: first + 1], 0, "prev")
+        for c in range(first, len(t.tokens) - depth):
+            last = engine.mtp_forward(state, t.carriers[c : c + 2], t.tokens[c : c + 2], c, "prev")
+            chain = engine.mtp_chain(state, last, c + 1, depth) if depth > 1 else []
+            drafts = [int(np.argmax(last.logits[-1]))] + [int(np.argmax(o.logits[0])) for o in chain]
+            hits += np.array(drafts) == t.argmax[c + 1 : c + 1 + depth]
+            total += 1
+    return tuple(float(h) / total for h in hits), total
 
 
 def dspark_agreement(engine: Engine, trajectories: Sequence[Trajectory], dc: DrafterConfig,
@@ -124,13 +132,14 @@ def dspark_agreement(engine: Engine, trajectories: Sequence[Trajectory], dc: Dra
 def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | None = None, seed: int = 0,
                 steps: int | None = None, quant: str = "f32", prompts: int = 4, prompt_len: int = 8,
                 decode: int = 32, heldout: int = 2, train_prompts: Sequence[Sequence[int]] | None = None,
-                log: Callable[[int, float], None] | None = None) -> FitReport:
+                depth: int = 1, log: Callable[[int, float], None] | None = None) -> FitReport:
     """Fit the tiny `kind` drafter ("mtp" | "dspark") of `trunk` (`steps` Adam steps, None: STEPS[kind]; seeded)
     and write it to `out` in `layout` (None: ds4-mtp / ds4-dspark).
 
     Training trajectories: `prompts` seeded random prompts of `prompt_len` tokens, or `train_prompts` when given
     (e.g. the prompts a speculative test will decode), each continued greedily for `decode` tokens; `heldout` more
-    seeded prompts (another stream) only measure."""
+    seeded prompts (another stream) only measure. MTP `depth` > 1 also fits (and measures) the chained drafts
+    d_2..d_depth."""
     if kind not in STEPS:
         raise ParityError(f"fit: unknown drafter kind {kind!r}; choose from {', '.join(STEPS)}")
     layout = layout if layout is not None else f"ds4-{kind}"
@@ -149,6 +158,9 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
     dc = tiny_drafter_config(kind, layout, cfg)
     if kind == "dspark" and decode < dc.block_size:
         raise ParityError(f"fit: decode ({decode}) must be >= the DSpark block size {dc.block_size}")
+    if depth < 1 or depth > decode or (kind == "dspark" and depth != 1):
+        raise ParityError(f"fit: depth ({depth}) must be 1 for DSpark (its block has B slots), 1..decode ({decode}) "
+                          f"for MTP")
     model_cfg = extend_config(cfg, dc.n_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         rand = synthesize_drafter(Path(tmp) / "random.gguf", trunk, kind, layout, seed, quant)
@@ -165,7 +177,7 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
         torch_engine = engine_class("torch")
         if kind == "mtp":
             fitted = torch_engine.fit_mtp(init, model_cfg, cfg.n_layers, [mtp_rows(t) for t in train], steps, seed,
-                                          log=log)
+                                          depth=depth, log=log)
         else:
             rounds = [r for t in train for r in dspark_rounds(t, dc, cfg.window_size)]
             fitted = torch_engine.fit_dspark(init, model_cfg, cfg.n_layers, dc.n_blocks, rounds, steps, seed,
@@ -176,7 +188,7 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
         for name, drafter in (("", path), ("random_", rand)):
             engine = engine_class("reference")(str(trunk), FIT_OPTIONS, draft=str(drafter))
             for which, trajectories in (("fitted", train), ("heldout", held)):
-                scores[name + which] = (mtp_agreement(engine, trajectories) if kind == "mtp"
+                scores[name + which] = (mtp_agreement(engine, trajectories, depth) if kind == "mtp"
                                         else dspark_agreement(engine, trajectories, dc, cfg.window_size))
     seconds["measure"] = time.perf_counter() - t0
     return FitReport(Path(path), kind, layout, seed, steps, {k: v[0] for k, v in scores.items()},
