@@ -492,13 +492,13 @@ def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[
 
 
 def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, kind: str, *, layout: str | None = None,
-                seed: int = 0, steps: int | None = None, quant: str = "f32",
+                seed: int = 0, steps: int | None = None, depth: int = 1, quant: str = "f32",
                 log: Callable[[int, float], None] | None = None) -> Any:
     """`synth --draft mtp|dspark --fit`: the tiny drafter fitted to the model's own greedy continuations, written
     to `out` (`parity.spec.fit.fit_drafter`; `log(step, loss)` per Adam step) -> its `FitReport`."""
     from parity.spec.fit import fit_drafter as fit
 
-    return fit(model, out, kind, layout=layout, seed=seed, steps=steps, quant=quant, log=log)
+    return fit(model, out, kind, layout=layout, seed=seed, steps=steps, depth=depth, quant=quant, log=log)
 
 
 def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torch", draft: str | None = None,

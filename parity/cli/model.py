@@ -35,10 +35,13 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
               "by the reference engine on the fitted and on held-out prompts (docs/drafters.md).")
 @click.option("--fit-steps", type=click.IntRange(min=1), default=None,
               help="Adam steps of --fit  [default: 40 mtp, 100 dspark]")
+@click.option("--fit-depth", type=click.IntRange(min=1), default=1, show_default=True,
+              help="MTP --fit: also fit (and measure) the chained drafts d_2..d_DEPTH.")
 @json_option()
 @json_errors
 def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, draft_layout: str | None,
-          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int | None, as_json: bool) -> None:
+          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int | None, fit_depth: int,
+          as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
     \b
@@ -53,7 +56,7 @@ def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, dr
     path = synthesize(output, preset, quant, seed)
     size = path.stat().st_size
     if fit:
-        _fit(path, size, draft, draft_out, layout, seed, fit_steps, draft_quant, as_json)
+        _fit(path, size, draft, draft_out, layout, seed, fit_steps, fit_depth, draft_quant, as_json)
         return
     if layout is not None:
         from parity.gguf.synth_draft import synthesize_drafter
@@ -114,18 +117,18 @@ def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None
         raise SystemExit(1)
 
 
-def _fit(path, size: int, kind: str, draft_out: str, layout: str, seed: int, steps: int | None, quant: str,
-         as_json: bool) -> None:
+def _fit(path, size: int, kind: str, draft_out: str, layout: str, seed: int, steps: int | None, depth: int,
+         quant: str, as_json: bool) -> None:
     """synth --fit: write the fitted drafter and print what it agrees with (per slot)."""
     from parity import api
 
-    r = api.fit_drafter(path, draft_out, kind, layout=layout, seed=seed, steps=steps, quant=quant)
+    r = api.fit_drafter(path, draft_out, kind, layout=layout, seed=seed, steps=steps, depth=depth, quant=quant)
     names = {"fitted": "fitted_prompts", "heldout": "heldout_prompts", "random_fitted": "random_drafter_fitted_prompts",
              "random_heldout": "random_drafter_heldout_prompts"}
     if as_json:
         echo_json({"wrote": str(path), "bytes": size, "draft": {
             "wrote": str(r.path), "bytes": r.path.stat().st_size, "kind": kind, "layout": layout, "quant": quant,
-            "fit": {"steps": r.steps, "seed": seed, "agreement_per_slot": {names[k]: list(v) for k, v in
+            "fit": {"steps": r.steps, "seed": seed, "depth": depth, "agreement_per_slot": {names[k]: list(v) for k, v in
                                                                            r.agreement.items()},
                     "counted": list(r.counted), "seconds": r.seconds}}})
         return
@@ -133,7 +136,7 @@ def _fit(path, size: int, kind: str, draft_out: str, layout: str, seed: int, ste
     a = r.agreement
     click.echo(f"wrote {path} ({size:,} bytes)")
     click.echo(f"wrote {r.path} (fitted {kind} drafter layout={layout} quant={quant}; {r.steps} Adam steps, "
-               f"seed {seed})")
+               f"seed {seed}{f', depth {depth}' if kind == 'mtp' else ''})")
     click.echo(f"agreement with the trunk's greedy tokens per slot (reference engine; {r.counted[0]} / "
                f"{r.counted[1]} drafted {'pairs' if kind == 'mtp' else 'rounds'}):")
     click.echo(f"  fitted drafter:  fitted prompts {pct(a['fitted'])}; held-out prompts {pct(a['heldout'])}")
