@@ -26,7 +26,7 @@ OPTS = RunOptions(fp8_kv=False, fp4_indexer=False)
 ENVELOPE = Path(__file__).parent / "fixtures" / "spec" / "tiny-f32-nosims.envelope.json"
 ENV = load_envelope(ENVELOPE, "float32")
 WIDE = Envelope("float32", {}, {}, {}, 1.0)   # every reordering counts as noise: tie threshold 10 |logit|
-PROMPTS = ([0, 5, 7, 9, 11, 13], [0, 200, 3, 77, 140, 9, 31, 250])
+PROMPTS = ([0, 5, 7, 9, 11, 13], [0, 200, 3, 77, 140, 9, 31, 250], [0, 42, 42, 17, 260, 3, 99, 5, 120, 64])
 CORRECT = {"ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED"}
 
 
@@ -109,16 +109,16 @@ def test_each_label_by_its_condition(slot, expected):
 # ---------------------------------------------------------------- correct engines: exact, only benign labels
 
 
-@pytest.mark.parametrize("name, kind, kw", [
-    ("reference", "mtp", {"depth": 1}),
-    ("torch", "mtp", {"depth": 2}),
-    ("reference", "dspark", {}),
-    ("torch", "dspark", {"gate": Gate.parse("first-below:0.5")}),
-    ("reference", "script", {"depth": 3}),
-    ("torch", "script", {"depth": 3, "reject_at": 2}),
+@pytest.mark.parametrize("name, kind, kw, prompt", [
+    ("reference", "mtp", {"depth": 1}, 0),
+    ("torch", "mtp", {"depth": 2}, 1),
+    ("reference", "dspark", {}, 2),
+    ("torch", "dspark", {"gate": Gate.parse("first-below:0.5")}, 0),
+    ("reference", "script", {"depth": 3}, 2),
+    ("torch", "script", {"depth": 3, "reject_at": 2}, 0),
 ])
-def test_speculative_tokens_equal_plain_and_reference_with_benign_labels(engines, name, kind, kw):
-    rep = run(engines, name, kind, **kw)
+def test_speculative_tokens_equal_plain_and_reference_with_benign_labels(engines, name, kind, kw, prompt):
+    rep = run(engines, name, kind, prompt=PROMPTS[prompt], **kw)
     assert rep.exact and rep.divergence is None
     assert rep.spec_tokens == rep.plain_tokens == rep.reference_tokens and len(rep.spec_tokens) == 16
     assert {k for k, v in rep.labels.items() if v} <= CORRECT and not rep.defects
