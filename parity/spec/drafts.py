@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -19,8 +18,6 @@ from parity.contract.engine import DraftHeads, Engine, StateSnapshots
 from parity.contract.errors import ParityError
 from parity.gguf.drafter import DrafterConfig
 from parity.tracing.runner import ChunkResult
-
-SCRIPTS = ("accept-all", "reject-at")
 
 
 @dataclass(frozen=True)
@@ -152,12 +149,3 @@ def parse_script(text: str) -> int | None:
         return int(value)
     raise ParityError(f"script {text!r}: expected accept-all or reject-at:I with I >= 1")
 
-
-def make_source(engine: Engine, kind: str, depth: int, drafter: DrafterConfig | None,
-                script: Any = None) -> MTPSource | DSparkSource | ScriptSource:
-    """The draft source of `kind` (mtp | dspark | script) on `engine`."""
-    if kind == "mtp":
-        return MTPSource(engine, depth)
-    if kind == "dspark":
-        return DSparkSource(engine, drafter)
-    return ScriptSource(script[0], depth, script[1], engine.config.vocab_size)

@@ -12,6 +12,8 @@ import numpy as np
 
 from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
+from parity.contract.errors import ParityError
+from parity.gguf.drafter import DrafterConfig
 from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
 from parity.spec.attribution import RoundAttribution, StateDivergence, attribute, offline_per_slot, online_per_slot
 from parity.spec.drafts import DSparkSource, MTPSource, ScriptSource
@@ -84,13 +86,17 @@ class SpecReport:
 
 def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], steps: int, env: Envelope, *,
                 depth: int = 1, gate: Gate | None = None, max_draft: int | None = None,
-                reject_at: int | None = None, drafter: Any = None,
+                reject_at: int | None = None, drafter: DrafterConfig | None = None,
                 counter: Callable[[str, int, int | None], None] | None = None) -> SpecReport:
     """Run `cand` speculatively (`kind`: mtp | dspark | script), decode plainly with `cand` and `ref`, attribute
     every round with `ref`. `drafter`: the drafter's `DrafterConfig` (DSpark taps and B); scripts draft the
     reference's greedy continuation, the `reject_at`-th draft of each round made wrong (None: accept-all)."""
     import time
 
+    if steps < 1:
+        raise ParityError(f"--steps must be >= 1, got {steps}")
+    if kind == "dspark" and drafter is None:
+        raise ParityError("spec_report: a DSpark run needs the drafter's DrafterConfig (taps, B)")
     gate = gate or Gate("none")
     t0 = time.perf_counter()
     ref_plain = run_sequence(ref, prompt, steps - 1)
