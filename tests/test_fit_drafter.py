@@ -26,9 +26,9 @@ from parity.gguf.weights import Weights
 from parity.spec.fit import dspark_agreement, fit_drafter, greedy_trajectory, seeded_prompts
 
 OPTS = RunOptions(fp8_kv=False, fp4_indexer=False)
-FORWARD_TOL = 1e-5      # trainable forwards vs the engine's heads, rel-L2 per row (measured 4.5e-7 MTP, 7.1e-7 DSpark)
-FITTED_MIN = 0.5        # issue 25: acceptance above 50 % (measured: MTP 1.0; DSpark 0.99-1.0 per slot)
-RANDOM_MAX = 0.1        # the random drafters (measured: MTP 0.0 of 128 pairs, DSpark <= 2 of 32 rounds per slot)
+FORWARD_TOL = 1e-5   # trainable forwards vs the engine, rel-L2 per row (measured: 4.5e-7, chain 4.2e-7, DSpark 7.1e-7)
+FITTED_MIN = 0.5     # issue 25: acceptance above 50 % (measured in these fits: 1.0 in every slot, all three heads)
+RANDOM_MAX = 0.2     # the seeded random drafters, far lower (measured: MTP 0 of 128, chain 0 of 9, DSpark <= 1 of 12)
 
 
 @pytest.fixture(scope="module")
