@@ -117,6 +117,13 @@ def test_one_seed_one_file(tiny_f32, tmp_path):
     assert a == b
     assert a != c
     open_drafter(tmp_path / "a.gguf", Weights(tiny_f32).config)   # a valid drafter of the trunk
+    given = fit_drafter(tiny_f32, tmp_path / "d.gguf", "mtp", seed=3, steps=2, decode=3, heldout=1,
+                        train_prompts=seeded_prompts(3, 1, 8, 290, 1)).path.read_bytes()
+    assert given == a                           # train_prompts = the seeded prompt: the same fit
+    kw = dict(steps=2, prompts=1, decode=5, heldout=1)
+    e = fit_drafter(tiny_f32, tmp_path / "e.gguf", "dspark", seed=3, **kw).path.read_bytes()
+    f = fit_drafter(tiny_f32, tmp_path / "f.gguf", "dspark", seed=3, **kw).path.read_bytes()
+    assert e == f
 
 
 def test_refusals_name_the_problem(tiny_f32, tmp_path):
