@@ -123,6 +123,8 @@ def test_speculative_tokens_equal_plain_and_reference_with_benign_labels(engines
     assert rep.spec_tokens == rep.plain_tokens == rep.reference_tokens and len(rep.spec_tokens) == 16
     assert {k for k, v in rep.labels.items() if v} <= CORRECT and not rep.defects
     assert rep.state_checked and rep.state_divergence is None   # every commit's caches equal the reference's
+    assert rep.committed_counts == {"MATCH": 16, "TIE": 0, "WRONG": 0}
+    assert [x.token for x in rep.committed] == list(rep.spec_tokens)
     for r, a in zip(rep.rounds, rep.attribution, strict=True):
         assert r.verify == a.reference                  # the candidate's verifier rows pick the reference's tokens
         assert len(a.labels) == len(r.drafts)
@@ -201,6 +203,11 @@ def test_a_wrong_verifier_row_gets_its_label_and_the_divergence_its_class(engine
     assert d.plain == d.reference != d.spec
     assert (d.margin <= d.tie) == (cls == "TIE") and d.margin_ulps > 0
     assert bool(rep.defects) == (cls == "WRONG")
+    # teacher-forced, every committed token on its own prefix: step 2 (v_1) is the altered one, and every later
+    # round's v_1 too when its d_1 is accepted
+    step2 = rep.committed[2]
+    assert (step2.cls, step2.token, step2.reference) == (cls, d.spec, d.reference)
+    assert rep.committed_counts[cls] >= 1 and rep.committed_counts["TIE" if cls == "WRONG" else "WRONG"] == 0
 
 
 def test_a_drafter_that_departs_from_the_reference_drafter_is_drafter_drift(engines):
@@ -228,7 +235,7 @@ def test_an_incomplete_snapshot_is_named_by_state_parity(engines):
     d = rep.state_divergence
     assert d is not None and d.round == 0 and d.component.startswith("blk.2.comp.")   # layer 2: the first CSA layer
     assert rep.attribution[0].labels == ("ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED")   # round 0 verified right
-    assert rep.defects[0 if rep.exact else 1].startswith("state blk.2.comp.")
+    assert f"state {d.component} after round 0" in rep.defects
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +303,7 @@ def test_cli_json_keys_and_exit_codes(tiny_f32, drafts):
     assert doc["exact"] is True and doc["first_divergence"] is None and doc["state_divergence"] is None
     assert set(doc["rounds"][0]) >= {"start_pos", "drafts", "verify", "accepted", "labels"}
     assert set(doc["acceptance"]) == {"per_slot", "reference_per_slot", "mean"}
+    assert doc["committed"] == {"counts": {"MATCH": 6, "TIE": 0, "WRONG": 0}, "divergent": []}
     assert sum(doc["labels"].values()) == sum(len(r["drafts"]) for r in doc["rounds"])
     # a trunk fault: plain and speculative decodes both leave the reference (not spec-induced), WRONG -> 1
     res = cli(*common, "--script", "accept-all", "--engine", "torch", "--inject", "sink-dropped", "--json")

@@ -65,9 +65,9 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
     docs/spec.md explains the labels, the tie threshold and the cost.
 
     \b
-    Exit codes: 0 exact (or the first divergence a TIE), states equal and no defect label,
-                1 WRONG, a state divergence after a commit, or a VERIFIER-DEFECT / DRAFTER-DRIFT / FALSE-ACCEPT
-                label, 2 usage or preflight error.
+    Exit codes: 0 exact (or the first divergence a TIE), no committed token WRONG, states equal, no defect label,
+                1 WRONG (first divergence or a committed token on its own prefix), a state divergence after a
+                commit, or a VERIFIER-DEFECT / DRAFTER-DRIFT / FALSE-ACCEPT label, 2 usage or preflight error.
     Example: v4parity spec -m TRUNK --draft FILE --engine torch --depth 2 --steps 64 --prompt "..."
     """
     from parity import api

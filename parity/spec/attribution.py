@@ -38,12 +38,14 @@ class StateDivergence:
 @dataclass(frozen=True)
 class RoundAttribution:
     """The reference's view of one round: labels (one per drafted position d_1..d_k), ρ_0..ρ_γ, μ and τ per
-    verify row (absolute logits), the reference drafter's d*_1..d*_k."""
+    verify row (absolute logits), gaps = ℓ_ref(ρ_j) − ℓ_ref(v_j) per verify row (0 where the candidate picked ρ_j),
+    the reference drafter's d*_1..d*_k."""
 
     labels: tuple[str, ...]
     reference: tuple[int, ...]
     margins: tuple[float, ...]
     ties: tuple[float, ...]
+    gaps: tuple[float, ...]
     reference_drafts: tuple[int, ...]
 
 
@@ -100,8 +102,10 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
         rho, margins = first_max(logits), top_two_margin(logits)
         ties = np.array([env.tie_margin(float(row.max())) for row in logits])
         labels = label_round(r, rho, margins, ties, star, star_logits, env)
+        rows = np.arange(len(rho))
+        gaps = logits[rows, rho].astype(np.float64) - logits[rows, np.asarray(r.verify)]
         out.append(RoundAttribution(labels, tuple(map(int, rho)), tuple(map(float, margins)),
-                                    tuple(map(float, ties)), tuple(map(int, star))))
+                                    tuple(map(float, ties)), tuple(map(float, gaps)), tuple(map(int, star))))
         if divergence is None and run.states:
             found = first_difference(run.states[n], state_view(ref, state, source), tol)
             divergence = StateDivergence(n, r.start_pos, *found) if found else None

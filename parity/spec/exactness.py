@@ -6,6 +6,10 @@ prefix): margin = ref logit of its top-1 − ref logit of the other token (the c
 larger gap when both differ); TIE when margin <= τ = the envelope's tie margin at the top-1 logit's size, else
 WRONG; spec-induced when the plain decode agrees with the reference there and the speculative one does not.
 Steps after a divergence are not compared (the prefixes differ from there on).
+
+`committed_verdicts` goes on past it, teacher-forced (spec §6.3.1 re-sync): every token the speculative run
+committed is a verify row's argmax v_j, and the attribution has the reference's row on the same committed prefix,
+so each committed token is MATCH (v_j = ρ_j), TIE (ℓ_ref(ρ_j) − ℓ_ref(v_j) <= τ_j) or WRONG.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from parity.bisect.envelope import Envelope
-from parity.spec.attribution import ulps
+from parity.spec.attribution import RoundAttribution, ulps
+from parity.spec.driver import Round
 
 
 @dataclass(frozen=True)
@@ -50,3 +55,38 @@ def first_divergence(spec: Sequence[int], plain: Sequence[int], reference: Seque
         return Divergence(s, n_prompt - 1 + s, "TIE" if margin <= tie else "WRONG", b == r != a, int(a), int(b),
                           int(r), float(margin), ulps(margin, top), float(tie), ulps(tie, top))
     return None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed token of the speculative run judged on its own prefix (step 0 = the prefill's argmax)."""
+
+    step: int
+    position: int             # the row that predicted it
+    cls: str                  # MATCH | TIE | WRONG
+    token: int
+    reference: int
+    margin: float             # ℓ_ref(reference) − ℓ_ref(token)
+    tie: float
+
+
+def committed_verdicts(rounds: Sequence[Round], attrs: Sequence[RoundAttribution], first: int, first_reference: int,
+                       first_logits: np.ndarray, n_prompt: int, steps: int, env: Envelope) -> list[Committed]:
+    """Every committed token in order: the prefill's (`first`, judged on the reference's prefill row
+    `first_logits` [V] with its argmax `first_reference`), then each round's v_0..v_{a'}; at most `steps`."""
+    row = np.asarray(first_logits, np.float64)
+    gap, tie = float(row[first_reference] - row[first]), env.tie_margin(float(row[first_reference]))
+    out = [Committed(0, n_prompt - 1, verdict(first, first_reference, gap, tie), first, first_reference, gap, tie)]
+    for r, a in zip(rounds, attrs, strict=True):
+        for j in range(r.accepted + 1):
+            if len(out) == steps:
+                return out
+            out.append(Committed(len(out), r.start_pos + j, verdict(r.verify[j], a.reference[j], a.gaps[j],
+                                                                     a.ties[j]), r.verify[j], a.reference[j],
+                                 a.gaps[j], a.ties[j]))
+    return out
+
+
+def verdict(token: int, reference: int, gap: float, tie: float) -> str:
+    """MATCH when the tokens agree, TIE when the reference's gap between them is <= tie, else WRONG."""
+    return "MATCH" if token == reference else "TIE" if gap <= tie else "WRONG"

@@ -40,6 +40,10 @@ def summary_lines(report: SpecReport) -> list[str]:
     return [f"engine {o['engine']}, drafter {o['drafter']} (depth/B {o['depth']}, gate {o['gate']}, max-draft "
             f"{o['max_draft']}), {len(report.spec_tokens)} steps, {c['rounds']} rounds",
             f"labels: {labels or 'none (no drafts)'}",
+            "committed tokens on their own prefix (teacher-forced): "
+            + ", ".join(f"{k} {v}" for k, v in report.committed_counts.items())
+            + "".join(f"; {x.cls} at step {x.step} ({x.token} vs {x.reference}, gap {x.margin:.3g}, tie {x.tie:.3g})"
+                      for x in report.committed if x.cls != "MATCH")[:2000],
             f"acceptance per slot: candidate {' '.join(map(_pct, report.per_slot))}; reference drafter (offline) "
             f"{' '.join(map(_pct, report.reference_per_slot))}; {report.mean_accepted:.2f} drafts accepted per round",
             f"cost: {c['verify_rows']} verify rows + {c['replayed_rows']} replayed rows for {c['plain_rows']} plain "
@@ -82,7 +86,9 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
     ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, kind, why} or null;
     kind shape | non-finite | values), state_flip_possible (a values difference with QAT sims on: noted, not a
-    defect), state_checked, cost, tokens, options, seconds, defects."""
+    defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step, position, token, reference, margin,
+    tie}]}: every committed token judged on its own prefix), state_checked, cost, tokens, options, seconds,
+    defects."""
     d = report.divergence
     div = None
     if d is not None:
@@ -95,6 +101,9 @@ def to_json(report: SpecReport) -> dict[str, Any]:
                                      "reference_per_slot": list(report.reference_per_slot),
                                      "mean": report.mean_accepted},
                       "state_divergence": asdict(report.state_divergence) if report.state_divergence else None,
+                      "committed": {"counts": report.committed_counts,
+                                    "divergent": [{"class": x.cls, **{k: v for k, v in asdict(x).items() if k != "cls"}}
+                                                  for x in report.committed if x.cls != "MATCH"]},
                       "state_checked": report.state_checked, "state_flip_possible": report.state_flip_possible,
                       "cost": report.cost, "defects": report.defects,
                       "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),

@@ -18,7 +18,7 @@ from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
 from parity.spec.attribution import RoundAttribution, StateDivergence, attribute, offline_per_slot, online_per_slot
 from parity.spec.drafts import DSparkSource, MTPSource, ScriptSource
 from parity.spec.driver import Round, speculate
-from parity.spec.exactness import Divergence, first_divergence
+from parity.spec.exactness import Committed, Divergence, committed_verdicts, first_divergence
 from parity.tracing.runner import run_sequence
 
 
@@ -30,6 +30,7 @@ class SpecReport:
     plain_tokens: tuple[int, ...]         # the same engine's plain greedy decode
     reference_tokens: tuple[int, ...]     # the reference's plain greedy decode
     divergence: Divergence | None
+    committed: tuple[Committed, ...]      # every committed token judged on its own prefix (teacher-forced)
     rounds: tuple[Round, ...]
     attribution: tuple[RoundAttribution, ...]
     state_divergence: StateDivergence | None      # None: every state equal (or `state_checked` False)
@@ -49,12 +50,20 @@ class SpecReport:
 
     @property
     def defects(self) -> list[str]:
-        """What makes the exit status 1: a WRONG divergence, a state divergence (not a possible code flip), a
-        defect label."""
+        """What makes the exit status 1: a WRONG divergence, a WRONG committed token (teacher-forced), a state
+        divergence (not a possible code flip), a defect label."""
         out = [f"WRONG at step {self.divergence.step}"] if self.divergence and self.divergence.cls == "WRONG" else []
+        wrong = self.committed_counts["WRONG"]
+        if wrong:
+            out.append(f"committed WRONG x{wrong}")
         if self.state_divergence is not None and not self.state_flip_possible:
             out.append(f"state {self.state_divergence.component} after round {self.state_divergence.round}")
         return out + [f"{k} x{v}" for k, v in self.labels.items() if k in DEFECT_LABELS and v]
+
+    @property
+    def committed_counts(self) -> dict[str, int]:
+        c = Counter(x.cls for x in self.committed)
+        return {k: c.get(k, 0) for k in ("MATCH", "TIE", "WRONG")}
 
     @property
     def state_flip_possible(self) -> bool:
@@ -127,8 +136,11 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
                "ring_policy": "replay" if kind == "mtp" else "committed-rows" if kind == "dspark" else None,
                "gate": str(gate), "max_draft": max_draft, "temperature": 0, "tie_break": "first-max",
                "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
+    committed = committed_verdicts(run.rounds, attrs, run.generated[0], ref_tokens[0], ref_logits[0], len(prompt),
+                                   steps, env)
     return SpecReport(options, tuple(prompt), tuple(run.generated), tuple(cand_plain), tuple(ref_tokens),
                       first_divergence(run.generated, cand_plain, ref_tokens, ref_logits, len(prompt), env),
+                      tuple(committed),
                       tuple(run.rounds), tuple(attrs), state_div, bool(run.states),
                       tuple(online_per_slot(run.rounds, width)),
                       tuple(offline_per_slot(run.rounds, attrs, run.tokens, width)),
