@@ -2,7 +2,8 @@
 v4-mtp-dspark §6.6).
 
 The forwards are the torch engine's draft heads composed with the model's ops (`Ops()`: no fault, QAT sims off):
-the MTP head (`mtp_input`, `model.block_forward` on layer L, the MTP HC head, the output head) and the DSpark round
+the MTP head (`mtp_input`, `model.block_forward` on layer L, the MTP HC head, the output head; chained rows through
+the same block on the ring of the pairs before them) and the DSpark round
 (main rows into fresh rings, `draft_blocks.dspark_stage` per stage, the HC head, the output head), run on
 `TrainableWeights`: the product interface `DeviceWeights` gives the ops (linear, grouped and expert products,
 rows, vectors, matrices) over float32 tensors, the drafter's as leaves with gradients, the trunk's embedding and
