@@ -286,8 +286,12 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
            decode: int = 4, chunk: int | None = None, options: RunOptions | None = None,
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
            progress: Callable[[str], None] | None = None,
-           counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+           counter: Callable[[str, int, int | None], None] | None = None,
+           draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev") -> Any:
     """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
+    `draft`: a drafter GGUF both engines open; when the trunk has no defect its head is judged as one more layer
+    (both heads on the reference's trunk carriers, MTP chained to `mtp_depth` with `mtp_pairing`;
+    `parity.bisect.search`).
     `progress(message)` announces the stages, `counter(stage, done, total)` counts the long passes' chunks.
     `envelope`: a file (refused when measured on another model); default the stored envelope of this model
     (found by model identity, not file name, in the model's directory and ./traces), else measured now."""
@@ -301,9 +305,12 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     options = options or RunOptions()
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
-    _check_injectable(engine, options.inject)  # before any work: a misspelt name costs nothing
+    _check_injectable(engine, options.inject, draft is not None)  # before any work: a misspelt name costs nothing
+    if draft is not None and routing_replay:
+        raise TraceError("--routing-replay replays trunk layers; the draft heads do not take it: drop one")
+    drafter = None if draft is None else str(draft)
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
-    ref = load_engine("reference", str(model), RunOptions(**qat))  # its identity: the GGUF is hashed once here
+    ref = load_engine("reference", str(model), RunOptions(**qat), draft=drafter)  # the GGUF is hashed once here
     found = envelope_for(ref.identity, options.dtype, envelope, _envelope_search(model), qat)
     if found is not None:
         env, path = found
@@ -313,17 +320,22 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
             "./traces); measuring it now (save one with `v4parity envelope`)")
         env = measure_envelope(model, engine, options, say, counter)
     router = ReplayRouter() if routing_replay else None
-    cand = load_engine(engine, str(model), replace(options, expert_override=router))
+    cand = load_engine(engine, str(model), replace(options, expert_override=router), draft=drafter)
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter)
+    dh = draft_header(cand, mtp_pairing, mtp_depth) if drafter is not None else None
+    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter,
+                      draft=dh)
 
 
-def _check_injectable(engine: str, inject: Sequence[str]) -> None:
-    """`engine` is registered and offers every fault in `inject` (ParityError naming the first that is not)."""
-    from parity.contract.engine import engine_faults
+def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False) -> None:
+    """`engine` is registered and offers every fault in `inject` (ParityError naming the first that is not); with a
+    drafter (`drafted`) its drafter faults (`draft_faults`) count too."""
+    from parity.contract.engine import engine_class, engine_faults
     from parity.contract.errors import ParityError
 
     known = engine_faults(engine)  # raises for an unregistered engine, naming the registered ones
+    if drafted:
+        known = (*known, *getattr(engine_class(engine), "draft_faults", ()))
     unknown = [f for f in inject if f not in known]
     if unknown:
         offers = f"it offers: {', '.join(known)}" if known else "it offers no fault switches"

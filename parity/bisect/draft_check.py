@@ -16,7 +16,7 @@ carries into mtp.0.attn, mtp.0 and the logits, and only the first departing chec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -26,6 +26,7 @@ from parity.bisect.null import ALPHA, N_TWINS, NullTest, binomial_tail, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import FINAL_NORM, block
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions
+from parity.contract.errors import ParityError
 from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.records import Trace
 
@@ -75,16 +76,23 @@ def draft_check(trace: Trace, reference: Engine, n_twins: int = N_TWINS,
     """The module's test (the caller has checked `unjudged(trace)` is None). reference: the reference engine
     opened with the candidate's drafter; it must offer `RoundoffTwins`."""
     h, vec = trace.header, trace.vectors or {}
-    names = draft_names(h.draft)
     layers = tapped_layers(reference, h.draft)
     missing = [block(l) for l in layers if block(l) not in vec]
     if missing:
         return DraftCheck((), (f"draft checkpoints not judged: the candidate recorded no full vectors of {missing[0]}, "
                                "the drafter's input",))
-    run = partial(_candidate_records, trace)
-    exact = run(reference)
+    names = draft_names(h.draft)
+    return judge_records(reference, names, partial(_candidate_records, trace), vec, h.positions_of, n_twins, on_twin)
+
+
+def judge_records(reference: Engine, names: Sequence[str], run: Callable[[Engine], dict[str, np.ndarray]],
+                  cand: Mapping[str, np.ndarray], positions_of: Callable[[str], list[int]], n_twins: int = N_TWINS,
+                  on_twin: Callable[[int], None] | None = None) -> DraftCheck:
+    """The module's test on the candidate's draft records `cand` (checkpoint -> [P_name, ...]): `run(engine)` gives
+    an engine's records on the same inputs; R0 = run(reference), R_i = run of its twin i."""
     if not isinstance(reference, RoundoffTwins):
-        raise TypeError(f"engine {reference.name} has no round-off twins: the draft null needs them")
+        raise ParityError(f"engine {reference.name} has no round-off twins: the drafter's null needs them")
+    exact = run(reference)
     twins = []
     for i in range(n_twins):
         twins.append(run(reference.roundoff_twin(i + 1)))
@@ -92,9 +100,9 @@ def draft_check(trace: Trace, reference: Engine, n_twins: int = N_TWINS,
             on_twin(i + 1)
     rows, dist = [], {}
     for name in names:
-        e = rel_l2(exact[name], vec[name])
+        e = rel_l2(exact[name], cand[name])
         dist[name] = np.stack([rel_l2(exact[name], tw[name]) for tw in twins])
-        test = judge({name: e}, {name: dist[name]}, {name: np.asarray(h.positions_of(name))})
+        test = judge({name: e}, {name: dist[name]}, {name: np.asarray(positions_of(name))})
         rows.append(DraftRow(name, float(e.max(initial=0.0)), float(dist[name].max(initial=0.0)), test))
     return DraftCheck(tuple(rows), (), dist)
 

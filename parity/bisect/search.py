@@ -32,13 +32,15 @@ from parity.bisect.attribution import (
     routing,
     teacher_forced,
 )
+from parity.bisect.draft_check import DraftCheck, judge_records
 from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors
 from parity.bisect.null import N_TWINS, judge, layer_nulls
 from parity.bisect.trajectory import Trajectory, trajectory
 from parity.compare.metrics import rel_l2, set_overlap
-from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
 from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
+from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
@@ -477,10 +479,14 @@ def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: 
 
 def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
            chunk: int | None = None, progress: Progress | None = None,
-           replay: ReplayRouter | None = None, counter: Counter | None = None) -> BisectReport:
+           replay: ReplayRouter | None = None, counter: Counter | None = None,
+           draft: dict | None = None) -> BisectReport:
     """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
     `replay`: the candidate's expert_override, filled here with the reference's expert choices;
-    `counter(stage, done, total)` counts the chunks of the two full runs and of the teacher-forced pass."""
+    `counter(stage, done, total)` counts the chunks of the two full runs and of the teacher-forced pass;
+    `draft`: a trace header's draft entry (`parity.tracing.drafts.draft_header`) when both engines were opened with
+    that drafter: when the trunk has no defect (clean or noise), the drafter is judged as one more layer
+    (`drafter_stage`)."""
     say = progress or (lambda _m: None)
     env.check_options(cand.options)
     clock = _Clock()
@@ -491,14 +497,49 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     base = dict(n_prompt=len(prompt), decode=decode, tokens=fs.tokens, envelope=envelope, max_excess=fs.max_excess,
                 row_mismatch=fs.row_mismatch, routing=fs.routing, trajectory=fs.trajectory)
     if fs.clean:
-        clock.lap("verdict")
-        return BisectReport("no defect", _clean_summary(fs), None, runs=runs, seconds=clock.seconds, **base)
-    ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, counter)
-    report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
-                          subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
-    report = replace(report, summary=summarize(report, env))
+        report = BisectReport("no defect", _clean_summary(fs), None, runs=runs, seconds=clock.seconds, **base)
+    else:
+        ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, counter)
+        report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
+                              subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
+        report = replace(report, summary=summarize(report, env))
+    if draft and report.verdict != "defect":   # the drafter: one more layer after a trunk without a defect
+        report = _drafter_verdict(report, drafter_stage(ref_engine, cand, fs, draft, say), cand.name, len(prompt))
+        clock.lap("drafter")
     clock.lap("verdict")
-    return report
+    return replace(report, seconds=clock.seconds)
+
+
+def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: int) -> BisectReport:
+    """The report with the drafter stage's outcome: a DEFECT at the first departing draft checkpoint (the trunk's
+    verdict kept in the summary), else a line saying every draft checkpoint is within its twins."""
+    runs = {**report.runs, "drafter": 2 + N_TWINS}
+    first = dc.first
+    if first is None or first.test.first is None:
+        return replace(report, runs=runs, summary=report.summary + "\ndrafter: every draft checkpoint within its "
+                                                                   f"{N_TWINS} round-off twins")
+    pos = first.test.first.position
+    step, where = _where(pos, n_prompt)
+    detail = f"{cand}'s draft head on the reference's trunk carriers: {first.test.summary()} (rel-L2 {first.err:.3g})"
+    return replace(report, verdict="defect", culprit=Culprit(f"drafter {first.checkpoint}", None, pos, step, detail),
+                   runs=runs, summary=f"DEFECT at drafter {first.checkpoint}, {where}: {detail}\ntrunk: "
+                                      + report.summary)
+
+
+def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Progress) -> DraftCheck:
+    """The drafter as one more layer: both engines' draft heads on the reference's trunk carriers (every position,
+    `parity.tracing.drafts.draft_records`), the candidate's records judged by the reference's round-off twins
+    (`parity.bisect.draft_check.judge_records`). 2 + N_TWINS draft-head runs."""
+    say(f"drafter: both {draft['kind']} heads on the reference's trunk carriers, {N_TWINS} round-off twins")
+    positions = list(range(len(fs.tokens)))
+    carriers = {l: stack(fs.ref, block(l)) for l in tapped_layers(ref_engine, draft)}
+    last = int(np.argmax(fs.ref[-1].logits[-1]))
+
+    def run(engine: Engine) -> dict[str, np.ndarray]:
+        return draft_records(engine, draft, carriers, fs.tokens, positions, last)
+
+    return judge_records(ref_engine, draft_names(draft), run, run(cand),
+                         lambda name: draft_positions(name, positions, draft.get("pairing")))
 
 
 def _clean_summary(fs: FreeStage) -> str:

@@ -18,6 +18,7 @@ from parity.cli.common import (
     model_option,
     tokenizer_option,
 )
+from parity.cli.trace import check_draft_options, draft_options
 
 
 def _tokens(model: str, sources: dict[str, str | None], tokenizer: str, vocab: int, bos: int) -> list[int]:
@@ -120,13 +121,16 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @click.option("--routing-replay", is_flag=True,
               help="Force the candidate to use the reference's expert choices (separates routing flips from "
                    "arithmetic error).")
+@draft_options("both engines open it; when the trunk has no defect, their draft heads on the reference's trunk "
+               "carriers are compared as one more layer")
 @json_option(help="Print the full report as JSON (errors too).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
 @html_option()
 @click.option("--wide", is_flag=True, help="Print the summary's lines unwrapped (default: within 100 columns).")
 @json_errors
 def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, decode, chunk, inject, dtype,
-           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, as_json, plot, html_path, wide):
+           device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, draft, mtp_depth, mtp_pairing, as_json,
+           plot, html_path, wide):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
@@ -140,6 +144,7 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
 
     if envelope_path is not None and not Path(envelope_path).exists():
         raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
+    check_draft_options(draft)
     cfg = Weights(model).config
     sources = {"tokens": tokens, "tokens_file": tokens_file, "prompt": prompt, "prompt_file": prompt_file}
     if follow is not None:
@@ -156,7 +161,7 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
     report = api.bisect(model, engine=engine, tokens=ids, decode=decode, chunk=chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
                         routing_replay=routing_replay, progress=(bar := _progress()).note,
-                        counter=bar)
+                        counter=bar, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing)
     if plot:
         from parity.bisect.search import plot_report
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -71,6 +72,27 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
     return output
 
 
+def draft_options(what: str) -> Callable:
+    """--draft FILE, --mtp-depth K, --mtp-pairing prev|same (trace, bisect); `what` the drafter is used for."""
+    def wrap(f: Callable) -> Callable:
+        f = click.option("--mtp-pairing", default="prev", show_default=True, type=click.Choice(["prev", "same"]),
+                         help="With an MTP --draft: pair X^(L)_{p-1} (prev) or X^(L)_p (same, ds4) with token t_p.")(f)
+        f = click.option("--mtp-depth", default=1, show_default=True, type=click.IntRange(1, 99),
+                         help="With an MTP --draft: chain depth K (mtp.0.* .. mtp.{K-1}.*).")(f)
+        return click.option("--draft", type=click.Path(exists=True, dir_okay=False),
+                            help=f"A drafter GGUF (MTP or DSpark, docs/drafters.md): {what}.")(f)
+    return wrap
+
+
+def check_draft_options(draft: str | None) -> None:
+    """--mtp-depth / --mtp-pairing given without --draft is a usage error naming them."""
+    ctx = click.get_current_context()
+    mtp_given = [f"--{n.replace('_', '-')}" for n in ("mtp_depth", "mtp_pairing")
+                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+    if mtp_given and draft is None:
+        raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")
+
+
 @click.command()
 @click.option("--engine", required=True, help="Registered engine: reference | torch | any v4parity.engines plugin.")
 @model_option()
@@ -88,13 +110,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @click.option("--subops", is_flag=True,
               help="Also store every layer's sub-op outputs (side file; `check` then judges op by op). Needs "
                    "--positions all; engines that capture sub-ops: reference, torch, llamacpp.")
-@click.option("--draft", type=click.Path(exists=True, dir_okay=False),
-              help="A drafter GGUF (MTP or DSpark, docs/drafters.md): also record the draft checkpoints (mtp.* / "
-                   "dspark.*, docs/trace-format.md) of its head run on this run's trunk carriers.")
-@click.option("--mtp-depth", default=1, show_default=True, type=click.IntRange(1, 99),
-              help="With an MTP --draft: chain depth K (mtp.0.* .. mtp.{K-1}.*).")
-@click.option("--mtp-pairing", default="prev", show_default=True, type=click.Choice(["prev", "same"]),
-              help="With an MTP --draft: pair X^(L)_{p-1} (prev) or X^(L)_p (same, ds4) with token t_p.")
+@draft_options("also record the draft checkpoints (mtp.* / dspark.*, docs/trace-format.md) of its head run on this "
+               "run's trunk carriers")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
               help="Greedy decode steps (not with --follow).")
 @click.option("--chunk", default=None, type=click.IntRange(1),
@@ -137,11 +154,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     from parity.contract.engine import RunOptions
 
     output = _trace_path(output)
-    ctx = click.get_current_context()
-    mtp_given = [f"--{n.replace('_', '-')}" for n in ("mtp_depth", "mtp_pairing")
-                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
-    if mtp_given and draft is None:
-        raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")
+    check_draft_options(draft)
     if subops and not follow and positions != "all":
         raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
     if (dump_logprobs is None) != (dump_ctx is None):
@@ -149,6 +162,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     if follow:
         if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
             raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
+        ctx = click.get_current_context()
         given = [f"--{n}" for n in ("positions", "decode", "chunk")
                  if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
         if given:
