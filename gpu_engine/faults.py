@@ -94,7 +94,7 @@ SPEC_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
     "spec-ring-exact-window": ("attention.attend_ring_exact_window",
                                "a verify batch in a ring of exactly W slots, written before attending: early rows "
                                "read the batch's later rows in place of their oldest keys",
-                               "the first verify batch reaching past W - n + 1 positions (plain decode unchanged)",
+                               "the first verify batch of n >= 2 rows ending at a position >= W (plain decode as is)",
                                "D1: ds4 metal_graph_raw_cap_for_context rationale"),
     "spec-no-compressor-restore": ("attention.restore_keeping_rows (TorchEngine.restore)",
                                    "a restore after a rejection brings back the windows and the compressors' "
