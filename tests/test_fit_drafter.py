@@ -191,8 +191,8 @@ def test_fitted_dspark_drafter_drafts_every_slot(tiny_f32, tmp_path):
 
 
 def test_fitted_mtp_chain_drafts_depth_two(tiny_f32, tmp_path):
-    """depth=2 fits the chained draft d_2 too (a small fit: 1 prompt, 10 tokens, 30 steps)."""
-    r = fit_drafter(tiny_f32, tmp_path / "chain.gguf", "mtp", depth=2, steps=30, prompts=1, decode=10, heldout=1)
+    """depth=2 fits the chained draft d_2 too (a small fit: 1 prompt, 10 tokens, 20 steps)."""
+    r = fit_drafter(tiny_f32, tmp_path / "chain.gguf", "mtp", depth=2, steps=20, prompts=1, decode=10, heldout=1)
     assert r.counted == (9, 9)                  # anchors c = 7 .. 15 of an 18-token trajectory
     assert min(r.agreement["fitted"]) > FITTED_MIN
     assert max(r.agreement["random_fitted"]) < RANDOM_MAX
