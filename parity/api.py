@@ -86,8 +86,10 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
         raise TraceError(f"decode must be >= 0, got {decode}")
     n_total = len(tokens) + decode
     pos = resolve_positions(positions, n_total)
-    if dh and pos[-1] < 1:
-        raise TraceError(f"the draft checkpoints need a traced position >= 1 (the first pair / round), got {pos}")
+    empty = [n for n in dnames if not draft_positions(n, pos, dh.get("pairing"))]
+    if empty:
+        raise TraceError(f"no traced position holds {empty[0]} (MTP prev pairs and DSpark rounds start at position 1; "
+                         f"docs/trace-format.md), positions {pos}")
     full_names = resolve_full(full, eng.config.n_layers, dnames)
     names = [*trace_checkpoints(eng.config.n_layers), *dnames]
     rec = Recorder(names, pos, full_names, top_k, eng.config.hc_mult)

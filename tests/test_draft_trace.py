@@ -256,6 +256,8 @@ def test_cli_trace_draft_options(tiny_f32, drafters, tmp_path):
     t = read_trace(tmp_path / "t.trace")
     assert t.header.draft["pairing"] == "same" and t.header.positions_of("mtp.0") == [2]   # 'last'; same: p >= 0
     assert list(t.vectors) == ["mtp.0.logits"]
+    with pytest.raises(TraceError, match="no traced position holds mtp.0.in"):   # prev: no pair at position 0
+        api.trace("reference", tiny_f32, [0, 5, 7], positions=[0], options=OPTS, draft=str(drafters["ds4-mtp"]))
 
 
 # ---------------------------------------------------------------------------------------------- a C engine's writer
@@ -335,6 +337,12 @@ def test_draft_checkpoints_need_the_draft_entry_and_its_order():
     swapped = text.replace("mtp.0.in mtp.0.attn", "mtp.0.attn mtp.0.in", 1)
     with pytest.raises(TraceError, match="follow the trunk's as"):
         parse_text(swapped, "toy.trace")
+    for old, new, message in (('"depth":1', '"depth":1.5', "depth must be an integer"),
+                              ('"pairing":"prev"', '"pairing":"next"', "pairing must be one of prev, same"),
+                              ('"layout":"ds4-mtp",', "", "a drafter entry of kind mtp holds exactly kind, layout"),
+                              ("draft {", "draft {}\n#{", "an empty drafter entry")):
+        with pytest.raises(TraceError, match=f"field 'draft': {message}"):
+            parse_text(text.replace(old, new, 1), "toy.trace")
 
 
 def test_traces_without_draft_checkpoints_read_and_write_unchanged():

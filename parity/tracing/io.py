@@ -347,9 +347,9 @@ def _header_from_fields(raw: dict[str, tuple[_Line, str]], first: _Line, version
     if "draft" in raw:
         ld, draft_text = raw["draft"]
         try:
-            draft = json.loads(draft_text)
+            draft = _strict_json(draft_text)
         except (ValueError, RecursionError) as e:
-            raise ld.fail("draft", f"not a JSON object: {str(e)[:80]}") from None
+            raise ld.fail("draft", f"invalid JSON: {str(e)[:80]}") from None
     d = {"engine": eng[0], "engine_version": eng[1], "model": model, "dtype": words("dtype", 1)[1][0],
          "n_hc": one_int("hc"), "dim": one_int("dim"), "top_k": one_int("top_k"), "tokens": int_list("tokens"),
          "n_prompt": one_int("n_prompt"), "chunks": int_list("chunks"), "decode": one_int("decode"),

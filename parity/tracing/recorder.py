@@ -119,7 +119,6 @@ class Recorder:
         _check_finite(f"checkpoint {name}", x, np.asarray(pos))
         view = x.transpose(0, 2, 1, 3).reshape(len(x), x.shape[2], -1) if x.ndim == 4 else (
             x.reshape(len(x), -1) if x.ndim == 3 and not per_stream(name) else x)
-        view = view[:, None] if view.ndim == 1 else view
         self.add_checkpoint(self.names.index(name), np.asarray(pos), toks, view, x if has_top(name) else None)
         if name in self.vec:
             self.vec[name].append(x.astype(np.float32))

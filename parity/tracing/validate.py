@@ -96,6 +96,8 @@ def header_from_dict(d: Any, fail: Fail) -> TraceHeader:
     for key in HEADER_FIELDS:
         if key in d:
             _check_field(key, d[key], fail)
+    if "draft" in d and not d["draft"]:
+        raise fail("draft", "an empty drafter entry; a trace without a drafter leaves the key out")
     h = TraceHeader(**{n: d[n] for n in HEADER_FIELDS if n in d})
     check_header(h, fail)
     return h
@@ -163,7 +165,7 @@ def check_draft(h: TraceHeader, fail: Fail) -> None:
     if kind not in DRAFT_KEYS:
         raise fail("draft", f"kind must be one of {', '.join(DRAFT_KEYS)}, got {quote(kind, 40)}")
     if sorted(d) != sorted(DRAFT_KEYS[kind]):
-        raise fail("draft", f"a {kind} drafter entry holds exactly {', '.join(DRAFT_KEYS[kind])}, got "
+        raise fail("draft", f"a drafter entry of kind {kind} holds exactly {', '.join(DRAFT_KEYS[kind])}, got "
                             f"{quote(sorted(d), 80)}")
     check_model({k: d[k] for k in MODEL_KEYS_DATA}, lambda _f, msg: fail("draft", msg))
     if not isinstance(d["layout"], str) or not re.fullmatch(r"[a-z0-9-]+", d["layout"]):
