@@ -123,7 +123,6 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
     return run
 
 
-
 def state_view(engine: StateView, state: object, source: Source) -> dict[str, np.ndarray]:
     """The trunk caches and the drafter's (MTP ring as `mtp.blk.L.*`, DSpark rings as `dspark.*`) as named arrays."""
     out = engine.state_arrays(state)
