@@ -379,6 +379,11 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     subops, notes = candidate_subops(candidate, trace_, config, tokens)
     named = f"a {trace_.header.engine} trace" if isinstance(candidate, Trace) else str(candidate)
     preflight(trace_, config, identity, f"candidate {named}, model {model}")
+    if draft is not None:   # before any run: the drafter must be the one the candidate's header names
+        from parity.bisect.draft_check import check_drafter
+        from parity.gguf.drafter import open_drafter
+
+        check_drafter(trace_, open_drafter(draft, config).weights.identity(), Path(draft).name)
     problems = validate(w.tensor_infos(), config).problems
     if problems:   # judged all the same (both engines read it), but the user is told, as `inspect` tells them
         notes = [*notes, f"`v4parity inspect` reports {len(problems)} contract problem(s) with this file, first: "

@@ -213,6 +213,15 @@ def test_bisect_judges_the_drafter_as_one_more_layer(tiny_f32, drafters):
             assert max(r.err for r in dc.rows) < min(r.twin_max for r in dc.rows)
 
 
+def test_check_refuses_another_drafter_before_running(tiny_f32, drafters, mtp_traces, tmp_path):
+    t = api.save_trace(mtp_traces["llamacpp-layout"], tmp_path / "m.trace")
+    with pytest.raises(TraceError, match="not the candidate's drafter .*names llamacpp-mtp.gguf"):
+        api.check(t, tiny_f32, draft=drafters["ds4-mtp"])        # the same weights, another file: refused
+    plain = api.save_trace(api.trace("reference", tiny_f32, PROMPT, options=OPTS), tmp_path / "p.trace")
+    with pytest.raises(TraceError, match="the candidate trace has no draft checkpoints"):
+        api.check(plain, tiny_f32, draft=drafters["ds4-dspark"])
+
+
 def test_export_round_trip(mtp_traces, dspark_traces, tmp_path):
     for traces in (mtp_traces, dspark_traces):
         t = traces["torch"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from parity.bisect.attribution import teacher_forced
-from parity.bisect.draft_check import draft_check, draft_library, unjudged
+from parity.bisect.draft_check import check_drafter, draft_check, draft_library, unjudged
 from parity.bisect.envelope import Envelope
 from parity.bisect.hypotheses import (
     Fit,
@@ -50,7 +50,6 @@ from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
 from parity.gguf.config import ModelConfig
-from parity.gguf.weights import same_model
 from parity.tracing.drafts import draft_names
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
@@ -335,11 +334,8 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Pr
     drafter = getattr(ref_engine, "drafter", None)
     why = ("the reference was opened without a drafter (give check --draft FILE, the candidate's drafter)"
            if drafter is None else unjudged(trace))
-    if why is None and not same_model(drafter.weights.identity(), {k: v for k, v in h.draft.items()
-                                                                   if k in ("file", "size", "header_sha256",
-                                                                            "data_sha256")}):
-        raise TraceError(f"check --draft {drafter.path.name}: not the candidate's drafter (the trace header names "
-                         f"{h.draft['file']}, {h.draft['size']} bytes, header {h.draft['header_sha256']})")
+    if why is None:
+        check_drafter(trace, drafter.weights.identity(), drafter.path.name)
     if why is not None:
         st.notes.append(f"draft checkpoints not judged: {why}")
         return [CheckRow(n, None, None, None, None, 0.0, None, "not judged") for n in names]

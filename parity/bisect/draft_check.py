@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,8 @@ from parity.bisect.null import ALPHA, N_TWINS, NullTest, binomial_tail, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import FINAL_NORM, block
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions
-from parity.contract.errors import ParityError
+from parity.contract.errors import ParityError, TraceError
+from parity.gguf.weights import same_model
 from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.records import Trace
 
@@ -69,6 +71,17 @@ def unjudged(trace: Trace) -> str | None:
     if FINAL_NORM not in h.checkpoints:
         return "no final_norm records: the last round's anchor (the candidate's argmax) is unknown"
     return None
+
+
+def check_drafter(trace: Trace, identity: Mapping[str, Any], name: str) -> None:
+    """The drafter file given to judge `trace` (its `identity`, file `name`) must be the one its header names: a
+    TraceError otherwise, and for a trace without draft checkpoints."""
+    d = trace.header.draft
+    if not d:
+        raise TraceError(f"--draft {name}: the candidate trace has no draft checkpoints (trace it with --draft)")
+    if not same_model(dict(identity), {k: d[k] for k in ("file", "size", "header_sha256", "data_sha256")}):
+        raise TraceError(f"--draft {name}: not the candidate's drafter (the trace header names {d['file']}, "
+                         f"{d['size']} bytes, header {d['header_sha256']}, layout {d['layout']})")
 
 
 def draft_check(trace: Trace, reference: Engine, n_twins: int = N_TWINS,
