@@ -299,7 +299,6 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     (found by model identity, not file name, in the model's directory and ./traces), else measured now."""
     from dataclasses import replace
 
-    from parity.bisect.inputs import envelope_for
     from parity.bisect.search import ReplayRouter, builtin_prompt
     from parity.bisect.search import bisect as run_bisect
 
@@ -313,20 +312,31 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     drafter = None if draft is None else str(draft)
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=drafter)  # the GGUF is hashed once here
-    found = envelope_for(ref.identity, options.dtype, envelope, _envelope_search(model), qat)
-    if found is not None:
-        env, path = found
-        say(f"envelope: {path} ({options.dtype})")
-    else:
-        say("envelope: none stored for this model (searched by model identity in the model's directory and "
-            "./traces); measuring it now (save one with `v4parity envelope`)")
-        env = measure_envelope(model, engine, options, say, counter)
+    env = _stored_or_measured(model, ref.identity, engine, options, envelope, say, counter)
     router = ReplayRouter() if routing_replay else None
     cand = load_engine(engine, str(model), replace(options, expert_override=router), draft=drafter)
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     dh = draft_header(cand, mtp_pairing, mtp_depth) if drafter is not None else None
     return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter,
                       draft=dh)
+
+
+def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, options: RunOptions,
+                        envelope: str | os.PathLike | None, say: Callable[[str], None],
+                        counter: Callable[[str, int, int | None], None] | None) -> Any:
+    """The envelope at `envelope`, else the one stored for this model's identity and QAT flags (model directory,
+    ./traces), else one measured now for `engine` with `options`; the choice is announced through `say`."""
+    from parity.bisect.inputs import envelope_for
+
+    qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
+    found = envelope_for(identity, options.dtype, envelope, _envelope_search(model), qat)
+    if found is not None:
+        env, path = found
+        say(f"envelope: {path} ({options.dtype})")
+        return env
+    say("envelope: none stored for this model with these QAT flags (searched by model identity in the model's "
+        "directory and ./traces); measuring it now (save one with `v4parity envelope`)")
+    return measure_envelope(model, engine, options, say, counter)
 
 
 def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False) -> None:
@@ -532,7 +542,6 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     Returns a `parity.spec.report.SpecReport`."""
     from dataclasses import replace
 
-    from parity.bisect.inputs import envelope_for
     from parity.gguf.drafter import open_drafter
     from parity.spec.accept import Gate
     from parity.spec.drafts import parse_script
@@ -546,14 +555,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
         raise TraceError(f"envelope file {envelope} does not exist")
     the_gate, reject_at = Gate.parse(gate), parse_script(script) if script is not None else None
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
-    found = envelope_for(model_identity(model), options.dtype, envelope, _envelope_search(model), qat)
-    if found is not None:
-        env, path = found
-        say(f"envelope: {path} ({options.dtype})")
-    else:
-        say("envelope: none stored for this model with these QAT flags; measuring it now (save one with "
-            "`v4parity envelope`)")
-        env = measure_envelope(model, engine, options, say, counter)
+    env = _stored_or_measured(model, model_identity(model), engine, options, envelope, say, counter)
     env.check_options(options)   # an envelope calibrated with other QAT flags is refused, naming the flag
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
     cand = ref if engine == "reference" and options == RunOptions(**qat) else load_engine(

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from drafting import drafter_files, layer_carriers
 
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
-from parity.gguf.synth_draft import synthesize_drafter
 
 OPTS = RunOptions(fp8_kv=False, fp4_indexer=False)
 N = 20
@@ -22,9 +22,7 @@ ROUNDS = [(0, 12), (12, 3), (15, 1)]
 
 @pytest.fixture(scope="module")
 def drafters(tiny_f32, tmp_path_factory):
-    d = tmp_path_factory.mktemp("dspark")
-    return {layout: synthesize_drafter(d / f"{layout}.gguf", tiny_f32, "dspark", layout)
-            for layout in ("ds4-dspark", "dflash")}
+    return drafter_files(tmp_path_factory.mktemp("dspark"), tiny_f32, "dspark", ("ds4-dspark", "dflash"))
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +41,7 @@ def trunk(engines):
 
     eng = engines["reference"]
     tokens = np.random.default_rng(4).integers(2, 289, N)
-    state, X, outs = eng.new_state(), eng.embed(tokens), []
-    for layer in range(eng.config.n_layers):
-        X = eng.forward_layer(state, layer, X, tokens, 0).carrier
-        outs.append(X)
+    outs = layer_carriers(eng, tokens)
     return tokens, dspark_taps([outs[l] for l in eng.drafter.config.target_layer_ids])
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from drafting import drafter_files, layer_carriers
 from requires import require
 
 from parity import api
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import DraftHeads, RunOptions, load_engine
 from parity.contract.errors import ParityError
-from parity.gguf.synth_draft import synthesize_drafter
 
 OPTS = RunOptions(fp8_kv=False, fp4_indexer=False)
 N = 20            # trunk rows: past the MTP window of 8, so the window's contents matter
@@ -26,9 +26,7 @@ SPLIT_TOL = 1e-6  # llama.cpp's prefill over all pairs vs one pair at a time (is
 
 @pytest.fixture(scope="module")
 def drafters(tiny_f32, tmp_path_factory):
-    d = tmp_path_factory.mktemp("lcp-mtp")
-    return {layout: synthesize_drafter(d / f"{layout}.gguf", tiny_f32, "mtp", layout)
-            for layout in ("llamacpp-mtp", "ds4-mtp")}
+    return drafter_files(tmp_path_factory.mktemp("lcp-mtp"), tiny_f32, "mtp", ("llamacpp-mtp", "ds4-mtp"))
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +45,8 @@ def engines(tiny_f32, drafters):
 @pytest.fixture(scope="module")
 def trunk(engines):
     """Tokens and llama.cpp's own final trunk carriers X^(L) [N, H, D] (its trunk graph, free-running)."""
-    eng = engines["llamacpp"]
     tokens = np.random.default_rng(3).integers(2, 290, N)
-    state, X = eng.new_state(), eng.embed(tokens)
-    for layer in range(eng.config.n_layers):
-        X = eng.forward_layer(state, layer, X, tokens, 0).carrier
-    return tokens, X
+    return tokens, layer_carriers(engines["llamacpp"], tokens)[-1]
 
 
 @pytest.mark.parametrize("pairing", ["prev", "same"])

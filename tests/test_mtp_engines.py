@@ -10,11 +10,11 @@ import copy
 
 import numpy as np
 import pytest
+from drafting import drafter_files, layer_carriers
 
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
-from parity.gguf.synth_draft import synthesize_drafter
 
 OPTS = RunOptions(fp8_kv=False, fp4_indexer=False)
 N = 20                 # prompt rows: past the window of 8 in the MTP ring
@@ -25,9 +25,7 @@ SHIFT_TOL = 1e-6       # the same pairs 100 positions later (measured: 3.8e-7 re
 
 @pytest.fixture(scope="module")
 def drafters(tiny_f32, tmp_path_factory):
-    d = tmp_path_factory.mktemp("mtp")
-    return {layout: synthesize_drafter(d / f"{layout}.gguf", tiny_f32, "mtp", layout)
-            for layout in ("ds4-mtp", "llamacpp-mtp")}
+    return drafter_files(tmp_path_factory.mktemp("mtp"), tiny_f32, "mtp", ("ds4-mtp", "llamacpp-mtp"))
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +40,8 @@ def engines(tiny_f32, drafters):
 @pytest.fixture(scope="module")
 def trunk(engines):
     """Tokens and the reference's final trunk carriers X^(L) [N, H, D] (both engines draft from the same rows)."""
-    eng = engines["reference"]
     tokens = np.random.default_rng(3).integers(2, 290, N)
-    state, X = eng.new_state(), eng.embed(tokens)
-    for layer in range(eng.config.n_layers):
-        X = eng.forward_layer(state, layer, X, tokens, 0).carrier
-    return tokens, X
+    return tokens, layer_carriers(engines["reference"], tokens)[-1]
 
 
 @pytest.mark.parametrize("pairing", ["prev", "same"])

@@ -33,7 +33,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from parity.contract.errors import GGUFError, TensorError, quote
 from parity.gguf.config import KEYS_HEAD, KEYS_MOE, KEYS_REST, YARN_KEYS, ModelConfig, _Meta, config_from_metadata
 from parity.gguf.container import INTEGER_TYPES, GGUFFile, TensorInfo
-from parity.gguf.inventory import DENSE, F32_ONLY, FLOATS, TensorSpec, expected_tensors
+from parity.gguf.inventory import DENSE, F32_ONLY, FLOATS, TensorSpec, expected_tensors, table_problems
 from parity.gguf.weights import Weights, data_sha256
 
 LAYOUTS = {"ds4-mtp": "mtp", "llamacpp-mtp": "mtp", "ds4-dspark": "dspark", "dflash": "dspark"}
@@ -351,21 +351,13 @@ def _stage_problems(dc: DrafterConfig, names: list[str]) -> list[str]:
 
 def tensor_problems(tensors: dict[str, TensorInfo], specs: list[TensorSpec]) -> list[str]:
     """Missing, misshapen, mistyped and unexpected tensors (all of them, not the first)."""
-    problems = []
-    by_name = {s.name: s for s in specs}
-    for spec in specs:
-        info = tensors.get(spec.name)
-        if info is None:
-            if spec.required:
-                problems.append(f"missing tensor {spec.name} (expected shape {spec.shape})")
-            continue
-        if info.shape != spec.shape:
-            problems.append(f"tensor {spec.name}: shape {info.shape}, expected {spec.shape}")
-        if info.ggml_type not in spec.types:
-            allowed = ", ".join(sorted(t.name for t in spec.types))
-            problems.append(f"tensor {spec.name}: type {info.type_name} not allowed (allowed: {allowed})")
-    problems += [f"unexpected tensor {n}" for n in tensors if n not in by_name]
-    return problems
+    def type_problem(spec: TensorSpec, info: TensorInfo) -> str | None:
+        if info.ggml_type in spec.types:
+            return None
+        allowed = ", ".join(sorted(t.name for t in spec.types))
+        return f"tensor {spec.name}: type {info.type_name} not allowed (allowed: {allowed})"
+
+    return table_problems(tensors, specs, type_problem)
 
 
 def open_drafter(path: str | os.PathLike, trunk: ModelConfig) -> Drafter:

@@ -9,7 +9,7 @@ exactly its types), not as a problem. Any other type (a quantized norm, a non-I3
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gguf.constants import GGMLQuantizationType as Q
@@ -136,30 +136,42 @@ class ValidationReport:
         return not self.problems
 
 
-def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationReport:
-    """Compare the file's tensor table with the contract; collect every problem, do not stop at one."""
-    problems, differs = [], []
-    specs = {s.name: s for s in expected_tensors(cfg)}
-    for name, spec in specs.items():
-        info = tensors.get(name)
+def table_problems(tensors: Mapping[str, TensorInfo], specs: Sequence[TensorSpec],
+                   type_problem: Callable[[TensorSpec, TensorInfo], str | None]) -> list[str]:
+    """Every problem of a tensor table against its specs, in spec order: missing (when required), misshapen,
+    `type_problem(spec, info)` when it says one; then the unexpected tensors."""
+    problems, names = [], {s.name for s in specs}
+    for spec in specs:
+        info = tensors.get(spec.name)
         if info is None:
             if spec.required:
-                problems.append(f"missing tensor {name} (expected shape {spec.shape})")
+                problems.append(f"missing tensor {spec.name} (expected shape {spec.shape})")
             continue
         if info.shape != spec.shape:
-            problems.append(f"tensor {name}: shape {info.shape}, expected {spec.shape}")
+            problems.append(f"tensor {spec.name}: shape {info.shape}, expected {spec.shape}")
+        why = type_problem(spec, info)
+        if why is not None:
+            problems.append(why)
+    return problems + [f"unexpected tensor {n}" for n in tensors if n not in names]
+
+
+def validate(tensors: Mapping[str, TensorInfo], cfg: ModelConfig) -> ValidationReport:
+    """Compare the file's tensor table with the contract; collect every problem, do not stop at one."""
+    differs: list[str] = []
+
+    def type_problem(spec: TensorSpec, info: TensorInfo) -> str | None:
+        name = spec.name
         if info.ggml_type in spec.types:
-            continue
+            return None
         if lcp_layouts.quantizes(name, spec.ne) and info.ggml_type in lcp_layouts.WRITTEN_TYPES:
             differs.append(name)
-            continue
+            return None
         allowed = ", ".join(sorted(t.name for t in spec.types))
         why = ("nor a type llama.cpp's quantizer writes" if lcp_layouts.quantizes(name, spec.ne)
                else "llama.cpp's quantizer never re-types it")
-        problems.append(f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed}; {why})")
-    for name in tensors:
-        if name not in specs:
-            problems.append(f"unexpected tensor {name}")
+        return f"tensor {name}: type {info.type_name} not allowed (allowed: {allowed}; {why})"
+
+    problems = table_problems(tensors, expected_tensors(cfg), type_problem)
     return ValidationReport(tuple(problems), tuple(differs), layout_line(tensors, cfg, len(differs)))
 
 
