@@ -87,6 +87,11 @@ class Tap:
         got = self.given.get(name)
         return got if got is not None and got.shape == rows.shape else rows
 
+    def pooled(self, name: str, rows: np.ndarray, k: int) -> np.ndarray:
+        """A compressor's freshly pooled rows (before their norm, RoPE and QAT sim), perturbed in a twin like an op
+        output of reduction length k (the projection's); exact otherwise."""
+        return rows if self.jitter is None else self.jitter(rows, name, k)
+
     def mix(self, which: str, post: np.ndarray, comb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The HC post/comb mixes hc_post uses: the candidate's when given."""
         return self.given.get(which + ".post", post), self.given.get(which + ".comb", comb)
@@ -102,15 +107,16 @@ def stored(rows: np.ndarray, num: Numerics) -> np.ndarray:
 
 
 def run_compressor(state: CompressorState, x: np.ndarray, pos: np.ndarray, store: WeightStore, prefix: str,
-                   post: Callable[[np.ndarray, np.ndarray], np.ndarray], num: Numerics) -> None:
+                   post: Callable[[np.ndarray, np.ndarray], np.ndarray], num: Numerics, tap: Tap, name: str) -> None:
     """Project the chunk, emit every completed block's row, post-process it at j·m and append it to state.rows.
 
-    x [n, D], pos [n]; `prefix` is 'blk.l.attn_compressor' or 'blk.l.indexer_compressor'.
+    x [n, D], pos [n]; `prefix` is 'blk.l.attn_compressor' or 'blk.l.indexer_compressor'; `name` the rows' capture.
     """
     kv, score = compressor_project(x, store.matrix(prefix + "_kv.weight"), store.matrix(prefix + "_gate.weight"),
                                    store.dense(prefix + "_ape.weight"), pos)
     rows, first = compressor_update(state, kv, score)
     if len(rows):
+        rows = tap.pooled(name, rows, x.shape[1])
         j_pos = (first + np.arange(len(rows))) * state.ratio
         state.rows = np.concatenate([state.rows, stored(post(rows, j_pos), num)])
 
@@ -143,14 +149,15 @@ def compress_and_select(store: WeightStore, cfg: ModelConfig, layer: int, st: La
     if cfg.ratio(layer) > 0:
         norm = store.dense(p + "attn_compressor_norm.weight")
         run_compressor(st.comp, x, pos, store, p + "attn_compressor",
-                       lambda r, jp: main_row_post(r, jp, norm, eps, rope, num.fp8_kv, cfg.nope_dim), num)
+                       lambda r, jp: main_row_post(r, jp, norm, eps, rope, num.fp8_kv, cfg.nope_dim), num, tap,
+                       "comp_rows")
         st.comp.rows = tap.rows("comp_rows", st.comp.rows)
     if not cfg.has_indexer(layer):
         tap.rows("index_rows", np.zeros((0, cfg.index_head_dim), x.dtype))
         return None
     norm_i = store.dense(p + "indexer_compressor_norm.weight")
     run_compressor(st.index, x, pos, store, p + "indexer_compressor",
-                   lambda r, jp: index_row_post(r, jp, norm_i, eps, rope, num.fp4_indexer), num)
+                   lambda r, jp: index_row_post(r, jp, norm_i, eps, rope, num.fp4_indexer), num, tap, "index_rows")
     q_idx = indexer_queries(qr, store.matrix(p + "indexer.attn_q_b.weight"), pos, rope, cfg.index_n_heads,
                             num.fp4_indexer)
     w_idx = indexer_weights(x, store.matrix(p + "indexer.proj.weight"), cfg.index_head_dim)

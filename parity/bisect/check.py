@@ -484,8 +484,9 @@ def _evidence_note(op_level: bool, forced: bool) -> str:
     if op_level:
         return "judged op-level: every sub-op on the candidate's own dumped inputs"
     if forced:
-        return ("judged layer-level: each layer on the candidate's own carrier (for an op-level verdict, give the "
-                "candidate's sub-op dumps: a complete `v4parity capture llamacpp` file)")
+        return ("judged layer-level: each layer on the candidate's own carrier (for an op-level verdict, record its "
+                "sub-ops: `v4parity trace --subops`, sub-op records from C (docs/trace-format.md), or a complete "
+                "`v4parity capture llamacpp` file)")
     return ("judged free-running only: record every position with full vectors (--positions all --full all) for a "
             "layer-level verdict")
 

@@ -55,13 +55,14 @@ def forced_run(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[Chun
 def op_cells(a: Sequence[LayerOutput], b: Sequence[LayerOutput], ratio: int) -> dict[str, tuple[np.ndarray,
                                                                                               np.ndarray]]:
     """Per float capture: (rel-L2 per cell, the cell's position) between two runs' captures; emitted rows are
-    compared row by row at their emitting position (j+1)·m - 1."""
+    compared row by row at their emitting position (j+1)·m - 1, each in the chunk that emitted it (in a forced run
+    the rows of earlier chunks are the candidate's own: only a chunk's new rows are the reference's)."""
     out = {}
     for name in a[0].captures:
         if name in DISCRETE:
             continue
         if name in ROW_CAPTURES:   # equal counts: a count that differs is structural (`row_counts`)
-            x, y = a[-1].captures[name], b[-1].captures[name]
+            x, y = new_rows(a, name), new_rows(b, name)
             n = min(len(x), len(y))
             out[name] = (rel_l2(x[:n], y[:n]) if n else np.zeros(0), (np.arange(n) + 1) * max(ratio, 1) - 1)
             continue
@@ -69,6 +70,12 @@ def op_cells(a: Sequence[LayerOutput], b: Sequence[LayerOutput], ratio: int) -> 
         y = np.concatenate([o.captures[name] for o in b])
         out[name] = (rel_l2(x, y), np.arange(len(x)))
     return out
+
+
+def new_rows(outs: Sequence[LayerOutput], name: str) -> np.ndarray:
+    """The rows each chunk emitted (its cumulative capture past the previous chunk's), in order.  [rows, d]"""
+    caps = [o.captures[name] for o in outs]
+    return np.concatenate([c[len(p):] for p, c in zip([caps[0][:0], *caps[:-1]], caps, strict=True)])
 
 
 def _picks(outs: Sequence[LayerOutput], name: str) -> np.ndarray:
