@@ -1,0 +1,136 @@
+"""The C route (issue 28, item 3): `include/v4parity_trace.h` writes a trace `check` judges.
+
+`include/example_trace.c` is compiled with the system C compiler (`cc -std=c99 -Wall -Werror`), fed the
+reference's own checkpoint vectors (exported, written as raw float32 files with numpy) and writes a text trace
+plus a stored-zip side file through the header's API. Independent checks: the record lines are the Python
+writer's, byte for byte, for the same vectors (the statistics and fingerprint code in C against the numpy code),
+the side file's arrays are the input vectors bit for bit (read by numpy's own zip reader and by v4parity's), and
+`check` gives MATCH on the unperturbed trace and DEFECT at the perturbed layer: a 2e-3 relative error at every
+position of layer 3's output carrier, the planted error of tests/test_check.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from requires import require_program
+
+from parity import api
+from parity.bisect.search import builtin_prompt
+from parity.contract.checkpoints import block
+from parity.contract.errors import TraceError
+from parity.gguf.weights import Weights
+from parity.tracing.io import vectors_path
+
+ROOT = Path(__file__).resolve().parent.parent
+INCLUDE = ROOT / "include"
+ENV_F32 = ROOT / "traces" / "tiny-f32.envelope.json"
+DECODE = 4
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    cc = require_program("cc", "gcc")
+    exe = tmp_path_factory.mktemp("cc") / "example_trace"
+    subprocess.run([cc, "-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", "-O2", "-o", str(exe),
+                    str(INCLUDE / "example_trace.c"), "-lm"], check=True, capture_output=True, text=True)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_f32, tmp_path_factory):
+    """The reference's trace of the built-in prompt (every position, every full vector), saved by Python, and
+    its vectors exported to DIR/<checkpoint>.bin + DIR/meta.txt: the example's input."""
+    cfg = Weights(tiny_f32).config
+    t = api.trace("reference", tiny_f32, builtin_prompt(cfg.vocab_size, cfg.bos_token_id), positions="all",
+                  full="all", decode=DECODE)
+    out = tmp_path_factory.mktemp("ref")
+    api.save_trace(t, out / "ref.trace")
+    api.export(t, out / "ref.npz")
+    h = t.header
+    with np.load(out / "ref.npz") as z:
+        for name in h.full:
+            z[name].astype("<f4").tofile(out / f"{name}.bin")
+    m = h.model
+    meta = ["engine c-example 1.0 (v4parity_trace.h)", f"model {m['size']} {m['header_sha256']} {m['file']}",
+            f"model_data {m['data_sha256']}", f"dtype {h.dtype}", f"layers {t.n_layers}", f"hc {h.n_hc}",
+            f"dim {h.dim}", f"vocab {cfg.vocab_size}", f"top_k {h.top_k}", "tokens " + " ".join(map(str, h.tokens)),
+            f"n_prompt {h.n_prompt}", "chunks " + " ".join(map(str, h.chunks)), f"decode {h.decode}",
+            "positions " + " ".join(map(str, h.positions)),
+            "flags " + json.dumps(h.flags, sort_keys=True, separators=(",", ":"))]
+    (out / "meta.txt").write_text("\n".join(meta) + "\n")
+    return out, t
+
+
+def _run(exe: Path, src: Path, out: Path, *perturb: str) -> Path:
+    subprocess.run([str(exe), str(src), str(out), *perturb], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean(example, reference, tmp_path_factory):
+    return _run(example, reference[0], tmp_path_factory.mktemp("c") / "c.trace")
+
+
+def _records(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if ln.startswith("ckpt ")]
+
+
+def test_record_lines_are_the_python_writers_byte_for_byte(reference, clean):
+    src, ref = reference
+    c_lines, py_lines = _records(clean), _records(src / "ref.trace")
+    assert len(c_lines) == len(ref.header.checkpoints) * len(ref.header.positions) == len(py_lines)
+    assert c_lines == py_lines
+    # the header differs in the engine line only (the example names itself)
+    c_head, py_head = (p.read_text().split("\nend\n")[0].splitlines() for p in (clean, src / "ref.trace"))
+    assert [a for a, b in zip(c_head, py_head, strict=True) if a != b] == ["engine c-example 1.0 (v4parity_trace.h)"]
+
+
+def test_side_file_is_a_stored_zip_of_the_input_vectors(reference, clean):
+    src, ref = reference
+    side = vectors_path(clean)
+    with zipfile.ZipFile(side) as z:       # Python's own zip reader: CRCs, stored members
+        assert z.testzip() is None
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+    with np.load(side) as z:               # numpy's .npy reader
+        assert sorted(z.files) == sorted(["positions", *ref.header.full])
+        assert z["positions"].tolist() == ref.header.positions
+        for name in ref.header.full:
+            want = np.fromfile(src / f"{name}.bin", "<f4").reshape(z[name].shape)
+            assert z[name].dtype == np.float32 and z[name].tobytes() == want.tobytes(), name
+    back = api.load_trace(clean)           # and v4parity's reader: the whole trace equals the reference's
+    assert back.vectors.keys() == ref.vectors.keys()
+    assert all(np.array_equal(back.vectors[n], ref.vectors[n]) for n in ref.vectors)
+    assert np.array_equal(back.ckpt["fp"], ref.ckpt["fp"])
+    assert np.array_equal(back.ckpt["top_ids"], ref.ckpt["top_ids"])
+
+
+def test_check_matches_the_unperturbed_trace_and_finds_the_perturbed_layer(tiny_f32, example, reference, clean,
+                                                                            tmp_path):
+    r = api.check(clean, tiny_f32, envelope=ENV_F32)
+    assert r.verdict == "MATCH" and not r.causes, r.headline
+    bad = _run(example, reference[0], tmp_path / "bad.trace", block(3), "2e-3")
+    vec, ref = api.load_trace(bad).vectors[block(3)], reference[1].vectors[block(3)]
+    rel = np.linalg.norm((vec - ref).reshape(len(vec), -1), axis=1) / np.linalg.norm(ref.reshape(len(ref), -1), axis=1)
+    assert np.allclose(rel, 2e-3, rtol=1e-3), rel          # the planted error is what the test says it is
+    r = api.check(bad, tiny_f32, envelope=ENV_F32)
+    assert (r.verdict, r.culprit.layer, r.causes[-1].name) == ("DEFECT", 3, "unexplained"), r.headline
+
+
+def test_writer_errors_name_what_is_wrong(example, reference, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in reference[0].iterdir():
+        if f.suffix in (".bin", ".txt"):
+            (src / f.name).symlink_to(f)
+    (src / "blk.2.bin").unlink()
+    res = subprocess.run([str(example), str(src), str(tmp_path / "x.trace")], capture_output=True, text=True)
+    assert res.returncode == 2 and "blk.2.bin: cannot open" in res.stderr
+    assert not (tmp_path / "x.trace").exists() and not vectors_path(tmp_path / "x.trace").exists()
+    with pytest.raises(TraceError, match="no such trace file"):
+        api.load_trace(tmp_path / "x.trace")
