@@ -479,17 +479,26 @@ def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_typ
 
 def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence[str], *, decode: int = 0,
               chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
-              envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None) -> Any:
+              envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
+              check_each: bool = False) -> Any:
     """Run every engine in `engines` on `tokens` (+ `decode` steps: the first engine's greedy tokens, fed to the
     others) with the same chunks and QAT simulations, and cluster them per checkpoint -> Arbitration.
+    An engine spelled `NAME+FAULT[+FAULT...]` runs with those faults injected (labelled as spelled).
     Two engines agree where their largest per-position rel-L2 is <= `rel_tol`, or, with an `envelope` file,
-    <= k * floor + eps of that checkpoint (logits: k * logit_rel + eps)."""
+    <= k * floor + eps of that checkpoint (logits: k * logit_rel + eps). `check_each`: each engine's run is also
+    recorded as a trace (every position, full vectors) and judged by `check` against `model` (with `envelope`
+    when given) -> `Arbitration.checks`, label -> CheckReport."""
+    from dataclasses import replace
+
     from parity.compare.arbitration import arbitrate_runs
     from parity.contract.errors import ParityError
 
     engines = list(dict.fromkeys(engines))
     if len(engines) < 2:
         raise ParityError(f"arbitration needs at least two distinct engines, got {engines}")
+    spelled = {label: (label.split("+")[0], tuple(label.split("+")[1:])) for label in engines}
+    for name, faults in spelled.values():
+        _check_injectable(name, faults)
     say = progress or (lambda _m: None)
     if envelope is not None:
         from parity.bisect.envelope import load_envelope
@@ -500,16 +509,27 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     else:
         def tolerance(name: str) -> float:
             return rel_tol
-    options = RunOptions(fp8_kv=qat_sims, fp4_indexer=qat_sims)
     tokens = [int(t) for t in tokens]
     runs: dict[str, list[ChunkResult]] = {}
+    traces: dict[str, Trace] = {}
     forced = None
-    for name in engines:
-        say(f"arbitrate: {name} on {len(tokens)} tokens + {decode} decode")
-        runs[name] = run_sequence(load_engine(name, str(model), options), tokens, decode, chunk=chunk, forced=forced)
+    for label, (name, faults) in spelled.items():
+        say(f"arbitrate: {label} on {len(tokens)} tokens + {decode} decode")
+        eng = load_engine(name, str(model), RunOptions(fp8_kv=qat_sims, fp4_indexer=qat_sims, inject=faults))
+        if check_each:   # the same run, also recorded as a trace for `check` (every position, full vectors)
+            runs[label] = []
+            traces[label] = trace(eng, model, tokens, positions="all", full="all", decode=decode, chunk=chunk,
+                                  forced=forced, on_chunk=runs[label].append)
+        else:
+            runs[label] = run_sequence(eng, tokens, decode, chunk=chunk, forced=forced)
         if forced is None:
-            forced = [int(t) for t in np.concatenate([r.tokens for r in runs[name]])[len(tokens):]]
-    return arbitrate_runs(runs, len(tokens), tolerance)
+            forced = [int(t) for t in np.concatenate([r.tokens for r in runs[label]])[len(tokens):]]
+    report = arbitrate_runs(runs, len(tokens), tolerance)
+    checks = {}
+    for label, t in traces.items():
+        say(f"arbitrate: check {label}")
+        checks[label] = check(t, model, envelope=envelope, progress=say)
+    return replace(report, checks=checks) if check_each else report
 
 
 def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from click.testing import CliRunner
 from fake_engine import FakeEngine
@@ -62,3 +63,45 @@ def test_json_of_a_non_finite_pair_is_strict_json():
 def test_arbitrate_needs_two_engines(tiny_f32):
     r = CliRunner().invoke(cli, ["arbitrate", "-m", str(tiny_f32), "--tokens", "0,5", "--engines", "reference"])
     assert r.exit_code == 2 and "at least two distinct engines" in r.output
+
+
+def _arbitrate_check(model, engines: str, *extra: str):
+    """`arbitrate --check` on the tiny F32 model with the QAT sims on (the committed envelope was measured so)."""
+    envelope = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
+    return CliRunner().invoke(cli, ["arbitrate", "-m", str(model), "--tokens", ",".join(map(str, PROMPT)),
+                                    "--decode", "2", "--engines", engines, "--qat-sims", "--envelope", str(envelope),
+                                    "--check", *extra])
+
+
+def test_arbitrate_check_judges_each_engine(tiny_f32):
+    """reference, torch and torch with the attention sink left out of the softmax (a fault acting in every
+    layer's attention, so first at layer 0): `check` calls the faulty run DEFECT at layer 0 naming sink-dropped,
+    the clean ones MATCH or NOISE, and the exit status is 1; the clustering stays in the report as evidence."""
+    r = _arbitrate_check(tiny_f32, "reference,torch,torch+sink-dropped", "--json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc["check"]) == {"reference", "torch", "torch+sink-dropped"}
+    for e, c in doc["check"].items():
+        assert {"headline", "verdict", "judged", "culprit", "causes", "notes", "table"} <= set(c), e
+    assert doc["check"]["reference"]["verdict"] in ("MATCH", "NOISE")
+    assert doc["check"]["torch"]["verdict"] in ("MATCH", "NOISE"), doc["check"]["torch"]["headline"]
+    bad = doc["check"]["torch+sink-dropped"]
+    assert bad["verdict"] == "DEFECT" and bad["culprit"]["layer"] == 0
+    assert bad["causes"][-1]["name"] == "sink-dropped" and "sink-dropped" in bad["headline"]
+    assert doc["first_split"] == "blk.0.attn" and doc["odd_ones_out"] == ["torch+sink-dropped"]
+
+
+def test_arbitrate_check_text_and_clean_exit(tiny_f32):
+    """Two clean engines: one verdict line per engine before the clusters, exit 0."""
+    r = _arbitrate_check(tiny_f32, "reference,torch")
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.stdout.splitlines() if x.startswith("check ")]
+    assert [x.split(" (")[0] for x in lines] == ["check reference", "check torch"]
+    assert all(x.split(": ", 1)[1].split(" ")[0] in ("MATCH", "NOISE") for x in lines), lines
+
+
+def test_arbitrate_refuses_an_unknown_fault(tiny_f32):
+    """A fault the engine does not offer is refused before anything runs, naming it (exit 2, JSON error)."""
+    r = CliRunner().invoke(cli, ["arbitrate", "-m", str(tiny_f32), "--tokens", "0,5", "--engines",
+                                 "reference,torch+no-such-fault", "--json"])
+    assert r.exit_code == 2 and "'no-such-fault'" in json.loads(r.stdout)["error"], r.output

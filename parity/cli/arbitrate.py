@@ -9,7 +9,9 @@ from parity.cli.common import echo_json, json_errors, json_option, model_option
 
 @click.command()
 @model_option()
-@click.option("--engines", required=True, help="Comma list of registered engines, e.g. reference,torch,llamacpp,hf.")
+@click.option("--engines", required=True,
+              help="Comma list of registered engines, e.g. reference,torch,llamacpp,hf; NAME+FAULT[+FAULT] runs NAME "
+                   "with those faults injected (e.g. torch+sink-dropped).")
 @click.option("--tokens", help="Prompt token ids, e.g. 0,17,42.")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), help="File of token ids.")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
@@ -22,14 +24,19 @@ from parity.cli.common import echo_json, json_errors, json_option, model_option
               help="Two engines agree at a checkpoint when their largest per-position rel-L2 is <= this.")
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Use the stored noise envelope (float32 section) instead: agree within k * floor + eps.")
+@click.option("--check", "check_each", is_flag=True,
+              help="Also judge each engine's run with `check` against the model (the round-off null on this prompt); "
+                   "the exit status then follows the verdicts: 1 if any engine is DEFECT.")
 @json_option()
 @json_errors
-def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_tol, envelope_path, as_json) -> None:
+def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_tol, envelope_path, check_each,
+              as_json) -> None:
     """Run each engine on the same tokens and print, per checkpoint, the clusters of engines that agree, so
     "reference and llama.cpp agree, the port under test is the odd one out" is one command.
 
     \b
-    Exit codes: 0 all engines agree everywhere, 1 they split somewhere, 2 usage error or an engine refused.
+    Exit codes: 0 all engines agree everywhere, 1 they split somewhere, 2 usage error or an engine refused;
+    with --check: 0 no engine is DEFECT, 1 one is (the clusters are then evidence only).
     Example: v4parity arbitrate -m tiny-f32.gguf --tokens 0,5,7,9 --decode 4 --engines reference,torch,llamacpp,hf
     """
     from parity import api
@@ -41,12 +48,28 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     if len(names) < 2:
         raise click.UsageError(f"--engines: arbitration needs at least two distinct engines, got {names}")
     report = api.arbitrate(model, ids, names, decode=decode, chunk=chunk, qat_sims=qat_sims, rel_tol=rel_tol,
-                           envelope=envelope_path, progress=lambda m: click.echo(m, err=True))
+                           envelope=envelope_path, progress=lambda m: click.echo(m, err=True), check_each=check_each)
     if as_json:
-        echo_json(report.to_json())
+        echo_json(report.to_json() | ({"check": _check_docs(report.checks)} if check_each else {}))
     else:
-        click.echo("\n".join(summary_lines(report)))
+        click.echo("\n".join(_check_lines(report.checks) + summary_lines(report)))
+    if check_each:
+        raise SystemExit(1 if any(c.verdict == "DEFECT" for c in report.checks.values()) else 0)
     raise SystemExit(0 if report.unanimous else 1)
+
+
+def _check_docs(checks: dict) -> dict:
+    """engine -> `check`'s JSON document (parity.bisect.check_report.to_json) plus its headline."""
+    from parity.bisect.check_report import headline, to_json
+
+    return {e: {"headline": headline(c), **to_json(c)} for e, c in checks.items()}
+
+
+def _check_lines(checks: dict) -> list[str]:
+    """One line per engine: its `check` verdict line (these decide the exit status)."""
+    from parity.bisect.check_report import headline
+
+    return [f"check {e} (decides the exit status): {headline(c)}" for e, c in checks.items()]
 
 
 COMMANDS = [arbitrate]

@@ -9,7 +9,8 @@ checkpoint (in depth order) where the engines split.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,8 @@ class Arbitration:
     first_split: str | None                   # first checkpoint where the engines do not all agree
     odd_ones_out: tuple[str, ...]             # outside the largest cluster at first_split
     greedy_disagreements: dict[str, int]      # decode steps whose argmax differs from the first engine's token
+    # `arbitrate --check`: engine -> its `check` report (parity.bisect.check.CheckReport); empty without it
+    checks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def unanimous(self) -> bool:
