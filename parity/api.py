@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +425,62 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     return run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
                      fault_engines=library, draft_fault_engines=draft_library,
                      subops=subops, notes=notes, progress=say, counter=counter, config=config)
+
+
+@dataclass(frozen=True)
+class CommitVerdict:
+    """One commit's answer to `git bisect run`: `outcome` good | bad | skip, its `exit_code` (0, 1, 125), the
+    `reason` in one line, and the check report behind it (None when the engine did not load or was not judged)."""
+
+    outcome: str
+    exit_code: int
+    reason: str
+    report: Any = None
+
+
+def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] | None = None, decode: int = 0,
+               options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
+               envelope_search: Sequence[str | os.PathLike] | None = None,
+               progress: Callable[[str], None] | None = None) -> CommitVerdict:
+    """`git bisect run`'s predicate for the engine registered as `engine`, as installed now (the working tree
+    under bisection): trace it on `tokens` (default: the built-in prompt) + `decode` greedy steps at every position
+    with full vectors, and judge the trace with `check` (its envelope rules, `envelope` / `envelope_search`).
+
+    good (0): MATCH or NOISE; bad (1): DEFECT, or the engine raised during its run; skip (125): the engine did not
+    import or construct, or `check`'s preflight refused the trace (not comparable). A problem that is the same on
+    every commit (no such model, an unregistered engine name, token ids outside the vocabulary, an unreadable
+    envelope) raises ParityError instead: the caller aborts the bisection rather than mark commits."""
+    from parity.bisect.inputs import CheckPreflightError
+    from parity.bisect.search import builtin_prompt
+    from parity.contract.engine import available_engines
+    from parity.contract.errors import ParityError
+    from parity.gguf.weights import Weights
+
+    say = progress or (lambda _m: None)
+    config = Weights(model).config
+    if engine not in available_engines():
+        raise ParityError(f"unknown engine {engine!r}; registered: {', '.join(sorted(available_engines()))} "
+                          "(entry points are read from the installed metadata, not from the commit)")
+    ids = [int(t) for t in tokens] if tokens is not None else builtin_prompt(config.vocab_size, config.bos_token_id)
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    if not ids or bad:
+        raise TraceError(f"token ids must be a non-empty list in [0, {config.vocab_size}); out of range: {bad[:5]}")
+    try:
+        eng = load_engine(engine, str(model), options or RunOptions())
+    except Exception as e:  # any failure to import or construct: this commit cannot be tested
+        return CommitVerdict("skip", 125, f"engine {engine!r} did not load: {type(e).__name__}: {e}")
+    say(f"trace {engine}: {len(ids)} tokens + {decode} decode, every position, full vectors")
+    try:
+        t = trace(eng, model, ids, positions="all", full="all", decode=decode)
+    except Exception as e:  # the engine loaded but its run failed: a broken commit, not an untestable one
+        return CommitVerdict("bad", 1, f"engine {engine!r} raised during its run: {type(e).__name__}: {e}")
+    try:
+        report = check(t, model, envelope=envelope, envelope_search=envelope_search, progress=say)
+    except CheckPreflightError as e:
+        return CommitVerdict("skip", 125, f"not comparable (check preflight): {e}")
+    if report.verdict == "DEFECT":
+        return CommitVerdict("bad", 1, f"DEFECT: {report.headline}", report)
+    return CommitVerdict("good", 0, f"{report.verdict}: {report.headline}", report)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

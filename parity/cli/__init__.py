@@ -12,7 +12,7 @@ from parity.cli.common import echo_json
 from parity.contract.errors import ParityError
 
 COMMAND_MODULES = ("model", "trace", "compare", "demo", "bisect", "logprobs", "bench", "validate", "check", "capture",
-                   "arbitrate", "quantize", "spec")
+                   "arbitrate", "quantize", "spec", "bisect_run")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
