@@ -10,8 +10,17 @@
  * (H x D per row for carriers, D for final_norm, V for logits), e.g. the arrays of `v4parity export` written
  * with numpy's `tofile`. This stands in for an engine: where it reads a row, an engine has it in memory.
  *
+ * Optional, as `v4parity trace` writes them: the per-layer diagnostics (meta lines `hc_rows N`, `moe_rows N` with
+ * `moe_k K`, `attn_rows N` with `sel_width S`; files hc.idx.bin int32 [N, 3] (layer, sub, pos) + hc.val.bin float32
+ * [N, 2H + H*H] (pre, post, comb); moe.idx.bin int32 [N, 2 + K] (layer, pos, ids) + moe.val.bin float32 [N, K + 1]
+ * (w, margin); attn.bin int32 [N, 4 + S] (layer, pos, n_comp, has_sel, sel)) and extra side-file arrays such as
+ * the sub-op records (meta line `subops NAME...` for the header; `arrays.txt`: one `MEMBER DESCR DIM...` line per
+ * array, its bytes in `MEMBER.bin`).
+ *
  * With CHECKPOINT REL, the vector of CHECKPOINT at every position gets a deterministic +-1 noise (splitmix64
- * signs, another seed than the fingerprint's) scaled to REL times the vector's norm: a planted error.
+ * signs, another seed than the fingerprint's) scaled to REL times the vector's norm: a planted error. When
+ * CHECKPOINT is a layer output blk.L, the sub-op record subop.L.hc_ffn_post (the same vectors) gets the same noise,
+ * as an engine whose layer L computes this output would record it.
  */
 #define V4P_TRACE_IMPLEMENTATION
 #include "v4parity_trace.h"
@@ -87,6 +96,97 @@ static float *read_rows(const char *dir, const char *name, size_t count) {
     return x;
 }
 
+static void *read_bytes(const char *dir, const char *name, size_t nbytes) {
+    char path[4096];
+    void *x = malloc(nbytes ? nbytes : 1);
+    FILE *f;
+    snprintf(path, sizeof path, "%s/%s.bin", dir, name);
+    f = fopen(path, "rb");
+    if (!f || !x) die(path, "cannot open");
+    if (fread(x, 1, nbytes, f) != nbytes) die(path, "too short");
+    if (fgetc(f) != EOF) die(path, "too long");
+    fclose(f);
+    return x;
+}
+
+static int optional_int(const char *dir, const char *key) {
+    char v[64];
+    return meta_value(dir, key, v, sizeof v) ? atoi(v) : 0;
+}
+
+/* The hc / moe / attn lines, when meta.txt counts them. */
+static void diagnostics(const char *dir, v4p_trace *t, int H) {
+    int n = optional_int(dir, "hc_rows"), i, K, S, w = 2 * H + H * H;
+    if (n) {
+        int32_t *idx = (int32_t *)read_bytes(dir, "hc.idx", (size_t)n * 3 * 4);
+        float *val = (float *)read_bytes(dir, "hc.val", (size_t)n * w * 4);
+        for (i = 0; i < n; i++) {
+            const float *v = val + (size_t)i * w;
+            if (v4p_hc(t, idx[3 * i], idx[3 * i + 1], idx[3 * i + 2], v, v + H, v + 2 * H)) break;
+        }
+        free(idx); free(val);
+    }
+    n = optional_int(dir, "moe_rows");
+    K = optional_int(dir, "moe_k");
+    if (n) {
+        int32_t *idx = (int32_t *)read_bytes(dir, "moe.idx", (size_t)n * (2 + K) * 4);
+        float *val = (float *)read_bytes(dir, "moe.val", (size_t)n * (K + 1) * 4);
+        for (i = 0; i < n; i++) {
+            const int32_t *r = idx + (size_t)i * (2 + K);
+            const float *v = val + (size_t)i * (K + 1);
+            if (v4p_moe(t, r[0], r[1], r + 2, v, K, v[K])) break;
+        }
+        free(idx); free(val);
+    }
+    n = optional_int(dir, "attn_rows");
+    S = optional_int(dir, "sel_width");
+    if (n) {
+        int32_t *rows = (int32_t *)read_bytes(dir, "attn", (size_t)n * (4 + S) * 4);
+        for (i = 0; i < n; i++) {
+            const int32_t *r = rows + (size_t)i * (4 + S);
+            if (v4p_attn(t, r[0], r[1], r[2], r + 4, r[3] ? S : -1)) break;
+        }
+        free(rows);
+    }
+}
+
+static void perturb(float *x, size_t n, double rel, uint64_t seed);
+
+/* The arrays listed in arrays.txt, e.g. sub-op records; `same` (or NULL): the member holding the perturbed
+ * checkpoint's vectors too (subop.L.hc_ffn_post is blk.L), perturbed row by row like it. */
+static void arrays(const char *dir, v4p_trace *t, const char *same, double rel) {
+    char path[4096], member[256], descr[8];
+    FILE *f;
+    snprintf(path, sizeof path, "%s/arrays.txt", dir);
+    f = fopen(path, "r");
+    if (!f) return;
+    while (fgets(line_buf, sizeof line_buf, f)) {
+        int64_t shape[8];
+        int ndim = 0, used;
+        size_t count = 1;
+        char *p = line_buf;
+        void *data;
+        if (sscanf(p, "%255s %7s%n", member, descr, &used) != 2) die(path, "MEMBER DESCR DIM...");
+        p += used;
+        while (ndim < 8) {
+            char *end;
+            long long d = strtoll(p, &end, 10);
+            if (end == p) break;
+            shape[ndim++] = d;
+            count *= (size_t)d;
+            p = end;
+        }
+        data = read_bytes(dir, member, count * (descr[2] == '8' ? 8 : 4));
+        if (same && !strcmp(member, same) && ndim == 3) {
+            size_t row = (size_t)(shape[1] * shape[2]), i;
+            for (i = 0; i < (size_t)shape[0]; i++) perturb((float *)data + i * row, row, rel, 0x5eedull + (uint64_t)i * row);
+        }
+        if (v4p_array(t, member, descr, shape, ndim, data)) { free(data); break; }
+        free(data);
+    }
+    fclose(f);
+}
+
 static uint64_t mix(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -106,7 +206,7 @@ static void perturb(float *x, size_t n, double rel, uint64_t seed) {
 int main(int argc, char **argv) {
     static int32_t tokens[MAXN], chunks[MAXN], positions[MAXN];
     static char engine[256], version[256], model[1024], model_data[128], dtype[64], flags[8192];
-    static char names[4 * 1024 + 4][32];
+    static char names[4 * 1024 + 4][32], subop_text[1 << 12], *subops[64];
     const char *ckpts[4 * 1024 + 4], *full[4 * 1024 + 4];
     char size_text[32], hsha[128], file[512], err[512];
     v4p_header h;
@@ -151,6 +251,11 @@ int main(int argc, char **argv) {
     h.decode = need_int(argv[1], "decode");
     h.positions = positions; h.n_positions = P = int_list(argv[1], "positions", positions);
     h.flags_json = need(argv[1], "flags", flags, sizeof flags);
+    if (meta_value(argv[1], "subops", subop_text, sizeof subop_text)) {
+        char *w = strtok(subop_text, " ");
+        while (w && h.n_subops < 64) { subops[h.n_subops++] = w; w = strtok(NULL, " "); }
+        h.subops = (const char *const *)subops;
+    }
     if (L > 1024) die("meta.txt", "layers > 1024");
     snprintf(names[n_ck++], 32, "embed");
     for (i = 0; i < L; i++) {
@@ -181,6 +286,15 @@ int main(int argc, char **argv) {
     for (i = 0; i < P; i++)
         if (v4p_vector(t, "logits", positions[i], logits + (size_t)i * V, (size_t)V)) break;
     free(logits);
+    diagnostics(argv[1], t, H);
+    {
+        char same[64];
+        int layer = -1, used = 0;
+        same[0] = 0;
+        if (bad && sscanf(bad, "blk.%d%n", &layer, &used) == 1 && bad[used] == 0)
+            snprintf(same, sizeof same, "subop.%d.hc_ffn_post", layer);
+        arrays(argv[1], t, same[0] ? same : NULL, rel);
+    }
     if (v4p_close(t, err, sizeof err)) die("v4p_close", err);
     return 0;
 }

@@ -17,6 +17,7 @@
  *     v4p_ckpt(t, "blk.3", pos, x, NULL, 0);  x: H x D floats (stream-major), D for final_norm
  *     v4p_ckpt(t, "final_norm", pos, norm, logits, vocab);
  *     v4p_vector(t, "logits", pos, logits, vocab);          only if "logits" is in h.full
+ *     v4p_hc(...), v4p_moe(...), v4p_attn(...)              optional per-layer diagnostic lines
  *     v4p_array(t, "subop.0.q_path", "<f4", shape, 3, data); whole arrays, e.g. sub-op records
  *     v4p_close(t, err, sizeof err);          writes the side file, then renames it and the trace into place
  *
@@ -65,6 +66,12 @@ v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size
 /* One ckpt record: x holds the checkpoint's vector (H x D for carriers, D for final_norm); for final_norm pass
  * the logits (vocab entries) for argmax and top-K, else NULL / 0. Stores x as the full vector when listed. */
 int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const float *logits, int vocab);
+/* Per-layer diagnostics (docs/trace-format.md "Text form"): the HC mix of layer's attention (sub 0) or FFN (sub 1)
+ * half: pre[H], post[H], comb[H*H] row-major; the router's k picks in selection order, their weights and margin
+ * (NAN: not recorded); the indexer's selection sel[n_sel] (-1 padding), or n_sel < 0 on a layer without one. */
+int v4p_hc(v4p_trace *t, int layer, int sub, int pos, const float *pre, const float *post, const float *comb);
+int v4p_moe(v4p_trace *t, int layer, int pos, const int32_t *ids, const float *w, int k, float margin);
+int v4p_attn(v4p_trace *t, int layer, int pos, int n_comp, const int32_t *sel, int n_sel);
 /* The full vector `name` (a name in h.full) at position pos: n floats. */
 int v4p_vector(v4p_trace *t, const char *name, int pos, const float *x, size_t n);
 /* A whole extra array `<member>.npy` in the side file: descr "<f4", "<i4" or "<i8", shape of ndim dims. */
@@ -464,6 +471,49 @@ int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const floa
     for (c = 0; c < h->n_full; c++)
         if (!strcmp(h->full[c], name)) return v4p_vector(t, name, pos, x, (size_t)N);
     return 0;
+}
+
+static int v4p_diag_pos(v4p_trace *t, const char *what, int layer, int pos) {
+    if (layer < 0 || layer >= t->h.n_layers) return v4p_fail(t, "%s: layer %d out of range", what, layer);
+    if (v4p_row(t, pos) < 0) return v4p_fail(t, "%s: position %d is not in the header's positions", what, pos);
+    return 0;
+}
+
+static void v4p_ints(FILE *f, const int32_t *a, int n) {
+    int i;
+    for (i = 0; i < n; i++) fprintf(f, i ? ",%d" : "%d", (int)a[i]);
+}
+
+int v4p_hc(v4p_trace *t, int layer, int sub, int pos, const float *pre, const float *post, const float *comb) {
+    int H = t->h.n_hc;
+    if (v4p_diag_pos(t, "v4p_hc", layer, pos)) return -1;
+    if (sub != 0 && sub != 1) return v4p_fail(t, "v4p_hc: sub %d (0 attn, 1 ffn)", sub);
+    fprintf(t->text, "hc %d %s pos %d: pre=", layer, sub ? "ffn" : "attn", pos);
+    v4p_floats(t->text, pre, H);
+    fputs(" post=", t->text); v4p_floats(t->text, post, H);
+    fputs(" comb=", t->text); v4p_floats(t->text, comb, H * H);
+    fputc('\n', t->text);
+    return ferror(t->text) ? v4p_fail(t, "%s: write failed", t->tmp) : 0;
+}
+
+int v4p_moe(v4p_trace *t, int layer, int pos, const int32_t *ids, const float *w, int k, float margin) {
+    if (v4p_diag_pos(t, "v4p_moe", layer, pos)) return -1;
+    if (k < 1) return v4p_fail(t, "v4p_moe: k %d < 1", k);
+    fprintf(t->text, "moe %d pos %d: ids=", layer, pos);
+    v4p_ints(t->text, ids, k);
+    fputs(" w=", t->text); v4p_floats(t->text, w, k);
+    fputs(" margin=", t->text); v4p_g(t->text, margin);
+    fputc('\n', t->text);
+    return ferror(t->text) ? v4p_fail(t, "%s: write failed", t->tmp) : 0;
+}
+
+int v4p_attn(v4p_trace *t, int layer, int pos, int n_comp, const int32_t *sel, int n_sel) {
+    if (v4p_diag_pos(t, "v4p_attn", layer, pos)) return -1;
+    fprintf(t->text, "attn %d pos %d: n_comp=%d sel=", layer, pos, n_comp);
+    if (n_sel < 0) fputc('-', t->text);
+    else v4p_ints(t->text, sel, n_sel);
+    fputc('\n', t->text);
+    return ferror(t->text) ? v4p_fail(t, "%s: write failed", t->tmp) : 0;
 }
 
 /* Copy member bytes into the zip, computing the CRC-32 on the way. */

@@ -5,8 +5,10 @@ reference's own checkpoint vectors (exported, written as raw float32 files with 
 plus a stored-zip side file through the header's API. Independent checks: the record lines are the Python
 writer's, byte for byte, for the same vectors (the statistics and fingerprint code in C against the numpy code),
 the side file's arrays are the input vectors bit for bit (read by numpy's own zip reader and by v4parity's), and
-`check` gives MATCH on the unperturbed trace and DEFECT at the perturbed layer: a 2e-3 relative error at every
-position of layer 3's output carrier, the planted error of tests/test_check.py.
+`check` judges it op-level (the example writes the hc / moe / attn lines and the sub-op records too): MATCH on the
+unperturbed trace, DEFECT at the perturbed layer's output op for a 2e-3 relative error at every position of layer
+3's output carrier (the planted error of tests/test_check.py; the example perturbs the record of the same vectors,
+subop.3.hc_ffn_post, alike).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from parity.contract.checkpoints import block
 from parity.contract.errors import TraceError
 from parity.gguf.weights import Weights
 from parity.tracing.io import vectors_path
+from parity.tracing.subops import record_members
 
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
@@ -48,7 +51,7 @@ def reference(tiny_f32, tmp_path_factory):
     its vectors exported to DIR/<checkpoint>.bin + DIR/meta.txt: the example's input."""
     cfg = Weights(tiny_f32).config
     t = api.trace("reference", tiny_f32, builtin_prompt(cfg.vocab_size, cfg.bos_token_id), positions="all",
-                  full="all", decode=DECODE)
+                  full="all", decode=DECODE, subops=True)
     out = tmp_path_factory.mktemp("ref")
     api.save_trace(t, out / "ref.trace")
     api.export(t, out / "ref.npz")
@@ -63,8 +66,29 @@ def reference(tiny_f32, tmp_path_factory):
             f"n_prompt {h.n_prompt}", "chunks " + " ".join(map(str, h.chunks)), f"decode {h.decode}",
             "positions " + " ".join(map(str, h.positions)),
             "flags " + json.dumps(h.flags, sort_keys=True, separators=(",", ":"))]
+    meta += [*_diagnostics(t, out), "subops " + " ".join(h.subops)]
     (out / "meta.txt").write_text("\n".join(meta) + "\n")
+    manifest = []
+    for m in record_members(h):
+        a = t.subops[m]
+        manifest.append(f"{m} {a.dtype.str} {' '.join(map(str, a.shape))}")
+        a.tofile(out / f"{m}.bin")
+    (out / "arrays.txt").write_text("\n".join(manifest) + "\n")
     return out, t
+
+
+def _diagnostics(t, out: Path) -> list[str]:
+    """The hc / moe / attn tables as the example reads them (files + meta lines)."""
+    hc, moe, attn = t.hc, t.moe, t.attn
+    np.stack([hc["layer"], hc["sub"], hc["pos"]], 1).astype("<i4").tofile(out / "hc.idx.bin")
+    np.concatenate([hc["pre"], hc["post"], hc["comb"]], 1).astype("<f4").tofile(out / "hc.val.bin")
+    np.concatenate([moe["layer"][:, None], moe["pos"][:, None], moe["ids"]], 1).astype("<i4").tofile(
+        out / "moe.idx.bin")
+    np.concatenate([moe["w"], moe["margin"][:, None]], 1).astype("<f4").tofile(out / "moe.val.bin")
+    np.concatenate([np.stack([attn["layer"], attn["pos"], attn["n_comp"], attn["has_sel"]], 1), attn["sel"]],
+                   1).astype("<i4").tofile(out / "attn.bin")
+    return [f"hc_rows {len(hc)}", f"moe_rows {len(moe)}", f"moe_k {moe['ids'].shape[1]}", f"attn_rows {len(attn)}",
+            f"sel_width {attn['sel'].shape[1]}"]
 
 
 def _run(exe: Path, src: Path, out: Path, *perturb: str) -> Path:
@@ -78,13 +102,16 @@ def clean(example, reference, tmp_path_factory):
 
 
 def _records(path: Path) -> list[str]:
-    return [ln for ln in path.read_text().splitlines() if ln.startswith("ckpt ")]
+    return path.read_text().split("\nend\n", 1)[1].splitlines()
 
 
 def test_record_lines_are_the_python_writers_byte_for_byte(reference, clean):
     src, ref = reference
     c_lines, py_lines = _records(clean), _records(src / "ref.trace")
-    assert len(c_lines) == len(ref.header.checkpoints) * len(ref.header.positions) == len(py_lines)
+    kinds = [ln.split(" ", 1)[0] for ln in c_lines]
+    assert kinds.count("ckpt") == len(ref.header.checkpoints) * len(ref.header.positions)
+    assert (kinds.count("hc"), kinds.count("moe"), kinds.count("attn")) == (len(ref.hc), len(ref.moe), len(ref.attn))
+    assert len(ref.hc) and len(ref.moe) and len(ref.attn)
     assert c_lines == py_lines
     # the header differs in the engine line only (the example names itself)
     c_head, py_head = (p.read_text().split("\nend\n")[0].splitlines() for p in (clean, src / "ref.trace"))
@@ -98,28 +125,32 @@ def test_side_file_is_a_stored_zip_of_the_input_vectors(reference, clean):
         assert z.testzip() is None
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
     with np.load(side) as z:               # numpy's .npy reader
-        assert sorted(z.files) == sorted(["positions", *ref.header.full])
+        assert sorted(z.files) == sorted(["positions", *ref.header.full, *ref.subops])
         assert z["positions"].tolist() == ref.header.positions
         for name in ref.header.full:
             want = np.fromfile(src / f"{name}.bin", "<f4").reshape(z[name].shape)
             assert z[name].dtype == np.float32 and z[name].tobytes() == want.tobytes(), name
+        for name, a in ref.subops.items():
+            assert z[name].dtype == a.dtype and z[name].shape == a.shape and z[name].tobytes() == a.tobytes(), name
     back = api.load_trace(clean)           # and v4parity's reader: the whole trace equals the reference's
     assert back.vectors.keys() == ref.vectors.keys()
     assert all(np.array_equal(back.vectors[n], ref.vectors[n]) for n in ref.vectors)
     assert np.array_equal(back.ckpt["fp"], ref.ckpt["fp"])
     assert np.array_equal(back.ckpt["top_ids"], ref.ckpt["top_ids"])
+    assert back.header.subops == ref.header.subops and back.subops.keys() == ref.subops.keys()
 
 
 def test_check_matches_the_unperturbed_trace_and_finds_the_perturbed_layer(tiny_f32, example, reference, clean,
                                                                             tmp_path):
     r = api.check(clean, tiny_f32, envelope=ENV_F32)
-    assert r.verdict == "MATCH" and not r.causes, r.headline
+    assert (r.verdict, r.judged) == ("MATCH", "op-level") and not r.causes, r.headline
     bad = _run(example, reference[0], tmp_path / "bad.trace", block(3), "2e-3")
     vec, ref = api.load_trace(bad).vectors[block(3)], reference[1].vectors[block(3)]
     rel = np.linalg.norm((vec - ref).reshape(len(vec), -1), axis=1) / np.linalg.norm(ref.reshape(len(ref), -1), axis=1)
     assert np.allclose(rel, 2e-3, rtol=1e-3), rel          # the planted error is what the test says it is
     r = api.check(bad, tiny_f32, envelope=ENV_F32)
-    assert (r.verdict, r.culprit.layer, r.causes[-1].name) == ("DEFECT", 3, "unexplained"), r.headline
+    assert (r.verdict, r.judged, r.culprit.layer, r.culprit.subop, r.causes[-1].name) == \
+        ("DEFECT", "op-level", 3, "hc_ffn_post", "unexplained"), r.headline
 
 
 def test_writer_errors_name_what_is_wrong(example, reference, tmp_path):
