@@ -146,8 +146,12 @@ def test_kill_and_resume_gives_the_uninterrupted_report(plugins, tmp_path, tiny_
     assert (cut / RESULTS).read_bytes().count(b"\n") == 32
 
 
-def test_ray_equals_worker_processes_byte_for_byte(plugins, tmp_path, tiny_f32):
+def test_ray_equals_worker_processes_byte_for_byte(plugins, tmp_path, tiny_f32, monkeypatch):
     require("ray")
+    # --ray local once called ray.init() without an address, which joins RAY_ADDRESS or the cluster the last
+    # `ray start` on the machine recorded (another test suite's, on a shared machine) instead of starting its own:
+    # the test then failed only when such a cluster happened to exist. A bogus RAY_ADDRESS makes that reproducible.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     a = api.validate(tmp_path / "w", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,
                      decode=4, boundary=True, pins=2, workers=2)
     b = api.validate(tmp_path / "r", model=tiny_f32, exact="vfake", approx="vfake:act_quant=q8_0", n=20,

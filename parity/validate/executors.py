@@ -37,15 +37,19 @@ def processes(job: Job, tasks: Sequence[Task], workers: int) -> Iterator[dict]:
 
 def ray_tasks(job: Job, tasks: Sequence[Task], address: str | None, local_cpus: int) -> Iterator[dict]:
     """Each task a Ray task (one CPU); address None starts a local Ray instance with `local_cpus` CPUs (and
-    stops it at the end). The GGUF path must be readable on every node."""
+    stops it at the end). The GGUF path must be readable on every node.
+
+    `ray.init()` without an address does not start a local instance when one can be found: it joins the cluster
+    named by RAY_ADDRESS or the one the last `ray start` on this machine recorded (/tmp/ray/ray_current_cluster),
+    then refuses `num_cpus` or runs the tasks there. Hence address="local" for --ray local."""
     try:
         import ray
     except ImportError:
         raise ParityError("--ray needs Ray: pip install 'v4parity[ray]'") from None
     started = not ray.is_initialized()
     if started:
-        if address is None:
-            ray.init(num_cpus=local_cpus, include_dashboard=False, log_to_driver=False)
+        if address is None:  # "local": a new instance, never RAY_ADDRESS or the last `ray start` cluster
+            ray.init(address="local", num_cpus=local_cpus, include_dashboard=False, log_to_driver=False)
         else:
             try:
                 ray.init(address=address, log_to_driver=False)
