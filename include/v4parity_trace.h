@@ -10,7 +10,8 @@
  * exactly as the format defines them), and the side file `<stem>.vectors.npz` holding `positions` and the full
  * vectors (one float32 .npy per name in `full`, rows in header position order) plus any extra array you add
  * (the sub-op records `subop.<l>.<name>`), as an uncompressed ("stored") zip with CRC-32s written here: no zlib,
- * no zip program. The side file carries no `trace_sha256` (the reader then skips the binding check).
+ * no zip program. The side file carries `trace_sha256` (the sha256 of the trace bytes, computed here) and is
+ * renamed into place before the trace, so the reader never pairs a trace with another run's side file.
  *
  *     v4p_header h = {...};                   fill every field (see the struct)
  *     v4p_trace *t = v4p_open("run.trace", &h, err, sizeof err);
@@ -113,6 +114,63 @@ void v4p_fingerprint(const float *x, uint64_t n, float fp[64]) {
     }
 }
 
+/* ---- SHA-256 (FIPS 180-4), for the side file's trace_sha256 ---- */
+typedef struct { uint32_t h[8]; unsigned char buf[64]; uint64_t len; size_t fill; } v4p_sha256;
+static const uint32_t v4p_sha_k[64] = {
+    0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u, 0xab1c5ed5u,
+    0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu, 0x9bdc06a7u, 0xc19bf174u,
+    0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu, 0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau,
+    0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u, 0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u,
+    0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu, 0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u,
+    0xa2bfe8a1u, 0xa81a664bu, 0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u,
+    0x19a4c116u, 0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
+    0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u, 0xc67178f2u};
+#define V4P_ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+static void v4p_sha_block(v4p_sha256 *c, const unsigned char *p) {
+    uint32_t w[64], a, b, d, e, f, g, hh, cc, t1, t2;
+    int i;
+    for (i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (i = 16; i < 64; i++) {
+        uint32_t s0 = V4P_ROR(w[i - 15], 7) ^ V4P_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = V4P_ROR(w[i - 2], 17) ^ V4P_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    a = c->h[0]; b = c->h[1]; cc = c->h[2]; d = c->h[3]; e = c->h[4]; f = c->h[5]; g = c->h[6]; hh = c->h[7];
+    for (i = 0; i < 64; i++) {
+        t1 = hh + (V4P_ROR(e, 6) ^ V4P_ROR(e, 11) ^ V4P_ROR(e, 25)) + ((e & f) ^ (~e & g)) + v4p_sha_k[i] + w[i];
+        t2 = (V4P_ROR(a, 2) ^ V4P_ROR(a, 13) ^ V4P_ROR(a, 22)) + ((a & b) ^ (a & cc) ^ (b & cc));
+        hh = g; g = f; f = e; e = d + t1; d = cc; cc = b; b = a; a = t1 + t2;
+    }
+    c->h[0] += a; c->h[1] += b; c->h[2] += cc; c->h[3] += d; c->h[4] += e; c->h[5] += f; c->h[6] += g; c->h[7] += hh;
+}
+static void v4p_sha_init(v4p_sha256 *c) {
+    static const uint32_t h0[8] = {0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u, 0xa54ff53au,
+                                   0x510e527fu, 0x9b05688cu, 0x1f83d9abu, 0x5be0cd19u};
+    memcpy(c->h, h0, sizeof h0);
+    c->len = 0; c->fill = 0;
+}
+static void v4p_sha_update(v4p_sha256 *c, const unsigned char *p, size_t n) {
+    c->len += n;
+    while (n) {
+        size_t take = 64 - c->fill < n ? 64 - c->fill : n;
+        memcpy(c->buf + c->fill, p, take);
+        c->fill += take; p += take; n -= take;
+        if (c->fill == 64) { v4p_sha_block(c, c->buf); c->fill = 0; }
+    }
+}
+static void v4p_sha_hex(v4p_sha256 *c, char hex[65]) {
+    unsigned char pad[72];
+    uint64_t bits = c->len * 8;
+    size_t n = (c->fill < 56 ? 56 : 120) - c->fill;
+    int i;
+    memset(pad, 0, sizeof pad);
+    pad[0] = 0x80;
+    for (i = 0; i < 8; i++) pad[n + (size_t)i] = (unsigned char)(bits >> (56 - 8 * i));
+    v4p_sha_update(c, pad, n + 8);
+    for (i = 0; i < 8; i++) sprintf(hex + 8 * i, "%08lx", (unsigned long)c->h[i]);
+}
+
 /* ---- CRC-32 (zip's polynomial 0xEDB88320) ---- */
 static uint32_t v4p_crc_table[256];
 static int v4p_crc_ready = 0;
@@ -187,12 +245,12 @@ static int v4p_npy_header(unsigned char *out, size_t cap, const char *descr, con
 }
 
 static v4p_member *v4p_add_member(v4p_trace *t, const char *name, const char *descr, const int64_t *shape,
-                                  int ndim) {
+                                  int ndim, uint64_t item) {
     unsigned char head[600];
     int hn;
     v4p_member *m;
     int i;
-    uint64_t count = 1, item = descr[2] == '8' ? 8 : 4;
+    uint64_t count = 1;
     for (i = 0; i < t->n_members; i++)
         if (!strcmp(t->members[i].name + 0, name)) { v4p_fail(t, "side-file member %s written twice", name); return NULL; }
     if (t->n_members == V4P_MAX_MEMBERS) { v4p_fail(t, "more than %d side-file members", V4P_MAX_MEMBERS); return NULL; }
@@ -281,7 +339,7 @@ v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size
         int64_t shape[3];
         int ndim;
         int64_t one = h->n_positions;
-        v4p_member *m = v4p_add_member(t, "positions", "<i8", &one, 1);
+        v4p_member *m = v4p_add_member(t, "positions", "<i8", &one, 1, 8);
         if (!m) goto fail;
         for (i = 0; i < h->n_positions; i++) {
             int64_t p = h->positions[i];
@@ -290,7 +348,7 @@ v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size
         for (i = 0; i < h->n_full; i++) {
             v4p_is_full_dims(t, h->full[i], shape, &ndim);
             if (shape[1] < 0) continue;   /* logits: created at its first row */
-            m = v4p_add_member(t, h->full[i], "<f4", shape, ndim);
+            m = v4p_add_member(t, h->full[i], "<f4", shape, ndim, 4);
             if (!m) goto fail;
             m->full_index = i;
             m->row_bytes = (uint64_t)shape[1] * (ndim == 3 ? (uint64_t)shape[2] : 1) * 4;
@@ -330,7 +388,7 @@ int v4p_vector(v4p_trace *t, const char *name, int pos, const float *x, size_t n
     if (!m && !strcmp(name, "logits")) {
         int64_t shape[2];
         shape[0] = t->h.n_positions; shape[1] = (int64_t)n;
-        m = v4p_add_member(t, name, "<f4", shape, 2);
+        m = v4p_add_member(t, name, "<f4", shape, 2, 4);
         if (!m) return -1;
         m->full_index = 0;
         m->row_bytes = (uint64_t)n * 4;
@@ -358,7 +416,7 @@ int v4p_array(v4p_trace *t, const char *member, const char *descr, const int64_t
         if (shape[i] < 0) return v4p_fail(t, "v4p_array %s: negative dimension", member);
         count *= (uint64_t)shape[i];
     }
-    m = v4p_add_member(t, member, descr, shape, ndim);
+    m = v4p_add_member(t, member, descr, shape, ndim, descr[2] == '8' ? 8 : 4);
     if (!m) return -1;
     return count ? v4p_write_data(t, m, 0, data, (size_t)(count * (descr[2] == '8' ? 8 : 4))) : 0;
 }
@@ -585,6 +643,28 @@ static int v4p_write_zip(v4p_trace *t) {
     return t->err[0] ? -1 : 0;
 }
 
+/* The side file's trace_sha256 member: the sha256 (hex) of the trace bytes, as a numpy "<U64" array of one. */
+static void v4p_bind(v4p_trace *t) {
+    unsigned char buf[1 << 14], ucs[256];
+    char hex[65];
+    size_t n;
+    int64_t one = 1;
+    int i;
+    v4p_sha256 c;
+    v4p_member *m;
+    FILE *f = fopen(t->tmp, "rb");
+    if (!f) { v4p_fail(t, "%s: cannot read back", t->tmp); return; }
+    v4p_sha_init(&c);
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) v4p_sha_update(&c, buf, n);
+    if (ferror(f)) v4p_fail(t, "%s: read failed", t->tmp);
+    fclose(f);
+    v4p_sha_hex(&c, hex);
+    memset(ucs, 0, sizeof ucs);
+    for (i = 0; i < 64; i++) ucs[4 * i] = (unsigned char)hex[i];   /* UCS-4 little-endian */
+    m = v4p_add_member(t, "trace_sha256", "<U64", &one, 1, 256);
+    if (m) v4p_write_data(t, m, 0, ucs, sizeof ucs);
+}
+
 int v4p_close(v4p_trace *t, char *err, size_t errlen) {
     int i, rc;
     if (!t) return -1;
@@ -601,6 +681,7 @@ int v4p_close(v4p_trace *t, char *err, size_t errlen) {
     if (t->text) {
         if (fclose(t->text)) v4p_fail(t, "%s: write failed", t->tmp);
         t->text = NULL;
+        if (!t->err[0] && t->n_members) v4p_bind(t);
         if (!t->err[0] && t->n_members) {
             if (!v4p_write_zip(t) && rename(t->side_tmp, t->side)) v4p_fail(t, "%s: rename failed", t->side);
         }

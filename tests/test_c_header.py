@@ -13,6 +13,7 @@ subop.3.hc_ffn_post, alike).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import zipfile
@@ -125,7 +126,8 @@ def test_side_file_is_a_stored_zip_of_the_input_vectors(reference, clean):
         assert z.testzip() is None
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
     with np.load(side) as z:               # numpy's .npy reader
-        assert sorted(z.files) == sorted(["positions", *ref.header.full, *ref.subops])
+        assert sorted(z.files) == sorted(["positions", "trace_sha256", *ref.header.full, *ref.subops])
+        assert z["trace_sha256"].tolist() == [hashlib.sha256(clean.read_bytes()).hexdigest()]
         assert z["positions"].tolist() == ref.header.positions
         for name in ref.header.full:
             want = np.fromfile(src / f"{name}.bin", "<f4").reshape(z[name].shape)
@@ -151,6 +153,39 @@ def test_check_matches_the_unperturbed_trace_and_finds_the_perturbed_layer(tiny_
     r = api.check(bad, tiny_f32, envelope=ENV_F32)
     assert (r.verdict, r.judged, r.culprit.layer, r.culprit.subop, r.causes[-1].name) == \
         ("DEFECT", "op-level", 3, "hc_ffn_post", "unexplained"), r.headline
+
+
+def test_the_side_file_is_bound_to_its_trace(clean, tmp_path):
+    # the C writer's trace_sha256 is what the reader checks: an edited trace beside it is refused
+    edited = tmp_path / "c.trace"
+    edited.write_text(clean.read_text().replace("engine c-example 1.0", "engine c-example 1.1", 1))
+    vectors_path(edited).write_bytes(vectors_path(clean).read_bytes())
+    with pytest.raises(TraceError, match="field 'trace_sha256': this side file was not written with this trace"):
+        api.load_trace(edited)
+
+
+SHA_MAIN = """#define V4P_TRACE_IMPLEMENTATION
+#include "v4parity_trace.h"
+int main(void) {  /* sha256 of stdin, hex */
+    unsigned char buf[4096]; size_t n; char hex[65]; v4p_sha256 c;
+    v4p_sha_init(&c);
+    while ((n = fread(buf, 1, sizeof buf, stdin)) > 0) v4p_sha_update(&c, buf, n);
+    v4p_sha_hex(&c, hex);
+    puts(hex);
+    return 0;
+}
+"""
+
+
+def test_sha256_agrees_with_hashlib_across_block_boundaries(tmp_path):
+    cc = require_program("cc", "gcc")
+    (tmp_path / "sha.c").write_text(SHA_MAIN)
+    subprocess.run([cc, "-std=c99", "-Wall", "-Werror", "-I", str(INCLUDE), "-o", str(tmp_path / "sha"),
+                    str(tmp_path / "sha.c"), "-lm"], check=True)
+    data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    for n in (*range(0, 130), 4095, 4096, 4097, 200_000):   # every padding case: 55, 56, 63, 64 bytes into a block
+        out = subprocess.run([str(tmp_path / "sha")], input=data[:n], capture_output=True, check=True).stdout
+        assert out.decode().strip() == hashlib.sha256(data[:n]).hexdigest(), n
 
 
 def test_writer_errors_name_what_is_wrong(example, reference, tmp_path):
