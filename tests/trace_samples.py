@@ -1,7 +1,8 @@
 """Small, valid traces built directly from the data model (no engine, no model file), for reader tests.
 
 `toy_trace(seed)`: 2 layers, H = 2 streams, D = 3, top-k 2, positions 0..2, every table filled, all numbers
-drawn from `seed`; `with_vectors=True` adds full vectors for embed, blk.1 and logits (V = 5).
+drawn from `seed`; `with_vectors=True` adds full vectors for embed, blk.1 and logits (V = 5), and the ckpt records of
+embed and blk.1 then hold those vectors' statistics and fingerprints.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from parity.contract.checkpoints import trace_checkpoints
-from parity.tracing.records import Trace, TraceHeader, make_table
-from parity.tracing.stats import FP_DIM
+from parity.tracing.records import Table, Trace, TraceHeader, make_table
+from parity.tracing.stats import FP_DIM, carrier_stats
 
 H, D, K, E, S, V = 2, 3, 2, 2, 3, 5
 LAYERS = 2
@@ -63,4 +64,11 @@ def toy_trace(seed: int = 0, with_vectors: bool = False) -> Trace:
         vectors = {"embed": rng.standard_normal((P, H, D)).astype(np.float32),
                    "blk.1": rng.standard_normal((P, H, D)).astype(np.float32),
                    "logits": rng.standard_normal((P, V)).astype(np.float32)}
+        cols = dict(tables["ckpt"].cols)   # the records with a vector describe it (every reader checks)
+        for name in ("embed", "blk.1"):
+            rows = np.flatnonzero(cols["ck"] == names.index(name))
+            for c, v in carrier_stats(vectors[name]).items():
+                cols[c] = cols[c].copy()
+                cols[c][rows] = v
+        tables["ckpt"] = Table(cols)
     return Trace(header, **tables, vectors=vectors)

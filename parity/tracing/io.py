@@ -26,6 +26,7 @@ import numpy as np
 from parity.contract.checkpoints import checkpoint_index, has_top, layers_of, per_stream, vector_shape
 from parity.contract.errors import TraceError
 from parity.contract.files import atomic_write_bytes
+from parity.tracing.consistency import check_vector_stats
 from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
 from parity.tracing.stats import FP_DIM
 from parity.tracing.subops import check_records, record_members
@@ -131,6 +132,7 @@ def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
         vectors, subops = _read_vectors(vectors_path(path), trace.header, trace_id)
         trace.vectors = vectors if trace.header.full else None
         trace.subops = subops if trace.header.subops else None
+        check_vector_stats(trace, lambda m: TraceError(f"{path}: field 'ckpt': {m}"))
     return trace
 
 

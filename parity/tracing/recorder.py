@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.checkpoints import FINAL_NORM, LOGITS, has_top, is_draft, per_stream, trace_checkpoints
+from parity.contract.checkpoints import FINAL_NORM, LOGITS, has_top, is_draft, trace_checkpoints
 from parity.contract.errors import TensorError, TraceError
 from parity.tracing.records import TABLES, Table, make_table
 from parity.tracing.runner import ChunkResult
-from parity.tracing.stats import FP_DIM, carrier_stats, top_k
+from parity.tracing.stats import FP_DIM, carrier_stats, stats_view, top_k
 
 
 def resolve_positions(spec: str | Sequence[int], n_total: int) -> list[int]:
@@ -117,8 +117,7 @@ class Recorder:
         argmax and top-k of mtp.k.logits rows from the logits themselves."""
         x = np.asarray(x)
         _check_finite(f"checkpoint {name}", x, np.asarray(pos))
-        view = x.transpose(0, 2, 1, 3).reshape(len(x), x.shape[2], -1) if x.ndim == 4 else (
-            x.reshape(len(x), -1) if x.ndim == 3 and not per_stream(name) else x)
+        view = stats_view(name, x)
         self.add_checkpoint(self.names.index(name), np.asarray(pos), toks, view, x if has_top(name) else None)
         if name in self.vec:
             self.vec[name].append(x.astype(np.float32))

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from parity.contract.checkpoints import per_stream
 from parity.contract.errors import TraceError
 
 FP_DIM = 64                        # fingerprint length
@@ -74,6 +75,15 @@ def carrier_stats(x: np.ndarray) -> dict[str, np.ndarray]:
         "max": x.max(axis=(1, 2)).astype(np.float32),
         "fp": fingerprint(x),
     }
+
+
+def stats_view(name: str, x: np.ndarray) -> np.ndarray:
+    """The [n, H, D] / [n, D] view of checkpoint `name`'s full vectors x [n, ...] that its ckpt rows summarise:
+    DSpark block rows [n, B, H, D] as the stream-major [n, H, B·D], [n, B, V] rows as [n, B·V], others as they are."""
+    x = np.asarray(x)
+    if x.ndim == 4:
+        return x.transpose(0, 2, 1, 3).reshape(len(x), x.shape[2], -1)
+    return x.reshape(len(x), -1) if x.ndim == 3 and not per_stream(name) else x
 
 
 def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
