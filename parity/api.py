@@ -479,8 +479,8 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
     except CheckPreflightError as e:
         return CommitVerdict("skip", 125, f"not comparable (check preflight): {e}")
     if report.verdict == "DEFECT":
-        return CommitVerdict("bad", 1, f"DEFECT: {report.headline}", report)
-    return CommitVerdict("good", 0, f"{report.verdict}: {report.headline}", report)
+        return CommitVerdict("bad", 1, report.headline, report)
+    return CommitVerdict("good", 0, report.headline, report)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration
