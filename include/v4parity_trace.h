@@ -1,6 +1,6 @@
 /* v4parity_trace.h - write a v4parity trace (docs/trace-format.md, version 1) from C99, libc only.
  *
- * Single header: in exactly one .c file
+ * Single header (link with -lm): in exactly one .c file
  *     #define V4P_TRACE_IMPLEMENTATION
  *     #include "v4parity_trace.h"
  * and include it without the macro everywhere else.
@@ -22,6 +22,7 @@
  *     v4p_array(t, "subop.0.q_path", "<f4", shape, 3, data); whole arrays, e.g. sub-op records
  *     v4p_close(t, err, sizeof err);          writes the side file, then renames it and the trace into place
  *
+ * Trunk checkpoints only (embed, blk.L.attn, blk.L, final_norm); draft checkpoints (mtp.*, dspark.*) are refused.
  * Every function returns 0 on success, -1 on error (v4p_open: NULL); v4p_close reports the first error of the
  * whole session in `err`. Little-endian hosts only (the .npy members are written as "<f4" / "<i4" / "<i8").
  * Record lines come out in the order you call v4p_ckpt (the reader accepts any order; v4parity's own writer
@@ -287,6 +288,16 @@ static int v4p_is_full_dims(const v4p_trace *t, const char *name, int64_t *shape
     return 1;
 }
 
+/* embed, final_norm, blk.L or blk.L.attn with L in [0, n_layers) written without leading zeros. */
+static int v4p_trunk_name(const char *name, int n_layers) {
+    const char *p = name + 4;
+    long l = 0;
+    if (!strcmp(name, "embed") || !strcmp(name, "final_norm")) return 1;
+    if (strncmp(name, "blk.", 4) || *p < '0' || *p > '9' || (p[0] == '0' && p[1] >= '0' && p[1] <= '9')) return 0;
+    while (*p >= '0' && *p <= '9' && l < 100000) l = 10 * l + (*p++ - '0');
+    return l < n_layers && (!*p || !strcmp(p, ".attn"));
+}
+
 v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size_t errlen) {
     v4p_trace *t = (v4p_trace *)calloc(1, sizeof *t);
     const char *dot, *slash;
@@ -304,6 +315,18 @@ v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size
     if (h->n_hc < 1 || h->dim < 1 || h->top_k < 1 || h->n_layers < 1 || h->n_positions < 1) {
         v4p_fail(t, "v4p_header: n_hc, dim, top_k, n_layers and n_positions must be >= 1");
         goto fail;
+    }
+    if (h->n_hc > 64) { v4p_fail(t, "v4p_header: n_hc %d > 64", h->n_hc); goto fail; }
+    for (i = 0; i < h->n_checkpoints; i++)
+        if (!v4p_trunk_name(h->checkpoints[i], h->n_layers)) {
+            v4p_fail(t, "v4p_header: checkpoint '%.40s' is not embed, blk.L.attn, blk.L (L < n_layers) or final_norm "
+                     "(draft checkpoints are not written by this header)", h->checkpoints[i]);
+            goto fail;
+        }
+    for (i = 0; i < h->n_full; i++) {
+        int c, listed = !strcmp(h->full[i], "logits");
+        for (c = 0; c < h->n_checkpoints; c++) listed |= !strcmp(h->checkpoints[c], h->full[i]);
+        if (!listed) { v4p_fail(t, "v4p_header: full '%.40s' is neither a checkpoint nor logits", h->full[i]); goto fail; }
     }
     if (strlen(trace_path) >= sizeof t->path) { v4p_fail(t, "trace path too long"); goto fail; }
     strcpy(t->path, trace_path);
@@ -446,11 +469,16 @@ static int v4p_fp_cached(v4p_trace *t, const float *x, uint64_t n, float fp[64])
     return 0;
 }
 
-static int v4p_spec_index(const v4p_trace *t, const char *name) {
+static int v4p_spec_index(const v4p_trace *t, const char *name) {   /* names checked by v4p_open */
     if (!strcmp(name, "embed")) return 0;
     if (!strcmp(name, "final_norm")) return t->h.n_layers + 1;
-    if (!strncmp(name, "blk.", 4)) return atoi(name + 4) + 1;
-    return t->h.n_layers + 2;   /* draft checkpoints (mtp.*, dspark.*) */
+    return atoi(name + 4) + 1;
+}
+
+/* The top-K order: higher logit first, ties (and NaNs, ranked after every number) by lower id. */
+static int v4p_ranks_before(float va, int ia, float vb, int ib) {
+    if (va != va || vb != vb) return (va != va) == (vb != vb) ? ia < ib : vb != vb;
+    return va > vb || (va == vb && ia < ib);
 }
 
 static void v4p_g(FILE *f, double v) {
@@ -475,6 +503,7 @@ int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const floa
     uint64_t N = (uint64_t)H * (uint64_t)D;
     double total = 0.0, sum_sq = 0.0;
     float mn, mx, l2s[64], fp[64];
+    int has_nan = 0;
     for (c = 0; c < h->n_checkpoints; c++) listed |= !strcmp(h->checkpoints[c], name);
     if (!listed) return v4p_fail(t, "v4p_ckpt: %s is not in the header's checkpoints", name);
     if (row < 0) return v4p_fail(t, "v4p_ckpt: position %d is not in the header's positions", pos);
@@ -486,6 +515,7 @@ int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const floa
         for (d = 0; d < D; d++) {
             float v = x[(uint64_t)hh * D + d];
             sq += (double)v * v;
+            if (v != v) has_nan = 1;
             if (v < mn) mn = v;
             if (v > mx) mx = v;
         }
@@ -497,6 +527,7 @@ int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const floa
         for (hh = 0; hh < H; hh++) s += x[(uint64_t)hh * D + d];
         sum_sq += s * s;
     }
+    if (has_nan) mn = mx = (float)NAN;   /* as numpy's min / max */
     if (v4p_fp_cached(t, x, N, fp)) return -1;
     fprintf(t->text, "ckpt %d %s pos %d tok %d: min=", v4p_spec_index(t, name), name, pos, (int)h->tokens[pos]);
     v4p_g(t->text, mn); fputs(" max=", t->text); v4p_g(t->text, mx);
@@ -505,23 +536,23 @@ int v4p_ckpt(v4p_trace *t, const char *name, int pos, const float *x, const floa
     fputs(" sum_l2=", t->text); v4p_g(t->text, (float)sqrt(sum_sq));
     fputs(" fp=", t->text); v4p_floats(t->text, fp, 64);
     if (is_final) {
-        /* top-K by logit, descending, ties by lower id; -1:nan padding when vocab < K */
+        /* top-K by logit, descending, ties by lower id */
         int k, j, K = h->top_k, last = -1;
         float lastv = 0.0f;
         if (!logits || vocab < 1) return v4p_fail(t, "v4p_ckpt: final_norm at position %d needs the logits", pos);
+        if (vocab < K) return v4p_fail(t, "v4p_ckpt: vocab %d < top_k %d (top ids must be real tokens)", vocab, K);
         fputs(" argmax=", t->text);
         for (k = 0; k < K; k++) {
             int best = -1;
             for (j = 0; j < vocab; j++) {
-                float v = logits[j];
-                int after = last < 0 || v < lastv || (v == lastv && j > last);
-                if (!after) continue;
-                if (best < 0 || v > logits[best]) best = j;
+                if (last >= 0 && !v4p_ranks_before(lastv, last, logits[j], j)) continue;   /* ranked already */
+                if (best < 0 || v4p_ranks_before(logits[j], j, logits[best], best)) best = j;
             }
-            if (k == 0) { fprintf(t->text, "%d top=", best); }
-            if (k) fputc(',', t->text);
-            if (best < 0) fputs("-1:nan", t->text);
-            else { fprintf(t->text, "%d:", best); v4p_g(t->text, logits[best]); last = best; lastv = logits[best]; }
+            if (k == 0) fprintf(t->text, "%d top=", best);
+            else fputc(',', t->text);
+            fprintf(t->text, "%d:", best);
+            v4p_g(t->text, logits[best]);
+            last = best; lastv = logits[best];
         }
     }
     fputc('\n', t->text);

@@ -29,6 +29,7 @@ from parity.contract.checkpoints import block
 from parity.contract.errors import TraceError
 from parity.gguf.weights import Weights
 from parity.tracing.io import vectors_path
+from parity.tracing.stats import carrier_stats, top_k
 from parity.tracing.subops import record_members
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,15 +189,50 @@ def test_sha256_agrees_with_hashlib_across_block_boundaries(tmp_path):
         assert out.decode().strip() == hashlib.sha256(data[:n]).hexdigest(), n
 
 
-def test_writer_errors_name_what_is_wrong(example, reference, tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in reference[0].iterdir():
-        if f.suffix in (".bin", ".txt"):
-            (src / f.name).symlink_to(f)
-    (src / "blk.2.bin").unlink()
-    res = subprocess.run([str(example), str(src), str(tmp_path / "x.trace")], capture_output=True, text=True)
-    assert res.returncode == 2 and "blk.2.bin: cannot open" in res.stderr
-    assert not (tmp_path / "x.trace").exists() and not vectors_path(tmp_path / "x.trace").exists()
-    with pytest.raises(TraceError, match="no such trace file"):
-        api.load_trace(tmp_path / "x.trace")
+def _synthetic(out: Path, positions: list[int], vocab: int, top_k: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A one-layer run of random vectors (H = 4, D = 64) and integer-valued logits (ties) as the example reads it."""
+    rng = np.random.default_rng(7)
+    n_pos, names = 3, ["embed", "blk.0.attn", "blk.0", "final_norm"]
+    vec = {n: rng.standard_normal((n_pos, 64) if n == "final_norm" else (n_pos, 4, 64)).astype(np.float32)
+           for n in names}
+    vec["blk.0"][1, 2, 5] = np.float32(3e38)      # large values: float64 sums, float32 results
+    logits = rng.integers(-3, 3, (n_pos, vocab)).astype(np.float32)
+    for n, a in [*vec.items(), ("logits", logits)]:
+        a.tofile(out / f"{n}.bin")
+    meta = ["engine c-example 1", "model 1 " + "0" * 32 + " x.gguf", "dtype float32", "layers 1", "hc 4", "dim 64",
+            f"vocab {vocab}", f"top_k {top_k}", "tokens 5 6 7", "n_prompt 3", "chunks 3", "decode 0",
+            "positions " + " ".join(map(str, positions)), "flags {}"]
+    (out / "meta.txt").write_text("\n".join(meta) + "\n")
+    return vec, logits
+
+
+def test_statistics_and_top_k_are_the_numpy_definitions(example, tmp_path):
+    # integer-valued logits tie often (ties go to the lower id)
+    vocab = 40
+    vec, logits = _synthetic(tmp_path, [0, 1, 2], vocab, 16)
+    t = api.load_trace(_run(example, tmp_path, tmp_path / "s.trace"))
+    for ck, name in enumerate(t.header.checkpoints):
+        rows = t.ckpt["ck"] == ck
+        st = carrier_stats(vec[name])
+        for field in ("min", "max", "rms", "sum_l2", "fp"):
+            assert np.array_equal(t.ckpt[field][rows], st[field]), (name, field)
+        assert np.array_equal(t.ckpt["l2s"][rows][:, : st["l2s"].shape[1]], st["l2s"]), name
+    ids, vals = top_k(logits, 16)
+    final = t.ckpt["ck"] == t.header.checkpoints.index("final_norm")
+    assert np.array_equal(t.ckpt["top_ids"][final], ids) and np.array_equal(t.ckpt["top_logits"][final], vals)
+    assert len(set(logits[0].tolist())) < 16        # ties inside the top 16
+    assert t.ckpt["argmax"][final].tolist() == np.argmax(logits, axis=1).tolist()
+
+
+def test_a_writer_error_is_named_and_leaves_no_file(example, tmp_path):
+    # position 5 has no token (3 tokens): every call fails, v4p_close reports the first error and removes its temps
+    _synthetic(tmp_path, [0, 1, 5], 40, 16)
+    res = subprocess.run([str(example), str(tmp_path), str(tmp_path / "x.trace")], capture_output=True, text=True)
+    assert res.returncode == 2 and "v4p_close: v4p_ckpt: position 5 has no token" in res.stderr, res.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("x.")]
+    _synthetic(tmp_path, [0, 1, 2], 9, 16)   # a vocabulary smaller than top_k has no top-16 of real tokens
+    res = subprocess.run([str(example), str(tmp_path), str(tmp_path / "x.trace")], capture_output=True, text=True)
+    assert res.returncode == 2 and "vocab 9 < top_k 16" in res.stderr, res.stderr
+    (tmp_path / "blk.0.bin").unlink()   # the example's own input errors name the file
+    res = subprocess.run([str(example), str(tmp_path), str(tmp_path / "x.trace")], capture_output=True, text=True)
+    assert res.returncode == 2 and "blk.0.bin: cannot open" in res.stderr
