@@ -69,3 +69,17 @@ def test_float32_summation_order_is_within_tolerance(clean, tmp_path):
     assert not np.array_equal(fp, clean.ckpt["fp"])   # the order did change some bits
     path = api.save_trace(_edited(clean, fp=fp), tmp_path / "f32.trace")
     assert api.load_trace(path).ckpt["fp"].tolist() == fp.tolist()
+
+
+def test_top_k_that_is_not_the_logits_vectors_is_named(clean, tmp_path):
+    h, ck = clean.header, clean.ckpt
+    assert "logits" in h.full
+    ci = h.checkpoints.index("final_norm")
+    rows = np.flatnonzero(ck["ck"] == ci)
+    row = int(rows[np.flatnonzero(ck["pos"][rows] == 2)[0]])
+    logits = clean.vectors["logits"][h.positions.index(2)]
+    ids = ck["top_ids"].copy()
+    ids[row] = np.argsort(logits)[:ids.shape[1]]     # the K smallest logits' ids, recorded top logits kept
+    path = api.save_trace(_edited(clean, top_ids=ids), tmp_path / "topk.trace")
+    with pytest.raises(TraceError, match=r"checkpoint final_norm at position 2: top_ids: .*; 1 record\(s\) in all"):
+        api.load_trace(path)

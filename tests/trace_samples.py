@@ -2,7 +2,7 @@
 
 `toy_trace(seed)`: 2 layers, H = 2 streams, D = 3, top-k 2, positions 0..2, every table filled, all numbers
 drawn from `seed`; `with_vectors=True` adds full vectors for embed, blk.1 and logits (V = 5), and the ckpt records of
-embed and blk.1 then hold those vectors' statistics and fingerprints.
+embed and blk.1 then hold those vectors' statistics and fingerprints, final_norm's the logits' argmax and top-k.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 from parity.contract.checkpoints import trace_checkpoints
 from parity.tracing.records import Table, Trace, TraceHeader, make_table
-from parity.tracing.stats import FP_DIM, carrier_stats
+from parity.tracing.stats import FP_DIM, carrier_stats, top_k
 
 H, D, K, E, S, V = 2, 3, 2, 2, 3, 5
 LAYERS = 2
@@ -70,5 +70,10 @@ def toy_trace(seed: int = 0, with_vectors: bool = False) -> Trace:
             for c, v in carrier_stats(vectors[name]).items():
                 cols[c] = cols[c].copy()
                 cols[c][rows] = v
+        final = np.flatnonzero(cols["ck"] == names.index("final_norm"))
+        ids, vals = top_k(vectors["logits"], K)
+        for c, v in (("argmax", ids[:, 0]), ("top_ids", ids), ("top_logits", vals)):
+            cols[c] = cols[c].copy()
+            cols[c][final] = v
         tables["ckpt"] = Table(cols)
     return Trace(header, **tables, vectors=vectors)
