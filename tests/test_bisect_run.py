@@ -116,3 +116,6 @@ def test_skip_says_why_and_setup_errors_abort(tiny_f32, toy_repo, tmp_path):
     run = subprocess.run([*PREDICATE, "-m", str(tmp_path / "missing.gguf"), "--engine", "toy"], cwd=repo, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 128 and "missing.gguf" in run.stderr, run.stderr
+    run = subprocess.run([*PREDICATE, "-m", str(tiny_f32), "--engine", "nosuch", "--json"], cwd=repo, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 128 and json.loads(run.stdout)["exit_code"] == 128, run.stdout

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from parity.cli.common import echo_json, json_option, model_option
+from parity.cli.common import echo_json, json_errors, json_option, model_option
 from parity.contract.errors import ParityError
 
 ABORT = 128   # git bisect run aborts on an exit status above 127: a setup error must not mark a commit bad
@@ -39,7 +39,8 @@ class _AbortOnUsageError(click.Command):
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Envelope file (default: as `check`: the stored one for this model in the model's directory or "
                    "./traces, else the reference's own, measured now).")
-@json_option("Print the outcome as JSON on stdout: outcome, exit_code, reason, verdict.")
+@json_option("Print the outcome as JSON on stdout: outcome, exit_code, reason, verdict (errors too).")
+@json_errors
 def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_arg: tuple[str, ...],
                envelope_path: str | None, as_json: bool) -> None:
     """Trace ENGINE on MODEL (every position, full vectors) and judge it with `check`: the exit status is
@@ -61,12 +62,8 @@ def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_
         result = api.bisect_run(model, engine, tokens=ids, decode=decode,
                                 options=RunOptions(engine_args=tuple(engine_arg)), envelope=envelope_path,
                                 progress=lambda m: click.echo(m, err=True))
-    except (ParityError, click.ClickException) as e:
-        message = e.format_message() if isinstance(e, click.ClickException) else str(e)
-        if as_json:
-            echo_json({"error": message, "exit_code": ABORT})
-            raise SystemExit(ABORT) from None
-        raise SetupError(message) from None
+    except (ParityError, click.ClickException) as e:   # --json: printed as JSON by json_errors, exit kept
+        raise SetupError(e.format_message() if isinstance(e, click.ClickException) else str(e)) from None
     if as_json:
         echo_json(_as_json(result))
     else:
