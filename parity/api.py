@@ -247,20 +247,34 @@ def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOpt
              output: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
              counter: Callable[[str, int, int | None], None] | None = None) -> Any:
     """Measure the noise envelope of `engine` on `model` (benign pairs, never with faults) and store it as a
-    section of `output` (default traces/<model stem>.envelope.json). Returns (Envelope, path)."""
+    section of `output` (default: this model's entry in the user cache, `parity.bisect.inputs.cache_path`, where
+    `check`, `bisect` and `spec` find it). Returns (Envelope, path)."""
     from parity.bisect.envelope import save_envelope
+    from parity.bisect.inputs import cache_path
 
-    env = measure_envelope(model, engine, options or RunOptions(), progress, counter)
-    return env, save_envelope(output or default_envelope_path(model), env, model_identity(model))
-
-
-def default_envelope_path(model: str | os.PathLike) -> Path:
-    return Path("traces") / (Path(model).stem + ".envelope.json")
+    options = options or RunOptions()
+    identity = model_identity(model)
+    env = measure_envelope(model, engine, options, progress, counter)
+    qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
+    return env, save_envelope(output or cache_path(identity, qat, engine), env, identity)
 
 
 def _envelope_search(model: str | os.PathLike) -> list[Path]:
-    """Where `bisect` and `check` look for a stored envelope: the model's directory, then where `envelope` saves."""
-    return [Path(model).parent, default_envelope_path(model).parent]
+    """Where `bisect`, `check` and `spec` look for a stored envelope (`parity.bisect.inputs.envelope_sources`)."""
+    from parity.bisect.inputs import envelope_sources
+
+    return envelope_sources(model)
+
+
+def _cached(env: Any, identity: dict, qat: dict[str, bool], engine: str, seconds: float,
+            say: Callable[[str], None]) -> Any:
+    """Keep an envelope just measured on `engine` in the user cache (announced through `say`) for the next run."""
+    from parity.bisect.envelope import save_envelope
+    from parity.bisect.inputs import cache_path
+
+    path = save_envelope(cache_path(identity, qat, engine), env, identity)
+    say(f"envelope: measured in {seconds:.1f} s; cached at {path}")
+    return env
 
 
 def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
@@ -297,7 +311,8 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     `parity.bisect.search`).
     `progress(message)` announces the stages, `counter(stage, done, total)` counts the long passes' chunks.
     `envelope`: a file (refused when measured on another model); default the stored envelope of this model
-    (found by model identity, not file name, in the model's directory and ./traces), else measured now."""
+    (found by model identity, not file name: `parity.bisect.inputs.envelope_sources`), else measured now and
+    cached."""
     from dataclasses import replace
 
     from parity.bisect.search import ReplayRouter, builtin_prompt
@@ -325,19 +340,25 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
 def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, options: RunOptions,
                         envelope: str | os.PathLike | None, say: Callable[[str], None],
                         counter: Callable[[str, int, int | None], None] | None) -> Any:
-    """The envelope at `envelope`, else the one stored for this model's identity and QAT flags (model directory,
-    ./traces), else one measured now for `engine` with `options`; the choice is announced through `say`."""
+    """The envelope at `envelope`, else the one stored for this model's identity and QAT flags (user cache, model
+    directory, committed traces/), else one measured now for `engine` with `options` and cached; the choice is
+    announced through `say`."""
+    import time
+
     from parity.bisect.inputs import envelope_for
 
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
-    found = envelope_for(identity, options.dtype, envelope, _envelope_search(model), qat)
+    search = _envelope_search(model)
+    found = envelope_for(identity, options.dtype, envelope, search, qat, engine)
     if found is not None:
         env, path = found
         say(f"envelope: {path} ({options.dtype})")
         return env
-    say("envelope: none stored for this model with these QAT flags (searched by model identity in the model's "
-        "directory and ./traces); measuring it now (save one with `v4parity envelope`)")
-    return measure_envelope(model, engine, options, say, counter)
+    say(f"envelope: none stored for this model, engine and QAT flags (searched by model identity in "
+        f"{', '.join(map(str, search))}); measuring it now")
+    t0 = time.perf_counter()
+    env = measure_envelope(model, engine, options, say, counter)
+    return _cached(env, identity, qat, engine, time.perf_counter() - t0, say)
 
 
 def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False) -> None:
@@ -371,11 +392,16 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
           draft: str | os.PathLike | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
-    size + header hash) in `envelope_search` (default: the model's directory and ./traces), else measured now
-    from the reference alone. `fault_engines`: engines whose fault switches form the defect library;
+    size + header hash) in `envelope_search` (default `parity.bisect.inputs.envelope_sources`: the user cache, the
+    model's directory, the committed traces/), else measured now from the reference alone and cached (its time and
+    source are the report's `envelope_seconds` / `envelope_source`). `fault_engines`: engines whose fault
+    switches form the defect library;
     `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks; `draft`: the
     candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.bisect.draft_check`).
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
+    import time
+    from dataclasses import replace
+
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
@@ -402,6 +428,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     search = envelope_search if envelope_search is not None else _envelope_search(model)
     ref_options, _ = reference_options(trace_, config)
     qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
+    t0 = time.perf_counter()
     found = envelope_for(identity, trace_.header.dtype, envelope, search, qat)
     if found is None and trace_.header.dtype != "float32":
         raise CheckPreflightError(f"no stored {trace_.header.dtype} envelope for this model in "
@@ -410,10 +437,13 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if found is None:
         say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
             "19 round-off twins)")
-        env = measure_envelope(model, "reference", RunOptions(**qat), say)
+        env = _cached(measure_envelope(model, "reference", RunOptions(**qat), say), identity, qat, "reference",
+                      time.perf_counter() - t0, say)
     else:
         env = found[0]
         say(f"envelope: {found[1]} ({trace_.header.dtype})")
+    env_cost = {"envelope_seconds": round(time.perf_counter() - t0, 3),
+                "envelope_source": "measured" if found is None else str(found[1])}
     library = [(n, lambda o, n=n: load_engine(n, str(model), o), engine_faults(n)) for n in fault_engines]
     empty = [n for n, _, faults in library if not faults]
     if empty:
@@ -422,9 +452,10 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     draft_library = [] if drafter is None else [
         (n, lambda o, n=n: load_engine(n, str(model), o, draft=drafter), faults)
         for n in fault_engines if (faults := tuple(getattr(engine_class(n), "draft_faults", ())))]
-    return run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
-                     fault_engines=library, draft_fault_engines=draft_library,
-                     subops=subops, notes=notes, progress=say, counter=counter, config=config)
+    report = run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
+                       fault_engines=library, draft_fault_engines=draft_library,
+                       subops=subops, notes=notes, progress=say, counter=counter, config=config)
+    return replace(report, **env_cost)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,17 @@ import pytest
 from parity.gguf.synth import synthesize
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """XDG_CACHE_HOME in a temporary directory for the whole session: `check` / `bisect` / `spec` cache measured
+    envelopes there (parity.bisect.inputs.cache_dir), and a test must neither read the user's nor write into it."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("xdg-cache")
+    mp.setenv("XDG_CACHE_HOME", str(path))
+    yield path
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")

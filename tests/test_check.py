@@ -20,7 +20,9 @@ from requires import require
 from test_bisect_engines import SUBOP
 
 from parity import api
+from parity.bisect import inputs
 from parity.bisect.check import check
+from parity.bisect.check_report import to_text
 from parity.bisect.inputs import CheckPreflightError, find_envelope
 from parity.bisect.search import builtin_prompt
 from parity.cli import cli
@@ -128,7 +130,8 @@ def test_cli_json_markdown_plot_and_exit_codes(tiny_f32, setup, clean_trace, tmp
                                    "--envelope", str(ENV_F32), "--json", "--markdown", str(md), "--plot", str(png)])
     assert res.exit_code == 1, res.output
     doc = json.loads(res.stdout)
-    assert set(doc) == {"verdict", "judged", "culprit", "causes", "notes", "table"} and doc["judged"] == "layer-level"
+    assert set(doc) == {"verdict", "judged", "seconds", "envelope", "culprit", "causes", "notes", "table"}
+    assert doc["judged"] == "layer-level" and doc["envelope"]["source"] == str(ENV_F32)
     assert set(doc["culprit"]) == {"layer", "subop", "position", "decode_step"}
     assert doc["verdict"] == "DEFECT" and doc["culprit"]["layer"] == 0 and doc["culprit"]["subop"] == "attention"
     assert all(set(c) == {"kind", "name", "layer", "subop", "evidence"} for c in doc["causes"])
@@ -164,6 +167,55 @@ def test_envelope_found_by_model_hash_not_file_name(tiny_f32, clean_trace, tmp_p
     seen = []
     api.check(clean_trace, tiny_f32, envelope_search=[store], progress=seen.append)
     assert any("some-other-name.envelope.json" in m for m in seen), seen
+
+
+def test_a_measured_envelope_is_cached_by_model_and_reused(tiny_f32, clean_trace, tmp_path, monkeypatch):
+    # issue 28 item 5: outside the repository root every check re-measured the envelope. Now the first check of a
+    # model without a stored one measures it into the user cache; the second reuses it (and says where from).
+    cache = tmp_path / "xdg" / "v4parity" / "envelopes"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(inputs, "COMMITTED_TRACES", tmp_path / "no-traces")   # nothing committed for this model
+    cache.mkdir(parents=True)
+    (cache / "other.envelope.json").write_text((TRACES / "tiny-mxfp4.envelope.json").read_text())  # another model
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "traces").mkdir()   # the working directory is never searched, not even its traces/
+    (tmp_path / "traces" / "here.envelope.json").write_text(ENV_F32.read_text())
+    first, second = [], []
+    a = api.check(clean_trace, tiny_f32, progress=first.append)
+    assert any("measuring the reference's own" in m for m in first), first
+    written = [m for m in first if "cached at" in m]
+    assert len(written) == 1 and str(cache) in written[0], first
+    assert a.envelope_source == "measured" and a.envelope_seconds > 0.5
+    assert "+ envelope" in to_text(a) and "(measured now)" in to_text(a)
+    b = api.check(clean_trace, tiny_f32, progress=second.append)
+    assert not any("measuring" in m or "cached at" in m for m in second), second
+    [used] = [m for m in second if m.startswith("envelope: ")]
+    assert str(cache) in used and b.envelope_source in used and "other.envelope.json" not in used, used
+    assert b.envelope_seconds < a.envelope_seconds and "(stored)" in to_text(b)
+    assert (a.verdict, a.table) == (b.verdict, b.table)   # the stored envelope is the one measured
+
+
+def test_bisect_and_spec_take_only_an_envelope_of_their_engine(tmp_path):
+    # check judges any engine's trace (it takes any stored envelope); bisect and spec judge an engine by its own
+    # noise, so the reference's own envelope that check caches must not stand in for the torch engine's
+    doc = json.loads(ENV_F32.read_text())
+    identity, qat = doc["model"], {"fp8_kv": True, "fp4_indexer": True}
+    assert doc["dtypes"]["float32"]["calibration"]["engine"] == "torch"
+    assert find_envelope(identity, "float32", [TRACES], qat) == ENV_F32
+    assert find_envelope(identity, "float32", [TRACES], qat, "torch") == ENV_F32
+    assert find_envelope(identity, "float32", [TRACES], qat, "reference") is None
+    assert inputs.cache_path(identity, qat, "torch") != inputs.cache_path(identity, qat, "reference")
+
+
+def test_the_cache_directory_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert inputs.cache_dir() == tmp_path / "v4parity" / "envelopes"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")       # empty: the XDG default
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert inputs.cache_dir() == tmp_path / "home" / ".cache" / "v4parity" / "envelopes"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    with pytest.raises(ParityError, match="XDG_CACHE_HOME='relative/dir' is not an absolute path"):
+        inputs.cache_dir()
 
 
 def test_a_corrupt_stored_envelope_is_reported_not_skipped(tmp_path):

@@ -102,6 +102,8 @@ class CheckReport:
     n_prompt: int
     seconds: float = 0.0
     judged: str = "layer-level"       # op-level | layer-level | free-running: what the local verdict rests on
+    envelope_seconds: float = 0.0     # finding (or measuring) the envelope, before `seconds` started
+    envelope_source: str = ""         # the stored envelope's path, or "measured" (then cached)
 
 
 @dataclass(frozen=True)

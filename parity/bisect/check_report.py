@@ -90,11 +90,20 @@ def to_text(report: CheckReport) -> str:
               + f": {c.evidence}" for c in report.causes]
     lines += [f"  note: {n}" for n in report.notes]
     cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
-    lines.append(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s")
+    lines.append(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s"
+                 + envelope_cost(report))
     rows = [COLUMNS, *(row_cells(r) for r in report.table)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
+
+
+def envelope_cost(report: CheckReport) -> str:
+    """The envelope's share of the cost line: measured now (the reference's own) or read from a stored file."""
+    if not report.envelope_source:
+        return ""
+    how = "measured now" if report.envelope_source == "measured" else "stored"
+    return f" + envelope {report.envelope_seconds:.1f} s ({how})"
 
 
 def to_markdown(report: CheckReport) -> str:
@@ -111,9 +120,11 @@ def to_markdown(report: CheckReport) -> str:
 
 
 def to_json(report: CheckReport) -> dict[str, Any]:
-    """The JSON document: verdict, judged (op-level / layer-level / free-running), culprit {layer, subop,
-    position, decode_step}, causes, notes, table."""
+    """The JSON document: verdict, judged (op-level / layer-level / free-running), seconds, envelope {source
+    (a path, or "measured"), seconds}, culprit {layer, subop, position, decode_step}, causes, notes, table."""
     return json_safe({"verdict": report.verdict, "judged": report.judged, "notes": list(report.notes),
+                      "seconds": report.seconds, "envelope": {"source": report.envelope_source,
+                                                              "seconds": report.envelope_seconds},
                    "culprit": asdict(report.culprit) if report.culprit else None,
                    "causes": [asdict(c) for c in report.causes],
                    "table": [asdict(r) for r in report.table]})

@@ -1,5 +1,15 @@
 """What `check` is given: a candidate (a trace file, or dumps imported on the fly), the model it must belong to
-(preflight), and the model's stored noise envelope (found by model identity, never by file name)."""
+(preflight), and the model's stored noise envelope (found by model identity, never by file name).
+
+Where a stored envelope is looked for, in this order (`envelope_sources`), after an explicit `--envelope` file:
+1. the user cache, `$XDG_CACHE_HOME/v4parity/envelopes` (default `~/.cache/v4parity/envelopes`), where `check`,
+   `bisect` and `spec` keep every envelope they measure, one file per model identity, engine and QAT flags
+   (`cache_path`);
+2. the model's own directory;
+3. the repository's committed `traces/` (the tiny models' envelopes; only in a source checkout).
+The working directory is never searched. In every place a file counts only when it was measured on this model
+(size + header hash, `same_model`), holds a section for the run's dtype and was calibrated with its QAT flags (for
+`bisect` and `spec`, also on the candidate engine: an engine is judged by its own noise; `check` takes any)."""
 
 from __future__ import annotations
 
@@ -19,6 +29,33 @@ from parity.tracing.io import read_trace
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult
 from parity.tracing.subops import subop_chunks
+
+CACHE_SUBDIR = ("v4parity", "envelopes")
+COMMITTED_TRACES = Path(__file__).resolve().parents[2] / "traces"   # the repository's traces/ (source checkout)
+
+
+def cache_dir() -> Path:
+    """The user's envelope cache: `$XDG_CACHE_HOME/v4parity/envelopes`, or `~/.cache/v4parity/envelopes` when
+    XDG_CACHE_HOME is unset or empty (the XDG base-directory default). A relative XDG_CACHE_HOME is refused."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if base and not Path(base).is_absolute():
+        raise ParityError(f"XDG_CACHE_HOME={base!r} is not an absolute path (the XDG base-directory rule): set it to "
+                          "an absolute directory or unset it (default ~/.cache)")
+    return (Path(base) if base else Path.home() / ".cache").joinpath(*CACHE_SUBDIR)
+
+
+def cache_path(identity: dict[str, Any], qat: dict[str, bool], engine: str) -> Path:
+    """The cache file of one model identity, QAT flags and measuring engine (each dtype a section of it)."""
+    flags = "-".join(f"{k.replace('_', '')}{int(bool(v))}" for k, v in sorted(qat.items()))
+    return cache_dir() / f"{identity['header_sha256'][:16]}-{identity['size']}-{engine}-{flags}.envelope.json"
+
+
+def envelope_sources(model: str | os.PathLike) -> list[Path]:
+    """Where a stored envelope of `model` is looked for, in order: the user cache, the model's directory, the
+    repository's committed traces/ (when this is a source checkout). Never the working directory."""
+    places = [cache_dir(), Path(model).resolve().parent, COMMITTED_TRACES]
+    unique = [p for i, p in enumerate(places) if p not in places[:i]]
+    return [p for p in unique if p != COMMITTED_TRACES or p.is_dir()]
 
 
 class CheckPreflightError(ParityError):
@@ -93,11 +130,12 @@ def preflight(trace: Trace, config: ModelConfig, identity: dict[str, Any], names
 
 
 def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | os.PathLike],
-                  qat: dict[str, bool]) -> Path | None:
+                  qat: dict[str, bool], engine: str | None = None) -> Path | None:
     """The first `*.envelope.json` in the `search` directories measured on this model (`same_model`) with a
-    `dtype` section calibrated with the QAT flags `qat` ({"fp8_kv": .., "fp4_indexer": ..}), or None. A file of
-    another model, without that section or calibrated otherwise is passed over; an unreadable or malformed one is
-    an error naming it (never skipped: it may be the envelope meant for this model)."""
+    `dtype` section calibrated with the QAT flags `qat` ({"fp8_kv": .., "fp4_indexer": ..}) and, when `engine` is
+    given, on that engine (`bisect` / `spec` judge an engine by its own noise; `check` takes any), or None. A file
+    of another model, without that section or calibrated otherwise is passed over; an unreadable or malformed one
+    is an error naming it (never skipped: it may be the envelope meant for this model)."""
     for d in search:
         for p in sorted(Path(d).glob("*.envelope.json")) if Path(d).is_dir() else ():
             doc = read_envelope(p)
@@ -106,16 +144,19 @@ def find_envelope(identity: dict[str, Any], dtype: str, search: Sequence[str | o
                 if not {"size", "header_sha256"} <= set(model):
                     raise KeyError("model size / header_sha256")
                 calibration = {k: sections[dtype]["calibration"][k] for k in qat} if dtype in sections else None
+                measured_on = sections[dtype]["calibration"].get("engine") if dtype in sections else None
             except (KeyError, TypeError) as e:
                 raise ParityError(f"{p}: malformed envelope (missing or mistyped {e}); regenerate it with "
                                   "`v4parity envelope` or move it out of the search directory") from None
-            if calibration == qat and same_model(model, identity):
+            if calibration == qat and engine in (None, measured_on) and same_model(model, identity):
                 return p
     return None
 
 
 def envelope_for(identity: dict[str, Any], dtype: str, path: str | os.PathLike | None,
-                 search: Sequence[str | os.PathLike], qat: dict[str, bool]) -> tuple[Envelope, Path] | None:
-    """The envelope at `path` (refused when measured on another model), else the one found by model identity."""
-    found = Path(path) if path is not None else find_envelope(identity, dtype, search, qat)
+                 search: Sequence[str | os.PathLike], qat: dict[str, bool],
+                 engine: str | None = None) -> tuple[Envelope, Path] | None:
+    """The envelope at `path` (refused when measured on another model), else the one found by model identity
+    (`find_envelope`: with `engine`, only one measured on that engine)."""
+    found = Path(path) if path is not None else find_envelope(identity, dtype, search, qat, engine)
     return None if found is None else (load_envelope(found, dtype, identity), found)

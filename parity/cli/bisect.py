@@ -75,7 +75,9 @@ def numerics_opts(fn):
 @engine_opt
 @numerics_opts
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Envelope file (default traces/<model stem>.envelope.json); a section per dtype is added.")
+              help="Envelope file (default: this model's entry in the user cache, ~/.cache/v4parity/envelopes "
+                   "or $XDG_CACHE_HOME/v4parity/envelopes, where check / bisect / spec find it); a section per "
+                   "dtype is added.")
 @json_option()
 @json_errors
 def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as_json):
@@ -117,7 +119,9 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @inject_option()
 @numerics_opts
 @click.option("--envelope", "envelope_path", type=click.Path(dir_okay=False), default=None,
-              help="Envelope file (default traces/<model stem>.envelope.json when present, else measured now).")
+              help="Envelope file (default: the stored one measured on this model with this engine and QAT flags, "
+                   "in the user cache, the model's directory or the repository's traces/; else measured now and "
+                   "cached).")
 @click.option("--routing-replay", is_flag=True,
               help="Force the candidate to use the reference's expert choices (separates routing flips from "
                    "arithmetic error).")

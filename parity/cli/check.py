@@ -29,8 +29,9 @@ class Refused(click.ClickException):
                    "prefix (DIR/RUN for DIR/RUN_<name>-<layer>_pos<pos>.bin).")
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Envelope file (default: the stored one measured on this model (size, header and data hash, "
-                   "never the file name) with the candidate's dtype and QAT flags, in the model's directory or "
-                   "./traces; else the reference's own, measured now).")
+                   "never the file name) with the candidate's dtype and QAT flags, in the user cache "
+                   "($XDG_CACHE_HOME/v4parity/envelopes), the model's directory or the repository's traces/; "
+                   "else the reference's own, measured now and cached).")
 @click.option("--tokens", default=None, help="Token ids of imported dumps, e.g. 0,17,42 (traces carry their own).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File with the token ids of imported dumps.")

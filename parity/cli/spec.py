@@ -51,7 +51,8 @@ class Refused(click.ClickException):
 @inject_option()
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Envelope file for the tie threshold (default: the stored one of this model with these QAT "
-                   "flags, in the model's directory or ./traces; else measured now).")
+                   "flags and engine, in the user cache, the model's directory or the repository's traces/; "
+                   "else measured now and cached).")
 @json_option()
 @markdown_option()
 @json_errors
