@@ -37,8 +37,9 @@ class _AbortOnUsageError(click.Command):
 @click.option("--engine-arg", "engine_arg", multiple=True, metavar="NAME=VALUE",
               help="An engine-specific setting (repeatable), validated by the engine.")
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Envelope file (default: as `check`: the stored one for this model in the model's directory or "
-                   "./traces, else the reference's own, measured now).")
+              help="Envelope file (default: as `check`: the stored one for this model in the user cache, the "
+                   "model's directory or the repository's traces/, else the reference's own, measured now and "
+                   "cached).")
 @json_option("Print the outcome as JSON on stdout: outcome, exit_code, reason, verdict (errors too).")
 @json_errors
 def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_arg: tuple[str, ...],
