@@ -14,7 +14,7 @@ import io
 import itertools
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -345,12 +345,13 @@ def _encode_value(v: Value) -> bytes:
 
 @dataclass(frozen=True)
 class TensorData:
-    """A tensor to write: ggml-order `ne`, type, and its already-encoded bytes."""
+    """A tensor to write: ggml-order `ne`, type, and its already-encoded bytes -- or a callable that yields
+    them in pieces when the file is written (streaming: a tensor's bytes never all in memory at once)."""
 
     name: str
     ne: tuple[int, ...]
     ggml_type: int
-    raw: bytes
+    raw: bytes | Callable[[], Iterable[bytes | memoryview]]
 
 
 def write_gguf(path: str | os.PathLike, kv: dict[str, Value], tensors: list[TensorData],
@@ -367,18 +368,23 @@ def write_gguf(path: str | os.PathLike, kv: dict[str, Value], tensors: list[Tens
     offset = 0
     for t in tensors:
         expected = tensor_nbytes(t.ne, t.ggml_type)
-        if len(t.raw) != expected:
+        if not callable(t.raw) and len(t.raw) != expected:
             raise GGUFError(f"writing {t.name!r}: {len(t.raw)} bytes given, ne={t.ne} needs {expected}")
         parts += [_encode_value(Value(VT.STRING, t.name)), struct.pack("<I", len(t.ne)),
                   struct.pack(f"<{len(t.ne)}Q", *t.ne), struct.pack("<IQ", t.ggml_type, offset)]
-        offset += -(-len(t.raw) // alignment) * alignment
+        offset += -(-expected // alignment) * alignment
     header = b"".join(parts)
     header += b"\0" * (-len(header) % alignment)
 
     def write(f: io.BufferedWriter) -> None:
         f.write(header)
         for t in tensors:
-            f.write(t.raw)
-            f.write(b"\0" * (-len(t.raw) % alignment))
+            n = 0
+            for piece in (t.raw() if callable(t.raw) else (t.raw,)):
+                n += memoryview(piece).nbytes
+                f.write(piece)
+            if n != (expected := tensor_nbytes(t.ne, t.ggml_type)):
+                raise GGUFError(f"writing {t.name!r}: {n} bytes given, ne={t.ne} needs {expected}")
+            f.write(b"\0" * (-n % alignment))
 
     atomic_write(path, write)
