@@ -7,6 +7,7 @@ import click
 from parity.cli.common import (
     device_option,
     echo_json,
+    html_option,
     inject_option,
     json_errors,
     json_option,
@@ -55,9 +56,12 @@ class Refused(click.ClickException):
                    "else measured now and cached).")
 @json_option()
 @markdown_option()
+@html_option(help="Also write a self-contained HTML page to FILE: per-round timeline (label colours), per-slot "
+                   "acceptance plot.")
 @json_errors
 def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt, prompt_file, tokenizer, gate,
-         max_draft, no_fp8_kv, no_fp4_indexer, device, inject, envelope_path, as_json, markdown_path) -> None:
+         max_draft, no_fp8_kv, no_fp4_indexer, device, inject, envelope_path, as_json, markdown_path,
+         html_path) -> None:
     """Decode speculatively with ENGINE and a drafter, decode plainly with ENGINE and the reference, and check
     that the tokens agree (a divergence is TIE when the reference's top-1/top-2 margin is inside the noise
     envelope, else WRONG); label every drafted position (ACCEPT-OK, DRAFTER-MISS, DRAFTER-DRIFT, FALSE-REJECT,
@@ -91,6 +95,10 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
         bar.close()
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
+    if html_path:
+        from parity.spec.html import write_spec_html
+
+        write_spec_html(html_path, report)
     if as_json:
         echo_json(to_json(report))
     elif markdown_path != "-":
