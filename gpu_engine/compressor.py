@@ -80,16 +80,34 @@ def softmax_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(score, dim=1) * kv).sum(dim=1)
 
 
+PoolOp = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
+def pool_blocks(kv: torch.Tensor, score: torch.Tensor, start_pos: int, n: int) -> torch.Tensor:
+    """The rows of the blocks a call of n tokens from start_pos completes: `softmax_pool` whatever the call.
+    κ, σ [nb, S, d_c] -> [nb, d_c]."""
+    return softmax_pool(kv, score)
+
+
+def pool_blocks_verify_frontier(kv: torch.Tensor, score: torch.Tensor, start_pos: int, n: int) -> torch.Tensor:
+    """The spec-commit-verify-frontier fault (spec v4-mtp-dspark §4.4, D3): a multi-token call after the prompt (a
+    verify batch, or the replay of >= 2 accepted rows) pools the blocks it completes in its own batched path, here
+    rounded to bfloat16, and that frontier is what the engine keeps, not the one sequential decode reaches."""
+    rows = softmax_pool(kv, score)
+    return rows.to(torch.bfloat16).to(rows.dtype) if n > 1 and start_pos > 0 else rows
+
+
 def compressor_update(cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, start_pos: int, m: int,
-                      j: torch.Tensor, slots_of: SlotsOp) -> torch.Tensor:
-    """Append n tokens' (κ, σ), pool blocks j (`completed_blocks`) with their slots from `slots_of`, keep what a later
-    block still needs (CSA: the last complete block for its A halves).  kv, score [n, c*d_c] -> rows [nb, d_c]
-    before post-processing.  Mutates `cache` (pending tokens); the caller appends the post-processed rows."""
+                      j: torch.Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> torch.Tensor:
+    """Append n tokens' (κ, σ), pool blocks j (`completed_blocks`) with their slots from `slots_of` by `pool`, keep
+    what a later block still needs (CSA: the last complete block for its A halves).  kv, score [n, c*d_c] -> rows
+    [nb, d_c] before post-processing.  Mutates `cache` (pending tokens); the caller appends the post-processed
+    rows."""
     d_c = cache.rows.shape[1]
     end = start_pos + kv.shape[0]
     seq_kv, seq_sc = torch.cat([cache.kv, kv]), torch.cat([cache.score, score])
     slots = j[:, None] * m + torch.arange(m, device=kv.device)[None, :] - cache.start        # [nb, m]
-    rows = softmax_pool(*slots_of(seq_kv, seq_sc, slots, j, d_c))
+    rows = pool(*slots_of(seq_kv, seq_sc, slots, j, d_c), start_pos, kv.shape[0])
     overlap = kv.shape[1] == 2 * d_c
     keep_from = max(0, m * (end // m - (1 if overlap else 0)))
     cache.kv, cache.score = seq_kv[keep_from - cache.start :], seq_sc[keep_from - cache.start :]

@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from gpu_engine.attention import attend_ring_exact_window, n_visible_late, sink_attention_no_sink
-from gpu_engine.compressor import completed_blocks_multi_token, csa_slots_halves_swapped
+from gpu_engine.compressor import (
+    completed_blocks_multi_token,
+    csa_slots_halves_swapped,
+    pool_blocks_verify_frontier,
+)
 from gpu_engine.draft import (
     dspark_mask_causal,
     dspark_taps_summed,
@@ -101,6 +105,13 @@ SPEC_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
                                    "pending state but keeps the rows the verify batch emitted (phantom rows)",
                                    "the first rejection after a verify batch that completed a compressed block",
                                    "D2: GDzhu01/vllm-ascend-deepseekv4 #131, PR #132"),
+    "spec-commit-verify-frontier": ("compressor.pool_blocks_verify_frontier",
+                                    "a multi-row chunk after the prompt (a verify batch, or the replay of >= 2 "
+                                    "accepted rows) keeps the compressor rows its batched path pooled (rounded to "
+                                    "bfloat16) instead of the ones sequential decode computes",
+                                    "the first verify batch or replay of >= 2 rows that completes a compressed "
+                                    "block (state blk.L.comp.rows, values)",
+                                    "D3: ds4 #658 -> #659 (#695, #731, #733)"),
 }
 
 FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)               # the trunk's: each acts on a trunk layer
@@ -131,6 +142,7 @@ class Faults:
     dspark_stale_ring: bool = False
     spec_ring_exact_window: bool = False
     spec_no_compressor_restore: bool = False
+    spec_commit_verify_frontier: bool = False
 
     @classmethod
     def parse(cls, names: tuple[str, ...] | list[str]) -> Faults:
@@ -160,6 +172,7 @@ def compose(f: Faults, ops: Ops) -> Ops:
         kv_round=identity if f.fp8_kv_off else ops.kv_round,
         select_rows=select_rows_ties_highest if f.indexer_ties_highest else ops.select_rows,
         csa_slots=csa_slots_halves_swapped if f.csa_halves_swapped else ops.csa_slots,
+        pool=pool_blocks_verify_frontier if f.spec_commit_verify_frontier else ops.pool,
         n_visible=n_visible_late if f.compressed_row_visible_late else ops.n_visible,
         mtp_pairs=mtp_pairs_same if f.mtp_pairing_same else ops.mtp_pairs,
         mtp_input=mtp_input_hnorm_flat if f.mtp_hnorm_flat else ops.mtp_input,

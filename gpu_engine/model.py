@@ -17,7 +17,16 @@ import numpy as np
 import torch
 
 from gpu_engine.attention import AttentionOp, LayerCache, attend, n_visible, sink_attention
-from gpu_engine.compressor import CompressorCache, SlotsOp, completed_blocks, compressor_update, csa_slots, hca_slots
+from gpu_engine.compressor import (
+    CompressorCache,
+    PoolOp,
+    SlotsOp,
+    completed_blocks,
+    compressor_update,
+    csa_slots,
+    hca_slots,
+    pool_blocks,
+)
 from gpu_engine.draft import (
     Ring,
     dspark_mask,
@@ -59,6 +68,7 @@ class Ops:
     index_round: Callable[[Tensor], Tensor] = identity       # FP4SIM(Had(·)) of indexer queries and rows
     completed_blocks: Callable[[int, int, int, torch.device], Tensor] = completed_blocks
     csa_slots: SlotsOp = csa_slots
+    pool: PoolOp = pool_blocks                               # (κ, σ [nb, S, d_c], start_pos, n) -> block rows
     n_visible: Callable[[Tensor, int], Tensor] = n_visible
     select_rows: SelectOp = select_rows
     attention: AttentionOp = sink_attention
@@ -134,12 +144,12 @@ def kv_latent(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> Tensor:
 
 
 def run_compressor(w: DeviceWeights, cfg: ModelConfig, cache: CompressorCache, prefix: str, x: Tensor,
-                   start_pos: int, m: int, j: Tensor, slots_of: SlotsOp) -> Tensor:
+                   start_pos: int, m: int, j: Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> Tensor:
     """κ = W_kv x, σ = W_gate x + ape[t mod m]; pool blocks j; RMSNorm.  -> rows [nb, d_c] before RoPE."""
     pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
     kv = w.linear(x, prefix + "_kv.weight")
     score = w.linear(x, prefix + "_gate.weight") + w.matrix(prefix + "_ape.weight", w.act)[pos % m]
-    rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of)
+    rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of, pool)
     return rms_norm(rows, w.vector(prefix + "_norm.weight"), cfg.norm_eps)
 
 
@@ -149,7 +159,8 @@ def indexer_selection(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerP
     Σ_h ω_h ReLU(qI_h · kI_j).  -> int [n, top_k] row ids ascending, -1 padded."""
     p, n, hi, di = plan.prefix, x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     j = ops.completed_blocks(start_pos, n, 4, x.device)
-    rows = run_compressor(w, cfg, cache.index, p + "indexer_compressor", x, start_pos, 4, j, ops.csa_slots)
+    rows = run_compressor(w, cfg, cache.index, p + "indexer_compressor", x, start_pos, 4, j, ops.csa_slots,
+                          ops.pool)
     cache.index.rows = krows = torch.cat([cache.index.rows, ops.index_round(ops.rope(rows, j * 4, plan.freqs))])
     if cap is not None:
         cap["index_rows"] = krows
@@ -170,7 +181,8 @@ def compressed_keys(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPla
                                                                                      device=dev), None
     j = ops.completed_blocks(start_pos, n, m, dev)
     slots_of = ops.csa_slots if m == 4 else hca_slots
-    rows = run_compressor(w, cfg, cache.main, plan.prefix + "attn_compressor", x, start_pos, m, j, slots_of)
+    rows = run_compressor(w, cfg, cache.main, plan.prefix + "attn_compressor", x, start_pos, m, j, slots_of,
+                          ops.pool)
     cache.main.rows = comp = torch.cat([cache.main.rows, ops.kv_round(ops.rope(rows, j * m, plan.freqs))])
     pos = torch.arange(start_pos, start_pos + n, device=dev)
     n_vis = torch.clamp(ops.n_visible(pos, m), max=comp.shape[0])

@@ -249,7 +249,7 @@ def faulty(tiny_f32, drafts):
 def test_spec_faults_leave_plain_decode_alone_and_are_found_where_they_act(engines, faulty):
     from gpu_engine.faults import SPEC_FAULTS
 
-    assert set(SPEC_FAULTS) == set(faulty)
+    assert set(faulty) <= set(SPEC_FAULTS)   # the others: tests/test_spec_faults.py
     # a verify batch in a W-slot ring: round 0's rows 1.. read later rows (W = 8, batch of 4 at positions 6..9)
     ring = run(engines, "torch", "script", steps=8, depth=3, reject_at=3, cand=faulty["spec-ring-exact-window"])
     assert ring.plain_tokens == ring.reference_tokens
