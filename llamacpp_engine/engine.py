@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from llamacpp_engine import quantize as _quantize
+from llamacpp_engine import rollback
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.mtp import MTPHead, MTPState
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
@@ -50,7 +51,7 @@ VERSION = "0.1.0"
 
 def settings_from(options: RunOptions) -> Settings:
     """llama.cpp settings: kv from `options.kv_cache`, the rest from `options.engine_args` (lcp_*=VALUE)."""
-    known = {"lcp_flash_attn", "lcp_threads", "lcp_ctx", "lcp_ubatch", "lcp_kv"}
+    known = {"lcp_flash_attn", "lcp_threads", "lcp_ctx", "lcp_ubatch", "lcp_kv", "lcp_rs_seq"}
     args: dict[str, str] = {}
     for a in options.engine_args:
         name, eq, value = a.partition("=")
@@ -74,7 +75,8 @@ def settings_from(options: RunOptions) -> Settings:
         raise ParityError(f"llamacpp: lcp_flash_attn={flash!r}; expected on or off")
     return Settings(kv=options.kv_cache, flash_attn=flash == "on",
                     threads=integer("lcp_threads", 1, 1),
-                    n_ctx=integer("lcp_ctx", 4096, 1), n_ubatch=integer("lcp_ubatch", 512, 1))
+                    n_ctx=integer("lcp_ctx", 4096, 1), n_ubatch=integer("lcp_ubatch", 512, 1),
+                    rs_seq=integer("lcp_rs_seq", Settings.rs_seq, 0))
 
 
 def check_options(options: RunOptions) -> None:
@@ -108,11 +110,13 @@ class Chunk:
 
 @dataclass
 class LlamaState:
-    """One sequence: its llama.cpp context, the chunks fed so far (for replay) and the current one."""
+    """One sequence: its llama.cpp context, the chunks fed so far (for replay) and the current one; `pending`: a
+    `restore` whose `llama_memory_seq_rm` waits for the replay of the rolled-back chunk (llamacpp_engine.rollback)."""
 
     ctx: Context
     done: list[Chunk] = field(default_factory=list)
     current: Chunk | None = None
+    pending: rollback.Mark | None = None
 
     @property
     def next_pos(self) -> int:
@@ -237,6 +241,23 @@ class LlamaCppEngine:
                               "no drafter")
         return self._mtp
 
+    # -- capability: snapshot / restore through llama.cpp's own rollback (llamacpp_engine.rollback) ----------------
+    def snapshot(self, state: LlamaState | MTPState) -> rollback.Mark:
+        """Capability `StateSnapshots`: where the trunk or MTP sequence stands (no copy: `restore` rolls llama.cpp's
+        memory back with `llama_memory_seq_rm`)."""
+        if isinstance(state, MTPState):
+            return rollback.Mark(state.ctx.next_pos, 0)
+        return rollback.mark(state)
+
+    def restore(self, state: LlamaState | MTPState, saved: rollback.Mark) -> LlamaState | MTPState:
+        """Capability `StateSnapshots`: the same state, rolled back to `saved` by llama.cpp (`llama_memory_seq_rm`
+        of the rows fed since; for the trunk, of the rejected rows once the accepted prefix is fed again)."""
+        if isinstance(state, MTPState):
+            state.ctx.truncate(saved.pos)
+        else:
+            rollback.request(state, saved)
+        return state
+
     # -- capability: a raw llama.cpp capture (the `v4parity capture llamacpp` file) ----------------
     def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:
         """Free-running greedy run: prompt in `chunks`, then `decode` steps. Returns every mapped tensor by its
@@ -269,6 +290,8 @@ class LlamaCppEngine:
         return check_tokens(tokens, self.config.vocab_size, where)
 
     def _chunk(self, state: LlamaState, tokens: np.ndarray, start: int) -> Chunk:
+        if state.pending is not None:
+            rollback.settle(state, tokens, start)
         cur = state.current
         if cur is not None and cur.start == start and np.array_equal(cur.tokens, tokens):
             return cur

@@ -32,10 +32,12 @@ class Settings:
     threads: int = 1
     n_ctx: int = 4096         # positions a sequence may use
     n_ubatch: int = 512       # rows per llama_decode (a longer chunk is fed as consecutive ubatches)
+    rs_seq: int = 16          # rollback planes per sequence (`n_rs_seq`): how many positions `seq_rm` can take back
 
     def args(self) -> tuple[str, ...]:
         return (f"lcp_kv={self.kv}", f"lcp_flash_attn={'on' if self.flash_attn else 'off'}",
-                f"lcp_threads={self.threads}", f"lcp_ctx={self.n_ctx}", f"lcp_ubatch={self.n_ubatch}")
+                f"lcp_threads={self.threads}", f"lcp_ctx={self.n_ctx}", f"lcp_ubatch={self.n_ubatch}",
+                f"lcp_rs_seq={self.rs_seq}")
 
 
 def _lib():
@@ -97,6 +99,7 @@ class Context:
         self._cb = lib.ggml_backend_sched_eval_callback(self._on_tensor)
         p = lib.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = s.n_ctx, s.n_ubatch, s.n_ubatch, 1
+        p.n_rs_seq = s.rs_seq   # DSV4: compressor states kept per position for `llama_memory_seq_rm` rollback
         p.n_threads = p.n_threads_batch = s.threads
         p.type_k = p.type_v = KV_TYPES[s.kv]
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -125,7 +128,9 @@ class Context:
     def truncate(self, pos: int) -> None:
         """Remove the sequence's rows at positions >= pos (`llama_memory_seq_rm`); the next chunk starts at pos."""
         if not self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ptr), 0, pos, -1):
-            raise ParityError(f"llamacpp: llama_memory_seq_rm refused to remove the rows from position {pos}")
+            raise ParityError(f"llamacpp: llama_memory_seq_rm refused to remove the rows from position {pos} (of "
+                              f"{self.next_pos}; llama.cpp's DSV4 cache takes back at most lcp_rs_seq="
+                              f"{self.model.settings.rs_seq} positions)")
         self.next_pos = pos
 
     def _on_tensor(self, ptr, ask, _user) -> bool:

@@ -115,7 +115,7 @@ def test_header_records_llamacpp_settings(engines):
     _, lcp = engines
     flags = lcp.options.flags()
     assert flags["engine_args"] == ["lcp_kv=f32", "lcp_flash_attn=off", "lcp_threads=1", "lcp_ctx=512",
-                                    "lcp_ubatch=512"]
+                                    "lcp_ubatch=512", "lcp_rs_seq=16"]
     assert flags["rope_angles"] == "recurrence" and not flags["fp8_kv"] and not flags["fp4_indexer"]
 
 
