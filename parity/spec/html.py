@@ -27,13 +27,20 @@ CANDIDATE, REFERENCE = "#2f6db5", "#f08a24"   # the two bar colours of the accep
 ACCEPTED_MARK = "\u2713"                        # after an accepted draft's token
 
 
-def _cell(text: str, colour: str, title: str, cls: str) -> str:
-    return f'<td class="{esc(cls)}" style="background:{colour};text-align:center" title="{esc(title)}">{esc(text)}</td>'
+DARK = ("FALSE-ACCEPT", "VERIFIER-DEFECT")     # white text on these
+
+
+def _style(lab: str) -> str:
+    return f"background:{COLOURS[lab]}" + (";color:#fff" if lab in DARK else "")
+
+
+def _cell(text: str, lab: str, title: str, cls: str) -> str:
+    return f'<td class="{esc(cls)}" style="{_style(lab)};text-align:center" title="{esc(title)}">{esc(text)}</td>'
 
 
 def legend(report: SpecReport) -> str:
     """One swatch per label with its count in this run."""
-    spans = [f'<span class="swatch" style="background:{COLOURS[k]};padding:.1rem .4rem;margin-right:.4rem;'
+    spans = [f'<span class="swatch" style="{_style(k)};padding:.1rem .4rem;margin-right:.4rem;'
              f'border:1px solid #bbb" data-label="{k}">{esc(k)} {report.labels[k]}</span>' for k in LABELS]
     return f'<p class="note" id="legend">{"".join(spans)}</p>'
 
@@ -54,7 +61,7 @@ def timeline(report: SpecReport) -> str:
             verify, ref = ((f"v={r.verify[j]}", f"reference={a.reference[j]}") if j < r.verified
                           else ("not verified", "reference -"))
             text = f"{r.drafts[j]}{' ' + ACCEPTED_MARK if ok else ''}"
-            cells.append(_cell(text, COLOURS[lab], f"{lab}: draft {r.drafts[j]}, {verify}, {ref}",
+            cells.append(_cell(text, lab, f"{lab}: draft {r.drafts[j]}, {verify}, {ref}",
                                f"lab-{lab}{' accepted' if ok else ''}"))
         cells.append(f"<td>{r.accepted}</td><td>{r.verify[r.accepted]}</td><td>{esc(r.cut or '-')}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
