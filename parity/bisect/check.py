@@ -380,6 +380,15 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
            and float(env.excess_at(n, free[n].max())) > 1]
     if not out:
         return
+    if EMBED in out:   # a table lookup: no round-off to amplify, so a difference there is the embedding's own
+        pos = int(trace.header.positions[int(np.argmax(free[EMBED] > env.limit(env.floor(EMBED))))])
+        st.causes.append(Cause("defect", "embedding-differs", None, None,
+                               f"the candidate's embedding of the same tokens differs from the reference's lookup "
+                               f"(rel-L2 {float(free[EMBED].max()):.3g}, excess "
+                               f"{float(env.excess_at(EMBED, free[EMBED].max())):.3g} over the envelope, first at "
+                               f"position {pos}); every later difference may be inherited from it"))
+        st.culprit = CheckCulprit(None, None, pos, _decode_step(pos, trace.header.n_prompt))
+        return
     first = next((checkpoint_layer(n) for n in out if checkpoint_layer(n) is not None), None)
     worst = max(out, key=lambda n: float(env.excess_at(n, free[n].max())))
     ex = float(env.excess_at(worst, free[worst].max()))
