@@ -403,6 +403,16 @@ class TorchEngine:
             return TorchState(restore_keeping_rows(state.layers, saved.layers))
         return saved
 
+    def verify_argmax(self, logits: np.ndarray) -> np.ndarray:
+        """Capability `VerifyPicks`: this engine's greedy pick of each verify row [q, V] -> [q] (`Ops.verify_argmax`:
+        the first of equal maxima; the fault spec-tie-last-max takes the last)."""
+        return self.ops.verify_argmax(logits)
+
+    def next_row(self, accepted: int, verified: int) -> int:
+        """Capability `VerifyPicks`: the verify row the next step continues from (`Ops.next_row`: row a' = accepted;
+        the fault spec-logits-row-stale takes the last verify row after a partial accept)."""
+        return self.ops.next_row(accepted, verified)
+
     def state_arrays(self, state: TorchState | list[Ring]) -> dict[str, np.ndarray]:
         """Capability `StateView`: a trunk / MTP state or the DSpark rings as named arrays (common layout)."""
         if isinstance(state, list):

@@ -5,9 +5,11 @@
 alternative op of the same signature as the model's: `compose` puts it in place of the correct op in the engine's
 `Ops` (one line per fault); the one fault that is not an op (`compress-ratios-u32`, a wrong read of the layer
 schedule) is one line in `TorchEngine.__init__`, and `spec-no-compressor-restore` (an incomplete state snapshot) one
-line in `TorchEngine.restore`. `FAULT_TABLE` documents the trunk's faults, `DRAFT_FAULT_TABLE` the draft heads'
-(which never act on the trunk: its ops are not theirs), `SPEC_FAULT_TABLE` the speculative path's (verify batches
-and snapshots: plain decode is unchanged); all for `--help`/docs.
+line in `TorchEngine.restore`; `spec-logits-row-stale` and `spec-tie-last-max` replace the engine's own picks in a
+speculative round (`Ops.next_row`, `Ops.verify_argmax`: the `VerifyPicks` capability the driver asks).
+`FAULT_TABLE` documents the trunk's faults, `DRAFT_FAULT_TABLE` the draft heads' (which never act on the trunk: its
+ops are not theirs), `SPEC_FAULT_TABLE` the speculative path's (verify batches, snapshots and the round's own picks:
+plain decode is unchanged); all for `--help`/docs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gpu_engine.indexer import select_rows_ties_highest
 from gpu_engine.model import Ops
 from gpu_engine.moe import biased_keys
 from gpu_engine.ops import apply_rope_split_halves, identity, swiglu_symmetric_clamp
+from gpu_engine.verify import last_max_rows, last_verify_row
 from parity.contract.errors import ParityError
 
 # name -> (where the switch lives, what it breaks, first layer kind where it acts)
@@ -112,6 +115,16 @@ SPEC_FAULT_TABLE: dict[str, tuple[str, str, str, str]] = {
                                     "the first verify batch or replay of >= 2 rows that completes a compressed "
                                     "block (state blk.L.comp.rows, values)",
                                     "D3: ds4 #658 -> #659 (#695, #731, #733)"),
+    "spec-logits-row-stale": ("verify.last_verify_row (Ops.next_row, TorchEngine.next_row)",
+                              "after a partial accept (a' < gamma) the bonus token and next anchor come from the last "
+                              "verify row, a rejected draft's row, instead of row a'",
+                              "the first partial accept whose last verify row picks another token than row a' (state "
+                              "component `anchor`)", "D4: ds4 #750 (spurious BOS injection)"),
+    "spec-tie-last-max": ("verify.last_max_rows (Ops.verify_argmax, TorchEngine.verify_argmax)",
+                          "the verify argmax takes the last of equal maxima (ggml's argmax) instead of the first",
+                          "only where a verify row has an exact tie at its maximum (none on the tiny model's own "
+                          "logits: it needs a vocabulary with equal output rows)",
+                          "spec §4.2 (spec-derived: ggml_vec_argmax_f32, llama.cpp's Markov chain)"),
 }
 
 FAULTS: tuple[str, ...] = tuple(FAULT_TABLE)               # the trunk's: each acts on a trunk layer
@@ -143,6 +156,8 @@ class Faults:
     spec_ring_exact_window: bool = False
     spec_no_compressor_restore: bool = False
     spec_commit_verify_frontier: bool = False
+    spec_logits_row_stale: bool = False
+    spec_tie_last_max: bool = False
 
     @classmethod
     def parse(cls, names: tuple[str, ...] | list[str]) -> Faults:
@@ -183,6 +198,8 @@ def compose(f: Faults, ops: Ops) -> Ops:
         markov_chain=markov_chain_unconditioned if f.dspark_markov_unconditioned else ops.markov_chain,
         ring_write=ring_write_newest_row if f.dspark_stale_ring else ops.ring_write,
         attend=attend_ring_exact_window if f.spec_ring_exact_window else ops.attend,
+        next_row=last_verify_row if f.spec_logits_row_stale else ops.next_row,
+        verify_argmax=last_max_rows if f.spec_tie_last_max else ops.verify_argmax,
     )
 
 

@@ -51,6 +51,7 @@ from gpu_engine.moe import (
     unbiased_scores,
 )
 from gpu_engine.ops import apply_rope, identity, rms_norm, swiglu_clamped
+from gpu_engine.verify import accepted_row, first_max_rows
 from gpu_engine.weights import DeviceWeights
 from parity.contract.errors import ParityError
 from parity.gguf.config import ModelConfig
@@ -86,6 +87,9 @@ class Ops:
     dspark_mask: Callable[[Tensor, int, int, int], Tensor] = dspark_mask   # (ring_pos, p, window, block)
     markov_chain: Callable[[Tensor, int, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] = markov_chain
     ring_write: Callable[[Ring, Tensor, Tensor], Ring] = ring_write        # (ring, rows, pos)
+    # the speculative round's own picks (gpu_engine.verify; numpy logits [q, V] of a verify batch)
+    verify_argmax: Callable[[np.ndarray], np.ndarray] = first_max_rows    # logits -> int [q]
+    next_row: Callable[[int, int], int] = accepted_row                     # (accepted, verified) -> row
 
 
 @dataclass(frozen=True)

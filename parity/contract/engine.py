@@ -227,6 +227,19 @@ class StateSnapshots(Protocol):
 
 
 @runtime_checkable
+class VerifyPicks(Protocol):
+    """An engine's own picks in a speculative round (spec v4-mtp-dspark §4.1, §4.2, §4.4), where it makes them
+    itself: the driver asks these instead of applying the rules (first of equal maxima, row a′) on its own."""
+
+    def verify_argmax(self, logits: np.ndarray) -> np.ndarray:
+        """The greedy token of each verify row: logits [q, V] -> int [q] (the rule: the first of equal maxima)."""
+
+    def next_row(self, accepted: int, verified: int) -> int:
+        """The verify row whose argmax becomes the bonus token and the next anchor, after `accepted` (a′) of
+        `verified` (γ) drafts were accepted (the rule: row a′)."""
+
+
+@runtime_checkable
 class StateView(Protocol):
     def state_arrays(self, state: Any) -> dict[str, np.ndarray]:
         """The caches of a trunk or drafter state as named arrays in one layout for every engine (state parity,

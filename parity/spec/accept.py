@@ -72,7 +72,9 @@ def accept_length(drafts: np.ndarray, verify: np.ndarray) -> int:
 class Slot:
     """What the label of one verified drafted position needs (§6.1): the draft d_i, the candidate's verify argmax
     v_{i-1}, the reference verifier's argmax ρ_{i-1} with its top-1/top-2 margin μ and tie threshold τ, the
-    reference drafter's draft d*_i and its logit gap between d*_i and d_i with that row's tie threshold."""
+    reference drafter's draft d*_i and its logit gap between d*_i and d_i with that row's tie threshold;
+    own_first_max: v_{i-1} is the first maximum of the candidate's own logits row (False: the candidate broke a tie
+    against the rule of §4.2, or picked no maximum at all)."""
 
     draft: int
     verify: int
@@ -82,20 +84,22 @@ class Slot:
     reference_draft: int
     draft_gap: float
     draft_tie: float
+    own_first_max: bool = True
 
 
 def label(slot: Slot | None) -> str:
     """The one label of a drafted position (§6.2, checked top-down); None = not verified (cut by a gate, the
     draft budget or the step budget, or after the first rejection).
 
-    Verifier wrong (v ≠ ρ): NEAR-TIE when μ <= τ (noise can reorder the reference's top two), else FALSE-REJECT
-    (d = ρ: a right draft rejected), FALSE-ACCEPT (d = v: a wrong draft accepted) or VERIFIER-DEFECT (neither).
+    Verifier wrong (v ≠ ρ): NEAR-TIE when μ <= τ (noise can reorder the reference's top two) and v is the first
+    maximum of the candidate's own row, else FALSE-REJECT (d = ρ: a right draft rejected), FALSE-ACCEPT (d = v: a
+    wrong draft accepted) or VERIFIER-DEFECT (neither): a pick against the tie-break rule is no noise (§4.2).
     Verifier right: ACCEPT-OK (d = ρ), DRAFTER-MISS (d ≠ ρ and the reference drafter proposes the same), NEAR-TIE
     (the drafters differ where the reference drafter's gap between d* and d is <= its τ), else DRAFTER-DRIFT."""
     if slot is None:
         return "NOT-VERIFIED"
     if slot.verify != slot.reference:
-        if slot.margin <= slot.tie:
+        if slot.margin <= slot.tie and slot.own_first_max:
             return "NEAR-TIE"
         return ("FALSE-REJECT" if slot.draft == slot.reference else
                 "FALSE-ACCEPT" if slot.draft == slot.verify else "VERIFIER-DEFECT")

@@ -74,44 +74,70 @@ def label_round(r: Round, rho: np.ndarray, margins: np.ndarray, ties: np.ndarray
             row = star_logits[i - 1]
             gap, tie = float(row[s] - row[d]), env.tie_margin(float(row[s]))
         out.append(label(Slot(d, r.verify[i - 1], int(rho[i - 1]), float(margins[i - 1]), float(ties[i - 1]), s,
-                              gap, tie)))
+                              gap, tie, i - 1 not in r.not_first_max)))
     return tuple(out)
 
 
 def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun, env: Envelope,
-              counter: Callable[[str, int, int | None], None] | None = None
+              counter: Callable[[str, int, int | None], None] | None = None, own_inputs: bool = False
               ) -> tuple[list[RoundAttribution], StateDivergence | None]:
     """One `RoundAttribution` per round of `run`, and the first round whose committed state differs from the
     reference's (when the run recorded its states). `source`: the reference engine's drafter of the run's kind
-    (None for scripted drafts)."""
+    (None for scripted drafts). `own_inputs`: the reference drafter drafts on the reference trunk's own rows of the
+    committed prefix (a run read from a trace, which records no drafter inputs) instead of `run.inputs`."""
     snapshot, restore = need_snapshots(ref).snapshot, ref.restore
     state = ref.new_state()
-    forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
+    rows = forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
     out, divergence, tol = [], None, state_tolerance(env)
-    for n, (r, inputs, first) in enumerate(zip(run.rounds, run.inputs, run.feed_first, strict=True)):
+    for n, (r, first) in enumerate(zip(run.rounds, run.feed_first, strict=True)):
         star, star_logits = np.asarray(r.drafts), None
         if source is not None:
+            inputs = source.inputs(rows) if own_inputs else run.inputs[n]
             p = source.draft(inputs, run.tokens, first, forced=np.asarray(r.drafts, np.int64))
             star, star_logits = p.drafts, p.logits
         saved = snapshot(state)
         batch = np.asarray([r.anchor, *r.drafts[: r.verified]], np.int64)
-        logits = forward_chunk(ref, state, batch, r.start_pos).logits
+        rows = forward_chunk(ref, state, batch, r.start_pos)
+        logits = rows.logits
         if r.accepted < r.verified:
             state = restore(state, saved)
-            forward_chunk(ref, state, batch[: r.accepted + 1], r.start_pos)
+            rows = forward_chunk(ref, state, batch[: r.accepted + 1], r.start_pos)
         rho, margins = first_max(logits), top_two_margin(logits)
         ties = np.array([env.tie_margin(float(row.max())) for row in logits])
         labels = label_round(r, rho, margins, ties, star, star_logits, env)
-        rows = np.arange(len(rho))
-        gaps = logits[rows, rho].astype(np.float64) - logits[rows, np.asarray(r.verify)]
+        idx = np.arange(len(rho))
+        gaps = logits[idx, rho].astype(np.float64) - logits[idx, np.asarray(r.row_tokens)]
         out.append(RoundAttribution(labels, tuple(map(int, rho)), tuple(map(float, margins)),
                                     tuple(map(float, ties)), tuple(map(float, gaps)), tuple(map(int, star))))
-        if divergence is None and run.states:
-            found = first_difference(run.states[n], state_view(ref, state, source), tol)
+        if divergence is None:
+            found = first_difference(run.states[n], state_view(ref, state, source), tol) if run.states else None
+            found = found or anchor_difference(r, rho, gaps, ties)
             divergence = StateDivergence(n, r.start_pos, *found) if found else None
         if counter:
             counter("reference attribution", n + 1, len(run.rounds))
     return out, divergence
+
+
+def anchor_difference(r: Round, rho: np.ndarray, gaps: np.ndarray, ties: np.ndarray) -> tuple[str, str, str] | None:
+    """The next anchor as a state component (spec §6.3.2): the token committed after the accepted drafts against the
+    reference's argmax ρ_{a'} of row a'. ('anchor', kind, why) when they differ by more than the tie threshold
+    (kind `token`), by a tie broken against the rule in the candidate's own row a' (`tie-break`) or by a token taken
+    from another verify row than a' (`row`); None when equal or a near-tie flip of row a' (noise: its label and the
+    committed verdict say so)."""
+    a, anchor = r.accepted, r.next_anchor
+    if anchor == rho[a]:
+        return None
+    if gaps[a] > ties[a]:
+        kind = "token"
+    elif r.bonus is not None:
+        kind = "row"
+    elif a in r.not_first_max:
+        kind = "tie-break"
+    else:
+        return None
+    row = "row a'" if r.bonus is None else "not from row a'"
+    return "anchor", kind, (f"next anchor {anchor} ({row}) vs reference {int(rho[a])} (row a' = {a}); reference "
+                            f"gap {gaps[a]:.3g}, tie threshold {ties[a]:.3g}")
 
 
 def online_per_slot(rounds: list[Round], depth: int) -> list[float | None]:

@@ -31,9 +31,9 @@ class Divergence:
     step: int
     position: int
     cls: str                  # TIE | WRONG
-    spec_induced: bool
+    spec_induced: bool | None         # None: no plain decode to tell (a run read from a trace)
     spec: int
-    plain: int
+    plain: int | None
     reference: int
     margin: float             # reference top-1 minus the other token's logit (absolute)
     margin_ulps: float
@@ -41,18 +41,21 @@ class Divergence:
     tie_ulps: float
 
 
-def first_divergence(spec: Sequence[int], plain: Sequence[int], reference: Sequence[int], ref_logits: np.ndarray,
-                     n_prompt: int, env: Envelope) -> Divergence | None:
+def first_divergence(spec: Sequence[int], plain: Sequence[int] | None, reference: Sequence[int],
+                     ref_logits: np.ndarray, n_prompt: int, env: Envelope) -> Divergence | None:
     """None when the three token lists are equal. spec/plain/reference: generated tokens [S]; ref_logits: the
-    reference's rows predicting them [S, V]."""
-    for s, (a, b, r) in enumerate(zip(spec, plain, reference, strict=True)):
+    reference's rows predicting them [S, V]. plain None: there is no plain decode (a run read from a trace), spec
+    is compared with the reference alone and `spec_induced` is None."""
+    for s, (a, r) in enumerate(zip(spec, reference, strict=True)):
+        b = a if plain is None else plain[s]
         if a == b == r:
             continue
         row = np.asarray(ref_logits[s], np.float64)
         top = float(row[r])
         margin = max(top - row[t] for t in (a, b))
         tie = env.tie_margin(top)
-        return Divergence(s, n_prompt - 1 + s, "TIE" if margin <= tie else "WRONG", b == r != a, int(a), int(b),
+        return Divergence(s, n_prompt - 1 + s, "TIE" if margin <= tie else "WRONG",
+                          None if plain is None else b == r != a, int(a), None if plain is None else int(b),
                           int(r), float(margin), ulps(margin, top), float(tie), ulps(tie, top))
     return None
 
@@ -81,9 +84,9 @@ def committed_verdicts(rounds: Sequence[Round], attrs: Sequence[RoundAttribution
         for j in range(r.accepted + 1):
             if len(out) == steps:
                 return out
-            out.append(Committed(len(out), r.start_pos + j, verdict(r.verify[j], a.reference[j], a.gaps[j],
-                                                                     a.ties[j]), r.verify[j], a.reference[j],
-                                 a.gaps[j], a.ties[j]))
+            t = r.row_tokens[j]   # v_j; the bonus (the next anchor) at j = a'
+            out.append(Committed(len(out), r.start_pos + j, verdict(t, a.reference[j], a.gaps[j], a.ties[j]), t,
+                                 a.reference[j], a.gaps[j], a.ties[j]))
     return out
 
 
