@@ -27,6 +27,7 @@ from llamacpp_engine import rollback
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.mtp import MTPHead, MTPState
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
+from llamacpp_engine.stateview import committed_rows
 from parity.contract.draft import MTPOutput
 from parity.contract.engine import LayerOutput, RunOptions, check_tokens, refuse_roundoff
 from parity.contract.errors import ParityError
@@ -257,6 +258,11 @@ class LlamaCppEngine:
         else:
             rollback.request(state, saved)
         return state
+
+    def committed_rows(self, state: LlamaState) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """The compressed rows llama.cpp's captures show after each committed chunk (llamacpp_engine.stateview):
+        [(T, {blk.l.comp.rows | blk.l.index.rows: rows emitted before T})]."""
+        return committed_rows(state, self.config)
 
     # -- capability: a raw llama.cpp capture (the `v4parity capture llamacpp` file) ----------------
     def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:
