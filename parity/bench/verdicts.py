@@ -4,11 +4,11 @@ Correct candidates: the torch engine with its QAT simulations on (default `RunOp
 real-mix models at several prompt lengths (traced without and with sub-op records, `trace --subops`: layer-level
 and op-level verdicts), the clean QAT-off torch runs that serve as the faults' baselines, and
 llama.cpp captures of the tiny F32 model quantized by llama.cpp's own quantizer. Faulty candidates: every torch
-fault switch on several prompts, QAT simulations on and off; a fault counts as found when `check` says DEFECT and
-names that fault at the first layer whose recorded output differs bitwise from the clean torch trace on the same
-tokens (the rule of tests/test_check.py). Every candidate is written to a file and judged from the file, as a
-foreign engine's would be. `run_verdicts` returns the rows and their aggregates; `write_verdicts` writes
-`verdicts.json` and `verdicts.md`.
+fault switch on several prompts of the tiny F32 and tiny real-mix models, QAT simulations on and off; a fault counts
+as found when `check` says DEFECT and names that fault at the first layer whose recorded output differs bitwise from
+the clean torch trace on the same tokens (the rule of tests/test_check.py). Every candidate is written to a file
+and judged from the file, as a foreign engine's would be. `run_verdicts` returns the rows and their aggregates;
+`write_verdicts` writes `verdicts.json` and `verdicts.md`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class VerdictPlan:
     """What `run_verdicts` runs. torch_lengths: prompt length -> number of seeded prompts, per model of
     torch_models; subop_lengths: the same with sub-op records (op-level); llamacpp_types x llamacpp_seeds captures
     of `llamacpp_length` tokens; faults (None: every torch fault) x fault_prompts prompts of `fault_length` tokens,
-    once per QAT setting of fault_qat and per value of fault_subops (with sub-op records or not). Every run adds
-    `decode` greedy steps (the faulty runs are forced onto their clean run's tokens)."""
+    once per model of fault_models, per QAT setting of fault_qat and per value of fault_subops (with sub-op records
+    or not); the tie-breaking fault `indexer-ties-highest` also where ties exist (`tie_motif`, `tie_prompts`: see
+    TIE_FAULT). Every run adds `decode` greedy steps (the faulty runs are forced onto their clean run's tokens)."""
 
     torch_lengths: dict[int, int]
     subop_lengths: dict[int, int] = field(default_factory=dict)
@@ -51,6 +52,9 @@ class VerdictPlan:
     fault_length: int = 40
     fault_qat: tuple[bool, ...] = (True, False)
     fault_subops: tuple[bool, ...] = (False,)
+    fault_models: tuple[str, ...] = ("f32",)
+    tie_motif: bool = False      # indexer-ties-highest on the built-in motif prompt (tiny f32: one exact tie)
+    tie_prompts: int = 0         # ... and on seeded prompts of the zero-indexer copy (every score ties at 0)
     decode: int = 8
     seed0: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -58,13 +62,24 @@ class VerdictPlan:
 
 PLANS = {
     # >= 50 correct runs: 2 x 16 torch, 2 x 10 of them again with sub-op records (the first seeds: same prompts),
-    # 5 clean QAT-off baselines, 6 x 3 llama.cpp captures; 11 x 5 x 2 faulty
+    # 2 x 5 clean QAT-off baselines, 6 x 3 llama.cpp captures; 2 models x 11 faults x 5 prompts x 2 QAT settings
     "default": VerdictPlan(torch_lengths={40: 7, 150: 4, 300: 3, 600: 2},
-                           subop_lengths={40: 3, 150: 3, 300: 2, 600: 2}),
+                           subop_lengths={40: 3, 150: 3, 300: 2, 600: 2}, fault_models=MODELS, tie_motif=True,
+                           tie_prompts=5),
     # the pipeline in a few minutes: numbers not meaningful
     "quick": VerdictPlan(torch_lengths={40: 1, 150: 1}, llamacpp_types=("Q8_0",), llamacpp_seeds=1,
                          faults=("no-decode-compression", "rope-split-halves"), fault_prompts=1, fault_qat=(True,)),
 }
+
+
+# The fault that only acts on exact indexer-score ties at the top-k cut (random prompts on random weights have none):
+# it runs on the built-in motif prompt of tiny f32 (ReLU zeroes two rows' scores: one tie, which a TIE must call
+# benign) and on the tiny f32 copy whose TIE_TENSOR is zero (every score ties at 0: many ties, all broken the
+# fault's way, which check must call DEFECT, naming it). Expected: TIE with one changed pick, DEFECT with >= 2.
+TIE_FAULT = "indexer-ties-highest"
+TIE_TENSOR = "blk.2.indexer.proj.weight"
+TIE_MODEL = "f32-zero-indexer"
+MOTIF_SEED = 0      # a tie task with this seed runs the built-in motif prompt, not a seeded random one
 
 
 def prompt(n: int, seed: int, vocab_size: int, bos: int) -> list[int]:
@@ -81,11 +96,13 @@ def verdict_models(cache_dir: Path, plan: VerdictPlan, log: Callable[[str], None
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    for quant in sorted({"f32", *plan.torch_models}):
+    for quant in sorted({"f32", *plan.torch_models, *plan.fault_models}):
         path = cache_dir / f"tiny-{quant}.gguf"
         if not path.exists():
             synthesize(path, "tiny", quant, seed=0)
         out[quant] = path
+    if plan.tie_prompts:
+        out[TIE_MODEL] = zero_tensor_copy(out["f32"], cache_dir / f"tiny-{TIE_MODEL}.gguf", TIE_TENSOR)
     for ft in plan.llamacpp_types:
         path = cache_dir / f"tiny-lcp-{ft.lower()}.gguf"
         if not path.exists():
@@ -95,6 +112,26 @@ def verdict_models(cache_dir: Path, plan: VerdictPlan, log: Callable[[str], None
             part.replace(path)
         out[f"lcp-{ft}"] = path
     return out
+
+
+def zero_tensor_copy(src: Path, dst: Path, name: str) -> Path:
+    """A copy of a GGUF with one tensor's bytes zeroed (same shapes and types), written once."""
+    from parity.gguf.container import GGUFFile, TensorData, write_gguf
+
+    if not dst.exists():
+        g = GGUFFile(src)
+        part = dst.with_name(dst.name + ".part")
+        write_gguf(part, g.kv, [TensorData(n, i.ne, i.ggml_type, bytes(i.nbytes) if n == name else bytes(g.data(n)))
+                                for n, i in g.tensors.items()])
+        part.replace(dst)
+    return dst
+
+
+def changed_picks(clean: Any, faulty: Any, layer: int) -> int:
+    """Positions of `layer` whose recorded indexer selection differs between two traces of the same tokens."""
+    a, b = (t.attn for t in (clean, faulty))
+    rows = (a["layer"] == layer) & a["has_sel"]
+    return int((np.sort(a["sel"][rows], axis=1) != np.sort(b["sel"][rows], axis=1)).any(axis=1).sum())
 
 
 def first_acting_layer(clean: Any, faulty: Any) -> int | None:
@@ -130,17 +167,34 @@ def _tasks(plan: VerdictPlan, faults: Sequence[str]) -> list[dict[str, Any]]:
                       for n, seeds in sorted(lengths.items()) for s in range(seeds)]
     fault_seeds = [plan.seed0 + 1000 + i for i in range(plan.fault_prompts)]
     if False in plan.fault_qat and faults:   # the clean QAT-off baselines are correct runs too
-        tasks += [{"kind": "correct", "engine": "torch", "model": "f32", "qat": False, "fault": None,
-                   "prompt": plan.fault_length, "seed": s} for s in fault_seeds]
+        tasks += [{"kind": "correct", "engine": "torch", "model": model, "qat": False, "fault": None,
+                   "prompt": plan.fault_length, "seed": s} for model in plan.fault_models for s in fault_seeds]
     for ft in plan.llamacpp_types:
         tasks += [{"kind": "correct", "engine": "llamacpp", "model": f"lcp-{ft}", "qat": False, "fault": None,
                    "prompt": plan.llamacpp_length, "seed": plan.seed0 + s} for s in range(plan.llamacpp_seeds)]
-    for qat in plan.fault_qat:
-        for subops in plan.fault_subops:
-            for fault in faults:
-                tasks += [{"kind": "fault", "engine": "torch", "model": "f32", "qat": qat, "fault": fault,
-                           "prompt": plan.fault_length, "seed": s, "subops": subops} for s in fault_seeds]
+    for model in plan.fault_models:
+        for qat in plan.fault_qat:
+            for subops in plan.fault_subops:
+                for fault in faults:
+                    tasks += [{"kind": "fault", "engine": "torch", "model": model, "qat": qat, "fault": fault,
+                               "prompt": plan.fault_length, "seed": s, "subops": subops} for s in fault_seeds]
+    tie = {"kind": "tie", "engine": "torch", "qat": True, "fault": TIE_FAULT, "subops": False}
+    if plan.tie_motif:
+        from parity.bisect.search import BUILTIN_LEN
+
+        tasks.append({**tie, "model": "f32", "prompt": BUILTIN_LEN, "seed": MOTIF_SEED})
+    tasks += [{**tie, "model": TIE_MODEL, "prompt": plan.fault_length, "seed": s}
+              for s in fault_seeds[: plan.tie_prompts]]
     return tasks
+
+
+TASK_KEYS = ("kind", "engine", "model", "qat", "fault", "prompt", "seed", "subops")
+
+
+def task_key(task: dict[str, Any]) -> tuple:
+    """What identifies a run of the plan (a task, or the row it gave): a row of an earlier result with the same key
+    is the same run."""
+    return tuple(bool(task.get(k)) if k == "subops" else task[k] for k in TASK_KEYS)
 
 
 def _judge(row: dict[str, Any]) -> None:
@@ -148,6 +202,13 @@ def _judge(row: dict[str, Any]) -> None:
     and found when, besides, the named cause is the fault at the expected layer."""
     if row["kind"] == "correct":
         row["false_defect"] = row["verdict"] == "DEFECT"
+    elif row["kind"] == "tie":   # one changed pick: a TIE at that layer (NOISE); >= 2: DEFECT naming the fault
+        row["expected"] = "TIE" if row["changed_picks"] == 1 else "DEFECT"
+        row["found"] = bool(row["expected_layer"] is not None and (
+            (row["verdict"] == "NOISE" and f"benign:tie@{row['expected_layer']}" in row["causes"])
+            if row["expected"] == "TIE" else
+            (row["verdict"] == "DEFECT" and row["cause"] == row["fault"]
+             and row["culprit_layer"] == row["expected_layer"])))
     else:
         row["detected"] = row["verdict"] == "DEFECT"
         row["found"] = bool(row["detected"] and row["cause"] == row["fault"]
@@ -155,10 +216,15 @@ def _judge(row: dict[str, Any]) -> None:
 
 
 def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
-                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                 done: Sequence[dict[str, Any]] = (),
+                 on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the plan: trace (or capture) each candidate into `scratch`, judge it with `parity.api.check` from the
-    file, one progress line per run on `log`. Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
+    file, one progress line per run on `log`. `done`: rows of an earlier result (its "rows"); a run of the plan with
+    the same `task_key` as one of them is taken from there, not run again. `on_row(row)` is called after each new
+    run (to keep partial results). Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
     from parity import api
+    from parity.bisect.search import builtin_prompt
     from parity.contract.engine import RunOptions, engine_faults
     from parity.gguf.weights import Weights
 
@@ -166,19 +232,28 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
     tasks = _tasks(plan, faults)
     scratch.mkdir(parents=True, exist_ok=True)
     configs = {k: Weights(p).config for k, p in models.items()}
-    clean: dict[tuple[bool, int], Any] = {}   # (qat, seed) -> clean torch trace on tiny f32, fault_length tokens
+    clean: dict[tuple[str, bool, int], Any] = {}   # (model, qat, seed) -> clean torch trace, fault_length tokens
+    earlier = {task_key(r): r for r in done}
+    todo = sum(task_key(t) not in earlier for t in tasks)
     rows: list[dict[str, Any]] = []
+    ran = 0
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):
+        if task_key(task) in earlier:
+            rows.append(earlier[task_key(task)])
+            continue
+        ran += 1
         t = time.perf_counter()
         cfg = configs[task["model"]]
-        tokens = prompt(task["prompt"], task["seed"], cfg.vocab_size, cfg.bos_token_id)
+        motif = task["kind"] == "tie" and task["seed"] == MOTIF_SEED
+        tokens = (builtin_prompt(cfg.vocab_size, cfg.bos_token_id) if motif else
+                  prompt(task["prompt"], task["seed"], cfg.vocab_size, cfg.bos_token_id))
         model = models[task["model"]]
         opts = RunOptions() if task["qat"] else RunOptions(fp8_kv=False, fp4_indexer=False)
         keep = task["kind"] == "correct" and task["engine"] == "torch" and not task["qat"]
         # a trace and its vectors side file, in a folder of their own; a clean QAT-off run is kept as the baseline
         # of the faulty runs on the same prompt
-        folder = scratch / (f"clean-0-{task['seed']}" if keep else f"cand-{i}")
+        folder = scratch / (f"clean-{task['model']}-0-{task['seed']}" if keep else f"cand-{i}")
         folder.mkdir(exist_ok=True)
         path = folder / "trace.npz"
         expected = None
@@ -188,9 +263,9 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
             api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
                                      options=opts, subops=task.get("subops", False)), path)
         else:
-            key = (task["qat"], task["seed"])
+            key = (task["model"], task["qat"], task["seed"])
             if key not in clean:
-                base = scratch / f"clean-{int(task['qat'])}-{task['seed']}" / "trace.npz"
+                base = scratch / f"clean-{task['model']}-{int(task['qat'])}-{task['seed']}" / "trace.npz"
                 if not base.exists():
                     base.parent.mkdir(exist_ok=True)
                     api.save_trace(api.trace("torch", model, tokens, positions="all", full="all",
@@ -202,24 +277,32 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
                                      forced=forced, options=RunOptions(fp8_kv=task["qat"], fp4_indexer=task["qat"],
                                                                        inject=(task["fault"],)),
                                      subops=task.get("subops", False)), path)
-            expected = first_acting_layer(ref, api.load_trace(path))
+            faulty = api.load_trace(path)
+            expected = first_acting_layer(ref, faulty)
+            picks = changed_picks(ref, faulty, expected) if expected is not None else 0
         report = api.check(path, model)
         row = _row(report, **task, decode=plan.decode, wall_s=time.perf_counter() - t)
-        if task["kind"] == "fault":
+        if task["kind"] != "correct":
             row["expected_layer"] = expected
+        if task["kind"] == "tie":
+            row["changed_picks"] = picks
         if not keep:
             shutil.rmtree(folder)
         _judge(row)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         done = time.perf_counter() - t0
-        eta = done / (i + 1) * (len(tasks) - i - 1)
+        eta = done / ran * (todo - ran)
         what = f"{_group(task)} T={task['prompt']}+{plan.decode}"
-        if task["kind"] == "fault":
+        if task["kind"] != "correct":
             what += f" fault {task['fault']} (expected layer {expected})"
+        if task["kind"] == "tie":
+            what += f", {picks} pick(s) changed: expected {row['expected']}"
         flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
                 " (fault inert on this prompt: not counted)" if expected is None else "" if row["found"] else
                 " MISSED")
-        log(f"[{i + 1}/{len(tasks)}] {what} seed {task['seed']}: {row['headline'][:120]} "
+        log(f"[{ran}/{todo}] {what} seed {task['seed']}: {row['headline'][:120]} "
             f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}; ETA {eta / 60:.1f} min")
     plan_json = {k: v for k, v in asdict(plan).items() if k != "extra"}
     plan_json["torch_lengths"] = {str(k): v for k, v in plan.torch_lengths.items()}
@@ -272,17 +355,17 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             by_length.setdefault(key, {}).setdefault(str(r["prompt"]), []).append(r)
     per_fault: dict[str, dict[str, Any]] = {}
     for r in faulty:
-        f = per_fault.setdefault(r["fault"] + (" --subops" if r.get("subops") else ""),
+        f = per_fault.setdefault(f"{r['model']} {r['fault']}" + (" --subops" if r.get("subops") else ""),
                                  {"n": 0, "acting": 0, "detected": 0, "found": 0})
         f["n"] += 1
         f["acting"] += r["expected_layer"] is not None
         f["detected"] += r["detected"]
         f["found"] += r["found"] and r["expected_layer"] is not None
     per_qat = {}
-    for qat in sorted({r["qat"] for r in faulty}):
-        rs = [r for r in acting if r["qat"] == qat]
-        per_qat["on" if qat else "off"] = {"n": len(rs), "detected": sum(r["detected"] for r in rs),
-                                           "found": sum(r["found"] for r in rs)}
+    for model, qat in sorted({(r["model"], r["qat"]) for r in faulty}, key=lambda mq: (mq[0], not mq[1])):
+        rs = [r for r in acting if r["qat"] == qat and r["model"] == model]
+        per_qat[f"{model} QAT {'on' if qat else 'off'}"] = {"n": len(rs), "detected": sum(r["detected"] for r in rs),
+                                                            "found": sum(r["found"] for r in rs)}
     brief = lambda r: {k: r.get(k) for k in ("engine", "model", "qat", "fault", "prompt", "seed",  # noqa: E731
                                              "expected_layer", "verdict", "headline")}
     return {
@@ -295,6 +378,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                    "detection_rate": sum(r["detected"] for r in acting) / len(acting) if acting else None,
                    "found_rate": sum(r["found"] for r in acting) / len(acting) if acting else None,
                    "per_fault": per_fault, "per_qat": per_qat},
+        "ties": [{**brief(r), "changed_picks": r["changed_picks"], "expected": r["expected"], "found": r["found"]}
+                 for r in rows if r["kind"] == "tie"],
         "false_defects": [brief(r) for r in correct if r["false_defect"]],
         "misses": [brief(r) for r in acting if not r["found"]],
         "time": {"all": _times(rows), "correct": _times(correct), "faults": _times(faulty),
@@ -339,11 +424,21 @@ def render_verdicts_markdown(result: dict[str, Any]) -> str:
     for g, d in c["groups"].items():
         lines.append(f"| {g} | {d['n']} | {verdicts(d['verdicts'])} | {d['false_defects']} | "
                      f"{d['median_s']:.1f} / {d['max_s']:.1f} | {d['median_layer_runs']:g} |")
-    lines += ["", "| fault | runs (acting) | detected | found | ", "|---|---|---|---|"]
+    lines += ["", "| model, fault | runs (acting) | detected | found | ", "|---|---|---|---|"]
     lines += [f"| {name} | {d['n']} ({d['acting']}) | {d['detected']} | {d['found']} |"
-              for name, d in f["per_fault"].items()]
+              + (" inert: no exact ties on these prompts (tie table below) |" if TIE_FAULT in name and not d["acting"]
+                 else "") for name, d in f["per_fault"].items()]
+    if s.get("ties"):
+        lines += ["", f"`{TIE_FAULT}` where exact ties exist (expected: TIE with one changed pick, DEFECT naming "
+                  "the fault with >= 2):", "",
+                  "| model | prompt | layer | picks changed | expected | verdict | as expected |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {'motif' if r['seed'] == MOTIF_SEED else 'seed ' + str(r['seed'])}, "
+                  f"T={r['prompt']} "
+                  f"| {r['expected_layer']} | {r['changed_picks']} | {r['expected']} | {r['verdict']} | "
+                  f"{'yes' if r['found'] else 'NO'} |" for r in s["ties"]]
     if f["per_qat"]:
-        lines += ["", "QAT simulations on / off (acting runs): " + "; ".join(
+        lines += ["", "Per model and QAT setting (acting runs): " + "; ".join(
             f"{k}: {d['found']} / {d['n']} found, {d['detected']} DEFECT" for k, d in f["per_qat"].items())]
     if tm["by_length"]:
         lines += ["", "Time per check against prompt length (torch, QAT on, + decode steps; median s / median "

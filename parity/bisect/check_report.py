@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -84,17 +85,34 @@ COLUMNS = ["checkpoint", "free rel-L2", "free excess", "local rel-L2", "local / 
            "status"]
 
 
+TEXT_WIDTH = 100   # columns of `check`'s plain-text output
+
+
+def wrap(line: str, indent: str, width: int = TEXT_WIDTH) -> list[str]:
+    """One logical line as lines of at most `width` columns (words kept whole; a word longer than a line, e.g. a
+    path, is cut), continuation lines indented by `indent`."""
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+
+
+def table_lines(rows: list[list[str]], indent: str = "  ", width: int = TEXT_WIDTH) -> list[str]:
+    """Aligned columns, two spaces apart, or one where two would pass `width`; trailing blanks stripped."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    gap = "  " if len(indent) + sum(widths) + 2 * (len(widths) - 1) <= width else " "
+    return [(indent + gap.join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip() for r in rows]
+
+
 def to_text(report: CheckReport) -> str:
-    lines = [report.headline]
-    lines += [f"  cause ({c.kind}): {c.name} at {layer_words(c.layer, report)}" + (f", {c.subop}" if c.subop else "")
-              + f": {c.evidence}" for c in report.causes]
-    lines += [f"  note: {n}" for n in report.notes]
+    """The plain-text report, every line within TEXT_WIDTH columns (long lines wrapped here, never in the data)."""
+    lines = wrap(report.headline, "  ")
+    for c in report.causes:
+        lines += wrap(f"  cause ({c.kind}): {c.name} at {layer_words(c.layer, report)}"
+                      + (f", {c.subop}" if c.subop else "") + f": {c.evidence}", "      ")
+    for n in report.notes:
+        lines += wrap(f"  note: {n}", "      ")
     cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
-    lines.append(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s"
-                 + envelope_cost(report))
-    rows = [COLUMNS, *(row_cells(r) for r in report.table)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += wrap(f"  cost: {sum(report.layer_runs.values())} layer-runs ({cost}); {report.seconds:.1f} s"
+                  + envelope_cost(report), "      ")
+    lines += table_lines([COLUMNS, *(row_cells(r) for r in report.table)])
     return "\n".join(lines)
 
 

@@ -1,0 +1,68 @@
+"""`check`'s plain-text report stays within 100 columns (wrapped by the printer, never in the data), and a
+difference at the embedding is its own cause, never benign `amplified-drift` (issue 22, P5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from parity import api
+from parity.bisect.search import builtin_prompt
+from parity.cli import cli
+from parity.contract.engine import RunOptions, load_engine
+from parity.tracing.runner import run_sequence
+
+ENV_F32 = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
+DECODE = 4
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_f32):
+    ref = load_engine("reference", str(tiny_f32), RunOptions())
+    p = builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
+    forced = [int(t) for t in np.concatenate([c.tokens for c in run_sequence(ref, p, DECODE)])[len(p):]]
+    return p, forced
+
+
+def _trace(engine, model, prompt, path: Path) -> Path:
+    p, forced = prompt
+    api.save_trace(api.trace(engine, model, p, positions="all", full="all", decode=DECODE, forced=forced), path)
+    return path
+
+
+def _text(model, candidate: Path) -> tuple[int, list[str]]:
+    res = CliRunner().invoke(cli, ["check", "-m", str(model), "--candidate", str(candidate),
+                                   "--envelope", str(ENV_F32)])
+    return res.exit_code, res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("fault, verdict, code, words", [
+    ("sink-dropped", "DEFECT", 1, "cause (defect): sink-dropped at layer 0, attention: matches sink-dropped:"),
+    ("indexer-ties-highest", "NOISE", 0, "cause (benign): tie at layer 4, indexer_selection: TIE: indexer selection "
+                                         "at position 27: rows")])
+def test_every_line_of_checks_text_is_within_100_columns(tiny_f32, prompt, tmp_path, fault, verdict, code, words):
+    # the DEFECT's cause line (fault evidence) and the TIE's (pick lists) run past 100 columns unwrapped
+    eng = load_engine("torch", str(tiny_f32), RunOptions(inject=(fault,)))
+    exit_code, lines = _text(tiny_f32, _trace(eng, tiny_f32, prompt, tmp_path / "c.npz"))
+    assert exit_code == code and lines[0].startswith(verdict), lines[:3]
+    assert max(len(line) for line in lines) <= 100, [line for line in lines if len(line) > 100]
+    assert any(line.startswith("      ") for line in lines)    # a wrapped cause or note line's continuation
+    # wrapping splits at spaces only: the cause's words are all there, in order
+    assert words in " ".join(" ".join(lines).split()), lines
+
+
+def test_an_embedding_difference_is_its_own_defect_not_amplified_drift(tiny_f32, prompt, tmp_path):
+    # a candidate whose embedding lookup is off by 1e-3 (relative) and whose layers are correct on their inputs:
+    # every layer is inside its twins teacher-forced, the free-running excess starts at `embed`
+    eng = load_engine("torch", str(tiny_f32), RunOptions())
+    lookup = eng.embed
+    eng.embed = lambda tokens: lookup(tokens) * np.float32(1 + 1e-3)
+    r = api.check(_trace(eng, tiny_f32, prompt, tmp_path / "e.npz"), tiny_f32, envelope=ENV_F32)
+    assert r.verdict == "DEFECT", r.headline
+    assert [c.name for c in r.causes if c.kind == "defect"] == ["embedding-differs"], r.causes
+    assert not any(c.name == "amplified-drift" for c in r.causes), r.causes
+    assert r.culprit is not None and r.culprit.layer is None and r.culprit.position == 0
+    assert r.headline.startswith("DEFECT at the embedding (embed, before layer 0), prefill position 0"), r.headline
