@@ -115,3 +115,24 @@ def json_errors(fn: Callable) -> Callable:
             raise SystemExit(2) from None
 
     return wrapper
+
+
+def draft_options(what: str) -> Callable:
+    """--draft FILE, --mtp-depth K, --mtp-pairing prev|same (trace, bisect, capture); `what` the drafter is used for."""
+    def wrap(f: Callable) -> Callable:
+        f = click.option("--mtp-pairing", default="prev", show_default=True, type=click.Choice(["prev", "same"]),
+                         help="With an MTP --draft: pair X^(L)_{p-1} (prev) or X^(L)_p (same, ds4) with token t_p.")(f)
+        f = click.option("--mtp-depth", default=1, show_default=True, type=click.IntRange(1, 99),
+                         help="With an MTP --draft: chain depth K (mtp.0.* .. mtp.{K-1}.*).")(f)
+        return click.option("--draft", type=click.Path(exists=True, dir_okay=False),
+                            help=f"A drafter GGUF (MTP or DSpark, docs/drafters.md): {what}.")(f)
+    return wrap
+
+
+def check_draft_options(draft: str | None) -> None:
+    """--mtp-depth / --mtp-pairing given without --draft is a usage error naming them."""
+    ctx = click.get_current_context()
+    mtp_given = [f"--{n.replace('_', '-')}" for n in ("mtp_depth", "mtp_pairing")
+                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+    if mtp_given and draft is None:
+        raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from parity.cli.capture import lcp_options, lcp_run_options
 from parity.cli.common import (
+    check_draft_options,
     device_option,
+    draft_options,
     dtype_option,
     echo_json,
     inject_option,
@@ -70,27 +71,6 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
     if Path(output).suffix not in TRACE_FORMATS:
         raise click.BadParameter(f"{output}: a trace is .trace (text) or .npz (binary)", param_hint=option)
     return output
-
-
-def draft_options(what: str) -> Callable:
-    """--draft FILE, --mtp-depth K, --mtp-pairing prev|same (trace, bisect); `what` the drafter is used for."""
-    def wrap(f: Callable) -> Callable:
-        f = click.option("--mtp-pairing", default="prev", show_default=True, type=click.Choice(["prev", "same"]),
-                         help="With an MTP --draft: pair X^(L)_{p-1} (prev) or X^(L)_p (same, ds4) with token t_p.")(f)
-        f = click.option("--mtp-depth", default=1, show_default=True, type=click.IntRange(1, 99),
-                         help="With an MTP --draft: chain depth K (mtp.0.* .. mtp.{K-1}.*).")(f)
-        return click.option("--draft", type=click.Path(exists=True, dir_okay=False),
-                            help=f"A drafter GGUF (MTP or DSpark, docs/drafters.md): {what}.")(f)
-    return wrap
-
-
-def check_draft_options(draft: str | None) -> None:
-    """--mtp-depth / --mtp-pairing given without --draft is a usage error naming them."""
-    ctx = click.get_current_context()
-    mtp_given = [f"--{n.replace('_', '-')}" for n in ("mtp_depth", "mtp_pairing")
-                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
-    if mtp_given and draft is None:
-        raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")
 
 
 @click.command()
