@@ -23,6 +23,7 @@ from parity.contract.checkpoints import dspark_checkpoints, mtp_checkpoints
 from parity.contract.engine import RunOptions
 from parity.contract.errors import TraceError
 from parity.gguf.synth_draft import synthesize_drafter
+from parity.tracing.drafts import dspark_commit_bases
 from parity.tracing.export import export_arrays
 from parity.tracing.io import format_text, parse_text, read_trace
 from parity.tracing.stats import FP_DIM
@@ -129,6 +130,36 @@ def test_trace_rows_are_the_heads_called_directly(tiny_f32, drafters, mtp_traces
     d = dspark_traces["reference"].vectors
     np.testing.assert_array_equal(d["dspark.drafts"], d["dspark.logits"].argmax(axis=2))
     np.testing.assert_array_equal(d["dspark.logits"], d["dspark.base_logits"] + d["dspark.bias"])
+
+
+def test_dspark_trace_rounds_are_rounds_writing_one_row_each(tiny_f32, drafters, dspark_traces):
+    """The trace commits up to B+1 main rows per round (`dspark_commit_bases`); a correct engine draws the same
+    rings as rounds that each write only their own row (after a first round writing rows 0 and 1), so the reference's
+    records are those of that other schedule (bit for bit: its ring rows are per-row computations)."""
+    from reference_cpu.engine import ReferenceEngine
+
+    t = dspark_traces["reference"]
+    eng = ReferenceEngine(str(tiny_f32), OPTS, draft=str(drafters["ds4-dspark"]))
+    taps = eng.dspark_taps([t.vectors[f"blk.{l}"] for l in eng.drafter.config.target_layer_ids])
+    tokens, last = t.header.tokens, int(t.ckpt["argmax"][t.checkpoint_rows("final_norm")[-1]])
+    state, first = eng.new_dspark_state(), 0
+    for i, p in enumerate(range(1, T)):
+        r = eng.dspark_round(state, taps[first : p + 1], first, tokens[p + 1] if p + 1 < T else last)
+        first = p + 1
+        for name, got in (("dspark.main", r.main), ("dspark.2", r.stages[2]), ("dspark.logits", r.logits),
+                          ("dspark.confidence", r.confidence), ("dspark.drafts", r.drafts)):
+            np.testing.assert_array_equal(t.vectors[name][i], np.asarray(got, np.float32), err_msg=f"{name} at {p}")
+
+
+@pytest.mark.parametrize(("rounds", "bases"), [
+    (range(1, 15), [-1] * 5 + [5] * 6 + [11] * 3),          # every position, B = 5: bases every B + 1 = 6 rounds
+    ([1, 5, 9, 10, 14, 19], [-1, -1, 5, 5, 10, 14]),        # sparse: a round further than 6 from the base moves it
+    ([3], [-1]),
+])
+def test_dspark_commit_bases_by_hand(rounds, bases):
+    assert dspark_commit_bases(list(rounds), 5) == bases
+    with pytest.raises(TraceError, match="block size must be >= 1, got 0"):
+        dspark_commit_bases([1], 0)
 
 
 class PerturbedMTP:

@@ -356,7 +356,7 @@ def test_a_drafter_fault_leaves_the_trunk_bit_for_bit(fault, tiny_f32, drafters,
 
 # -- located by `diff` on traces with draft checkpoints (trace --draft) -------------------------------------------
 
-SPARSE = [1, 5, 9, 10, 14, 19]   # traced positions; a DSpark round at each writes the main rows since the last one
+SPARSE = [1, 5, 9, 10, 14, 19]   # traced positions; DSpark commit bases -1, -1, 5, 5, 10, 14 (dspark_commit_bases)
 LOCATED = {   # fault -> (first drifting checkpoint, its first drifting position); None: not located (above)
     "mtp-pairing-same": ("mtp.0.in", 1),
     "mtp-hnorm-flat": ("mtp.0.in", 1),
@@ -365,8 +365,8 @@ LOCATED = {   # fault -> (first drifting checkpoint, its first drifting position
     "dspark-tap-sum": None,
     "dspark-causal-block": ("dspark.0", 1),
     "dspark-markov-unconditioned": ("dspark.bias", 1),
-    "dspark-stale-ring": ("dspark.0", 5),    # the round at 1 writes rows 0..1 in full; the one at 5 only row 5
-}
+    "dspark-stale-ring": ("dspark.0", 9),    # rounds at 1 and 5 write rows 0..p from 0 (a prefill: in full);
+}                                            # the one at 9 writes rows 6..9 (base 5), the fault row 9 only
 
 
 @pytest.fixture(scope="module")

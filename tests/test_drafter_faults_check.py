@@ -3,9 +3,10 @@
 round-off twins), with every draft checkpoint before it and the whole trunk judged fine.
 
 Tiny F32 model, synthesized drafters, QAT sims on (the committed tiny-f32 envelope is measured with them), a 12-token
-prompt traced at every position with full vectors. `dspark-tap-sum` (invisible: tests/test_drafter_faults.py) and
-`dspark-stale-ring` (a trace drafts one round per position, so every round after the first writes one row and the
-fault never acts; `diff` locates it on sparse positions, tests/test_drafter_faults.py) are not located here.
+prompt traced at every position with full vectors. `dspark-tap-sum` is not located (benign by construction:
+tests/test_drafter_faults.py, docs/drafters.md). `dspark-stale-ring` acts at the first round whose ring write
+starts after position 0 and holds more than one row (`parity.tracing.drafts.dspark_commit_bases`, B = 5: rounds
+1..5 write rows 0..p, rounds 6..11 rows 6..p, so the round at 7 is the first to miss a row, row 6).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from parity.gguf.synth_draft import synthesize_drafter
 
 PROMPT = [0, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12]
 ENV_F32 = Path(__file__).parent.parent / "traces" / "tiny-f32.envelope.json"
-CULPRIT = {   # fault -> the first draft checkpoint check judges a local departure, at position 1 (the first pair/round)
-    "mtp-pairing-same": "mtp.0.in",
-    "mtp-hnorm-flat": "mtp.0.in",
-    "mtp-no-hc-post": "mtp.0",
-    "mtp-trunk-hc-head": "mtp.0.logits",
-    "dspark-causal-block": "dspark.0",
-    "dspark-markov-unconditioned": "dspark.bias",
+CULPRIT = {   # fault -> the first draft checkpoint check judges a local departure and its position
+    "mtp-pairing-same": ("mtp.0.in", 1),   # MTP: the first pair; DSpark: the first round (module doc)
+    "mtp-hnorm-flat": ("mtp.0.in", 1),
+    "mtp-no-hc-post": ("mtp.0", 1),
+    "mtp-trunk-hc-head": ("mtp.0.logits", 1),
+    "dspark-causal-block": ("dspark.0", 1),
+    "dspark-markov-unconditioned": ("dspark.bias", 1),
+    "dspark-stale-ring": ("dspark.0", 7),
 }
 
 
@@ -44,9 +46,9 @@ def test_check_locates_the_drafter_fault_at_its_checkpoint(fault, tiny_f32, draf
     cand = api.trace("torch", tiny_f32, PROMPT, positions="all", full="all", draft=drafters[kind],
                      options=RunOptions(inject=(fault,)))
     r = api.check(api.save_trace(cand, tmp_path / "cand.trace"), tiny_f32, envelope=ENV_F32, draft=drafters[kind])
-    culprit = CULPRIT[fault]
+    culprit, position = CULPRIT[fault]
     assert r.verdict == "DEFECT", r.headline
-    assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", 1), r.headline
+    assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", position), r.headline
     status = {row.checkpoint: row.status for row in r.table}
     names = mtp_checkpoints(1) if kind == "mtp" else dspark_checkpoints(3)
     assert [status[n] for n in names[: names.index(culprit)]] == ["ok"] * names.index(culprit)

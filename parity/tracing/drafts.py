@@ -9,15 +9,21 @@ forces the reference's drafter) and returns, per draft checkpoint, one vector pe
   one `mtp_forward` call per traced position (pairs after the previous traced position .. p), so the ring holds
   exactly the committed pairs <= p when depth k > 0 chains from the pair at p (`mtp_chain`, scratch rows).
   Rows: mtp.k.in / mtp.k.attn / mtp.k [H, D], mtp.k.logits [V].
-* DSpark: one round per traced position p >= 1: the main rows of positions after the previous round .. p are
-  written (one `dspark_round` call: its multi-row ring write), then the block [anchor, noise...] is drafted with
-  anchor = t_{p+1}, the run's next token (at the last position the trunk's argmax there, `last_argmax`).
-  The taps are the engine's own (`dspark_taps` of the tapped layers' carriers: concat over `target_layer_ids` l of
-  mean_s X^(l+1)_p[s], spec v4-mtp-dspark §3.2).
+* DSpark: one round per traced position p >= 1, each the round a speculative engine runs at start position p
+  (`dspark_commit_bases`): its ring is committed through an earlier round's start position q (-1: empty), and the
+  round's one `dspark_round` call writes the main rows q+1..p (its multi-row ring write; spec v4-mtp-dspark §3.5:
+  the round after the one at q accepted p-q-1 drafts commits p-q <= B+1 rows), then drafts the block [anchor,
+  noise...] with anchor = t_{p+1}, the run's next token (at the last position the trunk's argmax there,
+  `last_argmax`). The first commit starts at position 0, as a prefill. An engine that writes each row it is given
+  draws the same ring at every round whatever the schedule (rows are per position); one that drops rows of a
+  multi-row write (fault `dspark-stale-ring`) is caught at the first round that writes more than one row after
+  position 0. The taps are the engine's own (`dspark_taps` of the tapped layers' carriers: concat over
+  `target_layer_ids` l of mean_s X^(l+1)_p[s], spec v4-mtp-dspark §3.2).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,15 +110,37 @@ def mtp_records(engine: Any, X: np.ndarray, tokens: np.ndarray, positions: Seque
     return {n: np.stack(v) for n, v in rows.items()}
 
 
+def dspark_commit_bases(rounds: Sequence[int], block_size: int) -> list[int]:
+    """For each DSpark round position p (ascending, >= 1), the position q < p its ring is committed through before
+    the round writes rows q+1..p (-1: nothing committed, the round's write starts at position 0 like a prefill).
+
+    A speculative engine's round at q drafts B = `block_size` slots; after accepting a' <= B of them its next round
+    starts at q+1+a' and writes those a'+1 rows (spec v4-mtp-dspark §3.5). So q stays the commit base of every
+    round up to q+B+1; the last round within that span becomes the next base (all B drafts accepted). With sparse
+    positions a round further than B+1 from the base writes every row since it (as many rows as the gap).
+    """
+    if block_size < 1:
+        raise TraceError(f"DSpark block size must be >= 1, got {block_size}")
+    base, out = -1, []
+    for i, p in enumerate(rounds):
+        out.append(base)
+        if i + 1 == len(rounds) or rounds[i + 1] - base > block_size + 1:
+            base = p
+    return out
+
+
 def dspark_records(engine: Any, taps: np.ndarray, tokens: np.ndarray, positions: Sequence[int],
                    last_argmax: int) -> dict[str, np.ndarray]:
     """DSpark rounds at every traced position p >= 1 (module doc). taps [T, m·D]."""
     at = draft_positions(DSPARK_MAIN, positions, None)
-    state, start, rows = engine.new_dspark_state(), 0, {}
-    for p in at:
+    bases = dspark_commit_bases(at, drafter_of(engine).config.block_size)
+    committed, rows = engine.new_dspark_state(), {}
+    for i, (p, q) in enumerate(zip(at, bases, strict=True)):
+        advance = i + 1 == len(at) or bases[i + 1] == p   # this round's ring is the next rounds' base
+        state = committed if advance else copy.deepcopy(committed)
         anchor = int(tokens[p + 1]) if p + 1 < len(tokens) else int(last_argmax)
-        r = engine.dspark_round(state, taps[start : p + 1], start, anchor)
-        start = p + 1
+        r = engine.dspark_round(state, taps[q + 1 : p + 1], q + 1, anchor)
+        committed = state if advance else committed
         got = {DSPARK_MAIN: r.main, **{f"dspark.{s}": x for s, x in enumerate(r.stages)},
                **dict(zip(DSPARK_HEADS, (r.base_logits, r.bias, r.logits, r.confidence, r.drafts), strict=True))}
         for name, arr in got.items():
