@@ -642,11 +642,13 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
          script: str | None = None, depth: int = 1, steps: int = 32, gate: str = "none", max_draft: int | None = None,
          options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
          progress: Callable[[str], None] | None = None,
-         counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+         counter: Callable[[str, int, int | None], None] | None = None,
+         trace_out: str | os.PathLike | None = None) -> Any:
     """Speculative greedy decoding of `engine` on `model` with the drafter `draft` (MTP depth `depth` or one
     DSpark block a round), or scripted drafts (`script`: accept-all | reject-at:I, depth `depth`); plain decodes of
     the engine and the reference; every round attributed by the reference (parity.spec). The tie threshold comes
     from the envelope (`envelope`, else the stored one of this model with these QAT flags, else measured now).
+    `trace_out`: write the run's rounds as a trace of spec records (what `spec_candidate` reads).
     Returns a `parity.spec.report.SpecReport`."""
     from dataclasses import replace
 
@@ -671,6 +673,37 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     drafter = open_drafter(draft, ref.config) if draft is not None else None
     kind = "script" if drafter is None else drafter.config.kind
     say(f"spec: {engine}, {kind} drafts, {steps} steps on {len(tokens)} prompt tokens")
-    return spec_report(cand, ref, kind, [int(t) for t in tokens], steps, env, depth=depth, gate=the_gate,
-                       max_draft=max_draft, reject_at=reject_at, drafter=drafter.config if drafter else None,
-                       counter=counter)
+    report = spec_report(cand, ref, kind, [int(t) for t in tokens], steps, env, depth=depth, gate=the_gate,
+                         max_draft=max_draft, reject_at=reject_at, drafter=drafter.config if drafter else None,
+                         counter=counter)
+    if trace_out is not None:
+        from parity.spec.candidate import spec_trace
+
+        save_trace(spec_trace(report, cand), trace_out, "text")
+    return report
+
+
+def spec_candidate(model: str | os.PathLike, candidate: str | os.PathLike, *, draft: str | None = None,
+                   envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
+                   counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+    """`spec --candidate`: attribute the speculative run recorded in `candidate`'s spec records (a foreign
+    engine's) with the reference on `model` and, with `draft`, the reference drafter (without one the recorded
+    drafts are their own reference); the reference runs with the trace's QAT flags. Returns a SpecReport
+    (`parity.spec.candidate`)."""
+    from parity.gguf.drafter import open_drafter
+    from parity.spec.candidate import candidate_report, check_candidate, qat_of, read_candidate
+
+    say = progress or (lambda _m: None)
+    if envelope is not None and not Path(envelope).exists():
+        raise TraceError(f"envelope file {envelope} does not exist")
+    trace_ = read_candidate(candidate)
+    qat = qat_of(trace_)
+    identity = model_identity(model)
+    ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
+    drafter = open_drafter(draft, ref.config) if draft is not None else None
+    check_candidate(trace_, candidate, identity, ref.config.vocab_size, drafter.config if drafter else None)
+    env = _stored_or_measured(model, identity, "reference", RunOptions(**qat), envelope, say, counter)
+    env.check_options(RunOptions(**qat))
+    kind = "script" if drafter is None else drafter.config.kind
+    say(f"spec --candidate: {trace_.header.engine}, {len(trace_.spec)} rounds, {kind} drafts")
+    return candidate_report(trace_, candidate, ref, kind, env, drafter.config if drafter else None, counter)

@@ -54,6 +54,11 @@ class Refused(click.ClickException):
               help="Envelope file for the tie threshold (default: the stored one of this model with these QAT "
                    "flags and engine, in the user cache, the model's directory or the repository's traces/; "
                    "else measured now and cached).")
+@click.option("--candidate", type=click.Path(dir_okay=False), default=None,
+              help="A foreign engine's trace with spec records (docs/trace-format.md): attribute its run instead of "
+                   "running an engine; the prompt, tokens, rounds and QAT flags come from the trace.")
+@click.option("--trace-out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the run's rounds as a trace of spec records (what --candidate reads).")
 @json_option()
 @markdown_option()
 @html_option(help="Also write a self-contained HTML page to FILE: per-round timeline (label colours), per-slot "
@@ -61,7 +66,7 @@ class Refused(click.ClickException):
 @json_errors
 def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt, prompt_file, tokenizer, gate,
          max_draft, no_fp8_kv, no_fp4_indexer, device, inject, envelope_path, as_json, markdown_path,
-         html_path) -> None:
+         html_path, candidate, trace_out) -> None:
     """Decode speculatively with ENGINE and a drafter, decode plainly with ENGINE and the reference, and check
     that the tokens agree (a divergence is TIE when the reference's top-1/top-2 margin is inside the noise
     envelope, else WRONG); label every drafted position (ACCEPT-OK, DRAFTER-MISS, DRAFTER-DRIFT, FALSE-REJECT,
@@ -74,6 +79,7 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
                 1 WRONG (first divergence or a committed token on its own prefix), a state divergence after a
                 commit, or a VERIFIER-DEFECT / DRAFTER-DRIFT / FALSE-ACCEPT label, 2 usage or preflight error.
     Example: v4parity spec -m TRUNK --draft FILE --engine torch --depth 2 --steps 64 --prompt "..."
+    A foreign engine's run (its trace's spec records): v4parity spec -m TRUNK --draft FILE --candidate run.trace
     """
     from parity import api
     from parity.cli.progress import Progress
@@ -81,14 +87,18 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
     from parity.contract.engine import RunOptions
     from parity.spec.printers import to_json, to_markdown, to_text
 
-    ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file, tokenizer)
+    if candidate is not None:
+        _candidate_only(click.get_current_context())
+    ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file, tokenizer) if candidate is None else []
     bar = Progress()
     try:
         options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
                              inject=tuple(inject))
-        report = api.spec(model, ids, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
-                          gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
-                          progress=bar.note, counter=bar)
+        report = (api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar.note,
+                                     counter=bar) if candidate is not None else
+                  api.spec(model, ids, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
+                           gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
+                           progress=bar.note, counter=bar, trace_out=trace_out))
     except ParityError as e:
         raise Refused(str(e)) from None
     finally:
@@ -104,6 +114,18 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
     elif markdown_path != "-":
         click.echo(to_text(report))
     raise SystemExit(1 if report.defects else 0)
+
+
+def _candidate_only(ctx: click.Context) -> None:
+    """With --candidate the trace gives the run: a run option given on the command line is refused by name."""
+    from click.core import ParameterSource
+
+    given = [p for p in ("script", "engine", "depth", "steps", "tokens", "tokens_file", "prompt", "prompt_file",
+                         "gate", "max_draft", "no_fp8_kv", "no_fp4_indexer", "device", "inject", "trace_out")
+             if ctx.get_parameter_source(p) not in (ParameterSource.DEFAULT, None)]
+    if given:
+        raise Refused(f"--candidate reads the run from the trace: drop --{given[0].replace('_', '-')} (only -m, "
+                      "--draft, --envelope, --json, --markdown and --html go with it)")
 
 
 COMMANDS = [spec]

@@ -19,10 +19,12 @@ def _pct(x: float | None) -> str:
 def headline(report: SpecReport) -> str:
     """The verdict in words (first output line)."""
     d = report.divergence
+    plain = "" if report.plain_tokens is None else " == plain"
     if d is None:
-        what = "EXACT: speculative == plain == reference tokens"
+        what = f"EXACT: speculative{plain} == reference tokens"
     else:
-        who = "spec-induced" if d.spec_induced else "not spec-induced (plain decode diverges too)"
+        who = ("no plain decode in a trace: spec-induced or not is unknown" if d.spec_induced is None else
+               "spec-induced" if d.spec_induced else "not spec-induced (plain decode diverges too)")
         what = (f"{d.cls} at step {d.step} (position {d.position}): spec {d.spec}, plain {d.plain}, reference "
                 f"{d.reference}; reference margin {d.margin:.3g} ({d.margin_ulps:.0f} ulps) vs tie threshold "
                 f"{d.tie:.3g} ({d.tie_ulps:.0f} ulps); {who}")
@@ -48,7 +50,8 @@ def summary_lines(report: SpecReport) -> list[str]:
             f"{' '.join(map(_pct, report.reference_per_slot))}; {report.mean_accepted:.2f} drafts accepted per round",
             f"cost: {c['verify_rows']} verify rows + {c['replayed_rows']} replayed rows for {c['plain_rows']} plain "
             f"decode rows; {c['drafted']} drafted, {c['accepted']} accepted; {c['snapshots']} state snapshots",
-            "state parity: " + ("not checked (the engine has no StateView)" if not report.state_checked else
+            "state parity: " + (report.state_note or "not checked (the engine has no StateView)"
+                                if not report.state_checked else
                                 "every commit equal to the reference's" if report.state_divergence is None else
                                 f"first difference after round {report.state_divergence.round}: "
                                 f"{report.state_divergence.component} ({report.state_divergence.why})"),
@@ -87,8 +90,9 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, kind, why} or null;
     kind shape | non-finite | values), state_flip_possible (a values difference with QAT sims on: noted, not a
     defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step, position, token, reference, margin,
-    tie}]}: every committed token judged on its own prefix), state_checked, cost, tokens, options, seconds,
-    defects."""
+    tie}]}: every committed token judged on its own prefix), state_checked, state_note (why not, or null), cost,
+    tokens, options, seconds, defects. A run read from a trace (`--candidate`): spec_induced, plain and
+    tokens.plain null."""
     d = report.divergence
     div = None
     if d is not None:
@@ -104,8 +108,10 @@ def to_json(report: SpecReport) -> dict[str, Any]:
                       "committed": {"counts": report.committed_counts,
                                     "divergent": [{"class": x.cls, **{k: v for k, v in asdict(x).items() if k != "cls"}}
                                                   for x in report.committed if x.cls != "MATCH"]},
-                      "state_checked": report.state_checked, "state_flip_possible": report.state_flip_possible,
+                      "state_checked": report.state_checked, "state_note": report.state_note,
+                      "state_flip_possible": report.state_flip_possible,
                       "cost": report.cost, "defects": report.defects,
                       "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),
-                                 "plain": list(report.plain_tokens), "reference": list(report.reference_tokens)},
+                                 "plain": None if report.plain_tokens is None else list(report.plain_tokens),
+                                 "reference": list(report.reference_tokens)},
                       "options": report.options, "seconds": report.seconds})

@@ -17,7 +17,7 @@ from parity.gguf.drafter import DrafterConfig
 from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
 from parity.spec.attribution import RoundAttribution, StateDivergence, attribute, offline_per_slot, online_per_slot
 from parity.spec.drafts import DSparkSource, MTPSource, ScriptSource
-from parity.spec.driver import Round, speculate
+from parity.spec.driver import Round, SpecRun, speculate
 from parity.spec.exactness import Committed, Divergence, committed_verdicts, first_divergence
 from parity.tracing.runner import run_sequence
 
@@ -27,7 +27,7 @@ class SpecReport:
     options: dict[str, Any]               # engine, drafter kind, depth / B, pairing, ring policy, gate, ... (§6.5)
     prompt: tuple[int, ...]
     spec_tokens: tuple[int, ...]          # generated tokens, speculative
-    plain_tokens: tuple[int, ...]         # the same engine's plain greedy decode
+    plain_tokens: tuple[int, ...] | None  # the same engine's plain greedy decode (None: a run read from a trace)
     reference_tokens: tuple[int, ...]     # the reference's plain greedy decode
     divergence: Divergence | None
     committed: tuple[Committed, ...]      # every committed token judged on its own prefix (teacher-forced)
@@ -38,6 +38,7 @@ class SpecReport:
     per_slot: tuple[float | None, ...]            # the candidate's online acceptance per slot
     reference_per_slot: tuple[float | None, ...]  # the reference drafter's offline acceptance per slot
     seconds: dict[str, float]
+    state_note: str | None = None                 # why states were not compared, when they were not
 
     @property
     def exact(self) -> bool:
@@ -108,9 +109,7 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
         raise ParityError("spec_report: a DSpark run needs the drafter's DrafterConfig (taps, B)")
     gate = gate or Gate("none")
     t0 = time.perf_counter()
-    ref_plain = run_sequence(ref, prompt, steps - 1)
-    ref_tokens = [int(np.argmax(r.logits[-1])) for r in ref_plain]
-    ref_logits = np.stack([r.logits[-1] for r in ref_plain])
+    ref_tokens, ref_logits = reference_decode(ref, prompt, steps)
     t1 = time.perf_counter()
     if counter:
         counter("reference plain decode", steps, steps)
@@ -136,12 +135,28 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
                "ring_policy": "replay" if kind == "mtp" else "committed-rows" if kind == "dspark" else None,
                "gate": str(gate), "max_draft": max_draft, "temperature": 0, "tie_break": "first-max",
                "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
+    return assemble(options, run, cand_plain, ref_tokens, ref_logits, attrs, state_div, env,
+                    {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3})
+
+
+def reference_decode(ref: Engine, prompt: Sequence[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """The reference's plain greedy decode of `steps` tokens: the tokens and the rows predicting them [steps, V]."""
+    rows = run_sequence(ref, prompt, steps - 1)
+    return [int(np.argmax(r.logits[-1])) for r in rows], np.stack([r.logits[-1] for r in rows])
+
+
+def assemble(options: dict[str, Any], run: SpecRun, plain: Sequence[int] | None, ref_tokens: Sequence[int],
+             ref_logits: np.ndarray, attrs: list[RoundAttribution], state_div: StateDivergence | None, env: Envelope,
+             seconds: dict[str, float], state_note: str | None = None) -> SpecReport:
+    """The report of an attributed run: exactness (against `plain` too unless None), every committed token on its
+    own prefix, acceptance per slot."""
+    width = max((len(r.drafts) for r in run.rounds), default=0)
+    steps, prompt = len(run.generated), run.prompt
     committed = committed_verdicts(run.rounds, attrs, run.generated[0], ref_tokens[0], ref_logits[0], len(prompt),
                                    steps, env)
-    return SpecReport(options, tuple(prompt), tuple(run.generated), tuple(cand_plain), tuple(ref_tokens),
-                      first_divergence(run.generated, cand_plain, ref_tokens, ref_logits, len(prompt), env),
-                      tuple(committed),
-                      tuple(run.rounds), tuple(attrs), state_div, bool(run.states),
+    return SpecReport(options, tuple(prompt), tuple(run.generated), None if plain is None else tuple(plain),
+                      tuple(ref_tokens), first_divergence(run.generated, plain, ref_tokens, ref_logits, len(prompt),
+                                                          env),
+                      tuple(committed), tuple(run.rounds), tuple(attrs), state_div, bool(run.states),
                       tuple(online_per_slot(run.rounds, width)),
-                      tuple(offline_per_slot(run.rounds, attrs, run.tokens, width)),
-                      {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3})
+                      tuple(offline_per_slot(run.rounds, attrs, run.tokens, width)), seconds, state_note)

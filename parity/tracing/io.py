@@ -1,11 +1,12 @@
 """Reading and writing traces: a line-per-record text form and a columnar `.npz` form.
 
 Text (`docs/trace-format.md`): a header block (`v4parity-trace 1` ... `end`) then one record per
-line (`ckpt`, `hc`, `moe`, `attn`), writable with fprintf. Binary: an uncompressed zip of `.npy`
-columns (`ckpt.fp`, `moe.ids`, ...) plus `header.json`. `read_trace` detects the form from the
-first bytes. Every write is atomic (temp file + rename) and deterministic (same trace, same bytes:
-fixed float formatting, canonical row order, fixed zip timestamps). Full vectors and sub-op records go to a side
-file `<stem>.vectors.npz` next to the trace (present when the header lists `full` checkpoints or `subops`).
+line (`ckpt`, `hc`, `moe`, `attn`, `spec`), writable with fprintf; `spec` records exist in the text form
+only. Binary: an uncompressed zip of `.npy` columns (`ckpt.fp`, `moe.ids`, ...) plus `header.json`.
+`read_trace` detects the form from the first bytes. Every write is atomic (temp file + rename) and
+deterministic (same trace, same bytes: fixed float formatting, canonical row order, fixed zip timestamps).
+Full vectors and sub-op records go to a side file `<stem>.vectors.npz` next to the trace (present when the
+header lists `full` checkpoints or `subops`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from parity.contract.errors import TraceError
 from parity.contract.files import atomic_write_bytes
 from parity.tracing.consistency import check_vector_stats
 from parity.tracing.records import FORMAT_NAME, FORMAT_VERSION, SUBLAYERS, TABLES, Table, Trace, TraceHeader, make_table
+from parity.tracing.specrecords import check_spec, format_spec, parse_spec
 from parity.tracing.stats import FP_DIM
 from parity.tracing.subops import check_records, record_members
-from parity.tracing.validate import INT32_MAX, check_tables, header_from_dict
+from parity.tracing.validate import INT32_MAX, check_tables, header_from_dict, spec_only
 from parity.tracing.zipstore import ZIP_MAGIC, StoredZip
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -90,6 +92,8 @@ def write_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) 
         raise TraceError(f"unknown trace form {form!r} (text | npz)")
     if form == "text":
         data = format_text(trace).encode()
+    elif trace.spec:
+        raise TraceError(f"{path}: spec records are written in the text form only; give a path not ending in .npz")
     else:
         data = npz_bytes(_binary_columns(trace), {"header.json": _header_json(trace.header).encode()})
     h = trace.header
@@ -110,8 +114,9 @@ def write_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) 
     return atomic_write_bytes(path, data)
 
 
-def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
-    """Read a text or binary trace (autodetected) and, when present and wanted, its vectors side file."""
+def read_trace(path: str | os.PathLike, load_vectors: bool = True, allow_spec_only: bool = False) -> Trace:
+    """Read a text or binary trace (autodetected) and, when present and wanted, its vectors side file. A trace of
+    spec records alone (no checkpoints) is refused unless `allow_spec_only` (`v4parity spec --candidate`)."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
@@ -128,6 +133,9 @@ def read_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
             raise TraceError(f"{path}: field 'file': not UTF-8 text (byte {e.start})") from None
         trace = parse_text(text, str(path))
         trace_id = lambda: content_id(raw)  # noqa: E731
+    if spec_only(trace.header) and not allow_spec_only:
+        raise TraceError(f"{path}: field 'checkpoints': a trace of spec records alone (no checkpoints); "
+                         "`v4parity spec --candidate` reads it, the other commands need checkpoint records")
     if load_vectors and (trace.header.full or trace.header.subops):
         vectors, subops = _read_vectors(vectors_path(path), trace.header, trace_id)
         trace.vectors = vectors if trace.header.full else None
@@ -172,8 +180,8 @@ def format_header(h: TraceHeader) -> list[str]:
         f"n_prompt {h.n_prompt}",
         "chunks " + " ".join(map(str, h.chunks)),
         f"decode {h.decode}",
-        "positions " + " ".join(map(str, h.positions)),
-        "checkpoints " + " ".join(h.checkpoints),
+        "positions" + "".join(f" {p}" for p in h.positions),
+        "checkpoints" + "".join(f" {c}" for c in h.checkpoints),
         "full " + (" ".join(h.full) or "-"),
         *(["subops " + " ".join(h.subops)] if h.subops else []),
         *(["draft " + json.dumps(h.draft, sort_keys=True, separators=(",", ":"))] if h.draft else []),
@@ -209,6 +217,7 @@ def format_text(trace: Trace) -> str:
     for i in range(len(t)):
         sel = _ints(t["sel"][i]) if t["has_sel"][i] else "-"
         lines.append(f"attn {t['layer'][i]} pos {t['pos'][i]}: n_comp={t['n_comp'][i]} sel={sel}")
+    lines += [format_spec(r, fmt) for r in trace.spec]
     return "\n".join(lines) + "\n"
 
 
@@ -522,14 +531,24 @@ def parse_text(text: str, source: str = "<text>") -> Trace:
     header, start = _parse_header(lines, source)
     acc = _TextTables(header)
     handlers = {"ckpt": acc.ckpt, "hc": acc.hc, "moe": acc.moe, "attn": acc.attn}
+    spec = []
     for ln in lines[start:]:
         words, kv = _split_record(ln)
+        if words and words[0] == "spec":
+            spec.append(parse_spec(ln, words, kv, _need))
+            continue
         if not words or words[0] not in handlers:
-            raise ln.fail("record", f"unknown record kind {(words or [''])[0][:40]!r} (ckpt | hc | moe | attn)")
+            raise ln.fail("record", f"unknown record kind {(words or [''])[0][:40]!r} (ckpt | hc | moe | attn | spec)")
         handlers[words[0]](ln, words, kv)
     tables = acc.tables()
     check_tables(header, tables, lambda key, msg: TraceError(f"{source}: field '{key}': {msg}"))
-    return Trace(header, **tables)
+    if spec_only(header) and not spec:
+        raise TraceError(f"{source}: field 'checkpoints': no checkpoints listed (a trace without them holds spec "
+                         "records)")
+    if spec:
+        check_spec(spec, header.tokens, header.n_prompt,
+                   lambda r, key, msg: TraceError(f"{r.where if r else source}: field '{key}': {msg}"))
+    return Trace(header, **tables, spec=spec)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,6 +570,9 @@ def _read_binary(path: Path) -> tuple[Trace, StoredZip]:
     if unknown:
         raise z.fail(unknown[0][:40], f"{len(unknown)} member(s) that are not part of a binary trace")
     header = _header_from_json(z.text("header.json", "header.json"), z.fail)
+    if spec_only(header):
+        raise z.fail("checkpoints", "no checkpoints listed (spec records, which a trace without them holds, exist "
+                                    "in the text form only)")
     tables = {kind: Table({c: z.array(f"{kind}.{c}", f"{kind}.{c}") for c in spec}) for kind, spec in TABLES.items()}
     check_tables(header, tables, z.fail)
     return Trace(header, **tables), z

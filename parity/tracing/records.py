@@ -11,6 +11,8 @@ positions `draft_positions` gives; the header's `draft` names the drafter.
 Optional full vectors (`vectors`: name -> [P, H, D] / [P, D], row i = header.positions[i]; a draft checkpoint's
 rows are its own positions) and sub-op records
 (`subops`: side-file member name -> array, `parity.tracing.subops`) live in a side file.
+`spec` records (`parity.tracing.specrecords`): one per speculative round; a trace of spec records alone lists no
+checkpoints and no positions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from parity.contract.checkpoints import draft_positions, layers_of
+from parity.tracing.specrecords import SpecRecord
 
 FORMAT_NAME = "v4parity-trace"
 FORMAT_VERSION = 1
@@ -127,10 +130,12 @@ class Trace:
     attn: Table
     vectors: dict[str, np.ndarray] | None = field(default=None, compare=False)
     subops: dict[str, np.ndarray] | None = field(default=None, compare=False)
+    spec: list[SpecRecord] = field(default_factory=list)   # speculative rounds (text form only)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Trace) and self.header == other.header and self.ckpt == other.ckpt
-                and self.hc == other.hc and self.moe == other.moe and self.attn == other.attn)
+                and self.hc == other.hc and self.moe == other.moe and self.attn == other.attn
+                and self.spec == other.spec)
 
     __hash__ = None  # type: ignore[assignment]
 

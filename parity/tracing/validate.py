@@ -130,6 +130,11 @@ def check_header(h: TraceHeader, fail: Fail) -> None:
                              f"= {h.n_prompt + h.decode}")
     if sum(h.chunks) != len(h.tokens) or any(c < 1 for c in h.chunks):
         raise fail("chunks", f"chunk sizes {quote(h.chunks, 40)} must be >= 1 and sum to the {len(h.tokens)} tokens")
+    if spec_only(h):   # spec records alone (parity.tracing.specrecords): the readers require at least one
+        if h.full or h.subops or h.draft:
+            raise fail("checkpoints", "a trace without checkpoints (spec records only) has no full vectors, sub-op "
+                                      "records or drafter entry")
+        return
     if not h.positions or h.positions != sorted(set(h.positions)) or h.positions[-1] >= len(h.tokens):
         raise fail("positions", f"must be ascending, unique and < {len(h.tokens)}, got {quote(h.positions, 40)}")
     if not h.checkpoints:
@@ -149,6 +154,11 @@ def check_header(h: TraceHeader, fail: Fail) -> None:
         raise fail("full", f"full vectors for checkpoint(s) {quote(extra or h.full, 40)} that are not in 'checkpoints' "
                            "or listed twice")
     check_names(h.subops, fail)
+
+
+def spec_only(h: TraceHeader) -> bool:
+    """A header listing neither checkpoints nor positions: a trace of `spec` records alone."""
+    return not h.checkpoints and not h.positions
 
 
 def check_draft(h: TraceHeader, fail: Fail) -> None:
