@@ -128,3 +128,130 @@ def test_tie_last_max_acts_only_on_an_exact_tie_and_is_no_near_tie(tiny_f32, mtp
     d = rep.state_divergence
     assert (d.round, d.component, d.kind) == (0, "anchor", "tie-break")
     assert "state anchor after round 0" in rep.defects   # exit 1: the committed token itself is only a TIE
+
+
+# ---------------------------------------------------------------- drafter faults (the draft-heads issue)
+# fault -> the first draft checkpoint its op moves, from where the op sits in the head (spec §2.2, §3.3-§3.4): the
+# pairing and hnorm build the MTP input, HC_post ends the block, the HC head makes the logits; the DSpark block mask
+# acts in stage 0's attention, the Markov chain makes the bias
+FIRST_CHECKPOINT = {"mtp-pairing-same": "mtp.0.in", "mtp-hnorm-flat": "mtp.0.in", "mtp-no-hc-post": "mtp.0",
+                    "mtp-trunk-hc-head": "mtp.0.logits", "dspark-causal-block": "dspark.0",
+                    "dspark-markov-unconditioned": "dspark.bias"}
+
+
+@pytest.fixture(scope="module")
+def dspark_file(tiny_f32, tmp_path_factory):
+    return synthesize_drafter(tmp_path_factory.mktemp("spec-faults") / "dspark.gguf", tiny_f32, "dspark",
+                              "ds4-dspark")
+
+
+@pytest.fixture(scope="module")
+def dspark_reference(tiny_f32, dspark_file):
+    from reference_cpu.engine import ReferenceEngine
+
+    return ReferenceEngine(str(tiny_f32), OPTS, draft=str(dspark_file))
+
+
+def drafted(cand, ref, kind, steps, prompt=PROMPT):
+    return spec_report(cand, ref, kind, prompt, steps, ENV, depth=2, drafter=ref.drafter.config)
+
+
+def test_every_draft_head_fault_is_tabled_here_or_below():
+    from gpu_engine.faults import DRAFT_FAULTS, SPEC_FAULTS
+
+    assert set(DRAFT_FAULTS) == set(FIRST_CHECKPOINT) | {"dspark-stale-ring", "dspark-tap-sum"}
+    assert set(SPEC_FAULTS) == {"spec-ring-exact-window", "spec-no-compressor-restore", "spec-commit-verify-frontier",
+                                "spec-logits-row-stale", "spec-tie-last-max"}
+
+
+@pytest.mark.parametrize("fault", list(FIRST_CHECKPOINT))
+def test_a_drafter_fault_is_named_at_its_first_draft_checkpoint(tiny_f32, mtp_file, dspark_file, reference,
+                                                                dspark_reference, fault):
+    kind = fault.split("-")[0]
+    draft, ref = (mtp_file, reference) if kind == "mtp" else (dspark_file, dspark_reference)
+    rep = drafted(torch_engine(tiny_f32, draft, fault), ref, kind, steps=3)
+    assert rep.exact                                   # drafts never change the committed tokens
+    d = rep.drafter_divergence
+    assert (d.round, d.component, d.kind) == (0, FIRST_CHECKPOINT[fault], "values")
+    drift = rep.labels["DRAFTER-DRIFT"]
+    # exit 1 either way: a DRAFTER-DRIFT label names the checkpoint, or (drafts unchanged) the departure itself
+    assert (f"DRAFTER-DRIFT x{drift} (drafter departs at {d.component} from round 0)" if drift else
+            f"drafter {d.component} from round 0") in rep.defects
+
+
+def test_correct_drafters_do_not_depart(tiny_f32, mtp_file, dspark_file, reference, dspark_reference):
+    for draft, ref, kind in ((mtp_file, reference, "mtp"), (dspark_file, dspark_reference, "dspark")):
+        rep = drafted(torch_engine(tiny_f32, draft), ref, kind, steps=3)
+        assert rep.drafter_divergence is None and not rep.defects
+
+
+def test_stale_dspark_ring_departs_the_round_after_the_first_accepted_draft(tiny_f32, dspark_file,
+                                                                             dspark_reference):
+    # the random drafter accepts rarely: on this prompt only round 9 accepts a draft (16 steps), so round 10 is the
+    # first that should write two ring rows and writes one (spec §3.5, D9)
+    rep = drafted(torch_engine(tiny_f32, dspark_file, "dspark-stale-ring"), dspark_reference, "dspark", steps=16)
+    assert rep.exact
+    first = 1 + next(i for i, r in enumerate(rep.rounds) if r.accepted >= 1)
+    d = rep.drafter_divergence
+    assert (d.round, d.component) == (first, "dspark.0")
+    assert (rep.state_divergence.round, rep.state_divergence.component) == (first, "dspark.0.rows")
+
+
+def test_dspark_tap_sum_cannot_act_in_spec(tiny_f32, dspark_file, dspark_reference):
+    # the driver forms the taps itself from the trunk carriers (the stream mean, parity.spec.drafts.dspark_taps), so
+    # the engine's tap op, the one the fault replaces, is never called by a speculative run
+    rep = drafted(torch_engine(tiny_f32, dspark_file, "dspark-tap-sum"), dspark_reference, "dspark", steps=3)
+    assert rep.exact and rep.drafter_divergence is None and not rep.defects
+
+
+# ---------------------------------------------------------------- MTP pairings (spec §2.3)
+class OwnRowFirst:
+    """An MTP head whose `same` pair (X^(L)_p, t_p) predicts what the trunk's own row p predicts, as a well-fitted
+    head's would: the last pair's logits are the trunk head's logits of X^(L)_p (ds4's draft 0, checked against the
+    anchor for free, then passes); the chain is the drafter's own."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.ring = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def new_mtp_state(self):
+        self.ring = self.inner.new_mtp_state()    # the committed ring (chains run on copies of it)
+        return self.ring
+
+    def mtp_forward(self, state, carriers, tokens, start_pos, pairing="prev"):
+        out = self.inner.mtp_forward(state, carriers, tokens, start_pos, pairing)
+        if pairing == "same" and state is self.ring:   # the trunk rows' pairs, not a chain step
+            out.logits = out.logits.copy()
+            out.logits[-1] = self.inner.head(np.asarray(carriers[-1:]))[1][0]
+        return out
+
+
+@pytest.mark.parametrize("pairing", ["prev", "same"])
+def test_both_pairings_are_exact_on_correct_engines(tiny_f32, mtp_file, reference, pairing):
+    cand, ref = OwnRowFirst(torch_engine(tiny_f32, mtp_file)), OwnRowFirst(reference)
+    rep = spec_report(cand, ref, "mtp", PROMPT, 8, ENV, depth=3, pairing=pairing)
+    assert rep.exact and rep.state_divergence is None and rep.drafter_divergence is None and not rep.defects
+    assert {k for k, v in rep.labels.items() if v} <= {"ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED"}
+    assert rep.options["pairing"] == pairing
+    # prev drafts depth (3) a round; same drafts depth - 1 (2): its first MTP output predicts the anchor itself
+    assert {len(r.drafts) for r in rep.rounds} == {3 if pairing == "prev" else 2}
+    assert all(r.verified == len(r.drafts) or r.cut == "budget" for r in rep.rounds)
+
+
+def test_same_pairing_without_the_free_check_drafts_nothing(tiny_f32, mtp_file, reference):
+    # the synthesized (random) MTP head never predicts the anchor from (X^(L)_c, t_c): no round speculates (ds4)
+    rep = spec_report(torch_engine(tiny_f32, mtp_file), reference, "mtp", PROMPT, 4, ENV, depth=2, pairing="same")
+    assert rep.exact and all(len(r.drafts) == 0 for r in rep.rounds) and not rep.defects
+
+
+def test_pairing_options_are_checked(tiny_f32, mtp_file, reference):
+    from parity.contract.errors import ParityError
+
+    with pytest.raises(ParityError, match="--depth 1 with pairing same never drafts"):
+        spec_report(reference, reference, "mtp", PROMPT, 4, ENV, depth=1, pairing="same")
+    with pytest.raises(ParityError, match="MTP pairing 'next'"):
+        spec_report(reference, reference, "mtp", PROMPT, 4, ENV, depth=2, pairing="next")
+    with pytest.raises(ParityError, match="applies to an MTP drafter only"):
+        spec_report(reference, reference, "script", PROMPT, 4, ENV, depth=2, pairing="same")

@@ -38,8 +38,10 @@ class StateDivergence:
 @dataclass(frozen=True)
 class RoundAttribution:
     """The reference's view of one round: labels (one per drafted position d_1..d_k), ρ_0..ρ_γ, μ and τ per
-    verify row (absolute logits), gaps = ℓ_ref(ρ_j) − ℓ_ref(v_j) per verify row (0 where the candidate picked ρ_j),
-    the reference drafter's d*_1..d*_k."""
+    verify row (absolute logits), gaps = ℓ_ref(ρ_j) − ℓ_ref(v_j) per verify row (0 where the candidate picked ρ_j;
+    v_{a'} is the token committed from row a'), the reference drafter's d*_1..d*_k, and the first draft checkpoint
+    where the candidate's drafter departs from the reference drafter on the candidate's inputs (spec §6.3.4; the
+    state tolerance, in the checkpoints' order; None: none departs, or scripted drafts)."""
 
     labels: tuple[str, ...]
     reference: tuple[int, ...]
@@ -47,6 +49,7 @@ class RoundAttribution:
     ties: tuple[float, ...]
     gaps: tuple[float, ...]
     reference_drafts: tuple[int, ...]
+    drafter: tuple[str, str, str] | None = None   # the first draft checkpoint departing: (name, kind, why)
 
 
 def top_two_margin(logits: np.ndarray) -> np.ndarray:
@@ -90,11 +93,13 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
     rows = forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
     out, divergence, tol = [], None, state_tolerance(env)
     for n, (r, first) in enumerate(zip(run.rounds, run.feed_first, strict=True)):
-        star, star_logits = np.asarray(r.drafts), None
+        star, star_logits, drafter = np.asarray(r.drafts), None, None
         if source is not None:
             inputs = source.inputs(rows) if own_inputs else run.inputs[n]
             p = source.draft(inputs, run.tokens, first, forced=np.asarray(r.drafts, np.int64))
             star, star_logits = p.drafts, p.logits
+            cand_ckpts = run.draft_checkpoints[n] if n < len(run.draft_checkpoints) else {}
+            drafter = first_difference(cand_ckpts, p.checkpoints, tol) if cand_ckpts else None
         saved = snapshot(state)
         batch = np.asarray([r.anchor, *r.drafts[: r.verified]], np.int64)
         rows = forward_chunk(ref, state, batch, r.start_pos)
@@ -108,7 +113,8 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
         idx = np.arange(len(rho))
         gaps = logits[idx, rho].astype(np.float64) - logits[idx, np.asarray(r.row_tokens)]
         out.append(RoundAttribution(labels, tuple(map(int, rho)), tuple(map(float, margins)),
-                                    tuple(map(float, ties)), tuple(map(float, gaps)), tuple(map(int, star))))
+                                    tuple(map(float, ties)), tuple(map(float, gaps)), tuple(map(int, star)),
+                                    drafter))
         if divergence is None:
             found = first_difference(run.states[n], state_view(ref, state, source), tol) if run.states else None
             found = found or anchor_difference(r, rho, gaps, ties)

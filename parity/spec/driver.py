@@ -73,6 +73,7 @@ caches after each round's commit (`state_view`)."""
     inputs: list[np.ndarray] = field(default_factory=list)
     feed_first: list[int] = field(default_factory=list)
     states: list[dict[str, np.ndarray]] = field(default_factory=list)  # after each round (engines with StateView)
+    draft_checkpoints: list[dict[str, np.ndarray]] = field(default_factory=list)   # each round's (Proposal)
 
     @property
     def generated(self) -> list[int]:
@@ -113,6 +114,7 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
         proposal = source.draft(inputs, run.tokens, first)
         run.inputs.append(inputs)
         run.feed_first.append(first)
+        run.draft_checkpoints.append(proposal.checkpoints)
         gamma, cut = cut_drafts(proposal, gate, max_draft, steps - len(run.generated) - 1)
         drafts = proposal.drafts[:gamma]
         t1 = time.perf_counter()

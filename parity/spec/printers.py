@@ -55,6 +55,12 @@ def summary_lines(report: SpecReport) -> list[str]:
                                 "every commit equal to the reference's" if report.state_divergence is None else
                                 f"first difference after round {report.state_divergence.round}: "
                                 f"{report.state_divergence.component} ({report.state_divergence.why})"),
+            "drafter parity (candidate vs reference drafter on the candidate's inputs): " + (
+                "no draft checkpoints (scripted drafts)" if not any(report.options.get("drafter") == k
+                                                                     for k in ("mtp", "dspark")) else
+                "every round's draft checkpoints equal" if report.drafter_divergence is None else
+                f"first departure in round {report.drafter_divergence.round}: {report.drafter_divergence.component} "
+                f"({report.drafter_divergence.why})"),
             "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())]
 
 
@@ -88,7 +94,9 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos, anchor, drafts, confidence, verified,
     cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
     ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, kind, why} or null;
-    kind shape | non-finite | values), state_flip_possible (a values difference with QAT sims on: noted, not a
+    kind shape | non-finite | values), drafter_divergence ({round, start_pos, component: the first draft
+    checkpoint where the candidate's drafter departs from the reference drafter on the candidate's inputs, kind,
+    why} or null), state_flip_possible (a values difference with QAT sims on: noted, not a
     defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step, position, token, reference, margin,
     tie}]}: every committed token judged on its own prefix), state_checked, state_note (why not, or null), cost,
     tokens, options, seconds, defects. A run read from a trace (`--candidate`): spec_induced, plain and
@@ -105,6 +113,8 @@ def to_json(report: SpecReport) -> dict[str, Any]:
                                      "reference_per_slot": list(report.reference_per_slot),
                                      "mean": report.mean_accepted},
                       "state_divergence": asdict(report.state_divergence) if report.state_divergence else None,
+                      "drafter_divergence": (asdict(report.drafter_divergence) if report.drafter_divergence
+                                             else None),
                       "committed": {"counts": report.committed_counts,
                                     "divergent": [{"class": x.cls, **{k: v for k, v in asdict(x).items() if k != "cls"}}
                                                   for x in report.committed if x.cls != "MATCH"]},

@@ -59,7 +59,26 @@ class SpecReport:
             out.append(f"committed WRONG x{wrong}")
         if self.state_divergence is not None and not self.state_flip_possible:
             out.append(f"state {self.state_divergence.component} after round {self.state_divergence.round}")
-        return out + [f"{k} x{v}" for k, v in self.labels.items() if k in DEFECT_LABELS and v]
+        dd = self.drafter_divergence
+        at = f" (drafter departs at {dd.component} from round {dd.round})" if dd is not None else ""
+        labels = [f"{k} x{v}{at if k == 'DRAFTER-DRIFT' else ''}" for k, v in self.labels.items()
+                  if k in DEFECT_LABELS and v]
+        if dd is not None and not self.labels["DRAFTER-DRIFT"] and not self.flip_possible(dd):
+            out.append(f"drafter {dd.component} from round {dd.round}")
+        return out + labels
+
+    @property
+    def drafter_divergence(self) -> StateDivergence | None:
+        """The first round where the candidate's drafter departs from the reference drafter on the candidate's own
+        inputs, and the first draft checkpoint that departs (`component`; spec §6.3.4), or None."""
+        return next((StateDivergence(n, r.start_pos, *a.drafter) for n, (r, a) in
+                     enumerate(zip(self.rounds, self.attribution, strict=True)) if a.drafter is not None), None)
+
+    def flip_possible(self, div: StateDivergence) -> bool:
+        """A difference of values only with a QAT simulation on: possibly one FP8 / FP4 code that flipped between
+        two paths (spec §4.5.2), noted, not a defect."""
+        flags = self.options["flags"]
+        return div.kind == "values" and bool(flags["fp8_kv"] or flags["fp4_indexer"])
 
     @property
     def committed_counts(self) -> dict[str, int]:
@@ -70,9 +89,7 @@ class SpecReport:
     def state_flip_possible(self) -> bool:
         """The first state difference is one of values with a QAT simulation on: possibly one code flip between
         the batched and the sequential path (spec §4.5.2), noted, not a defect."""
-        flags = self.options["flags"]
-        return (self.state_divergence is not None and self.state_divergence.kind == "values"
-                and bool(flags["fp8_kv"] or flags["fp4_indexer"]))
+        return self.state_divergence is not None and self.flip_possible(self.state_divergence)
 
     @property
     def cost(self) -> dict[str, int]:
@@ -97,14 +114,18 @@ class SpecReport:
 def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], steps: int, env: Envelope, *,
                 depth: int = 1, gate: Gate | None = None, max_draft: int | None = None,
                 reject_at: int | None = None, drafter: DrafterConfig | None = None,
-                counter: Callable[[str, int, int | None], None] | None = None) -> SpecReport:
+                counter: Callable[[str, int, int | None], None] | None = None,
+                pairing: str | None = None) -> SpecReport:
     """Run `cand` speculatively (`kind`: mtp | dspark | script), decode plainly with `cand` and `ref`, attribute
     every round with `ref`. `drafter`: the drafter's `DrafterConfig` (DSpark taps and B); scripts draft the
-    reference's greedy continuation, the `reject_at`-th draft of each round made wrong (None: accept-all)."""
+    reference's greedy continuation, the `reject_at`-th draft of each round made wrong (None: accept-all).
+    `pairing`: the MTP pairing prev | same (spec §2.3; None: prev), refused for other kinds."""
     import time
 
     if steps < 1:
         raise ParityError(f"--steps must be >= 1, got {steps}")
+    if pairing is not None and kind != "mtp":
+        raise ParityError(f"an MTP pairing ({pairing}) was given for {kind} drafts: it applies to an MTP drafter only")
     if kind == "dspark" and drafter is None:
         raise ParityError("spec_report: a DSpark run needs the drafter's DrafterConfig (taps, B)")
     gate = gate or Gate("none")
@@ -122,7 +143,8 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
         source: Any = ScriptSource([*prompt, *ref_tokens], depth, reject_at, cand.config.vocab_size)
         ref_source = None
     elif kind == "mtp":
-        source, ref_source = MTPSource(cand, depth), MTPSource(ref, depth)
+        pairing = pairing or "prev"
+        source, ref_source = MTPSource(cand, depth, pairing), MTPSource(ref, depth, pairing)
     else:
         source, ref_source = DSparkSource(cand, drafter), DSparkSource(ref, drafter)
     run = speculate(cand, source, prompt, steps, gate, max_draft, counter)
@@ -131,7 +153,7 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
     t4 = time.perf_counter()
     width = max((len(r.drafts) for r in run.rounds), default=0)
     options = {"engine": cand.name, "flags": cand.options.flags(), "drafter": kind,
-               "depth": depth if kind != "dspark" else width, "pairing": "prev" if kind == "mtp" else None,
+               "depth": depth if kind != "dspark" else width, "pairing": pairing if kind == "mtp" else None,
                "ring_policy": "replay" if kind == "mtp" else "committed-rows" if kind == "dspark" else None,
                "gate": str(gate), "max_draft": max_draft, "temperature": 0, "tie_break": "first-max",
                "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
