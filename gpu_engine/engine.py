@@ -25,7 +25,7 @@ from gpu_engine.cpu_kernels import load as load_kernels
 from gpu_engine.dequant import dequantize
 from gpu_engine.draft import Ring, check_tap_carriers, check_taps, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
-from gpu_engine.faults import DRAFT_FAULTS, FAULTS, SPEC_FAULTS, Faults, compose
+from gpu_engine.faults import DRAFT_FAULTS, FAULTS, SPEC_FAULTS, Faults, compose, fault_layers
 from gpu_engine.fit import fit_dspark, fit_mtp
 from gpu_engine.hc import hc_head
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
@@ -165,7 +165,14 @@ class TorchEngine:
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
-        self.ops = replace(compose(self.switches, self._qat_ops()), expert_map=run)
+        # FAULT@LAYERS: those faults act only in the named layers' ops (`faults.fault_layers`); the others, and the
+        # draft heads' ops, as named without layers
+        self.fault_layers = fault_layers(options.inject, cfg.n_layers)
+        qat = self._qat_ops()
+        self.ops = replace(compose(self.switches.without(set(self.fault_layers)), qat), expert_map=run)
+        self.layer_ops = [replace(compose(self.switches.without({f for f, at in self.fault_layers.items()
+                                                                 if l not in at}), qat), expert_map=run)
+                          if self.fault_layers else self.ops for l in range(cfg.n_layers)]
         self._announce()
 
     def _check_hash_tables(self) -> None:
@@ -198,7 +205,9 @@ class TorchEngine:
         for mode in self.options.approximations():
             print(f"torch engine: APPROXIMATE {mode} ({APPROXIMATIONS[mode]})", file=sys.stderr)
         if self.switches.active:
-            print(f"torch engine: FAULTS INJECTED: {', '.join(self.switches.active)}", file=sys.stderr)
+            named = [f + (f"@{','.join(map(str, sorted(self.fault_layers[f])))}" if f in self.fault_layers else "")
+                     for f in self.switches.active]
+            print(f"torch engine: FAULTS INJECTED: {', '.join(named)}", file=sys.stderr)
 
     def _freqs(self, ratio: int) -> torch.Tensor:
         cfg = self.cfg
@@ -244,8 +253,8 @@ class TorchEngine:
             raise ParityError(f"layer {layer}: the input carrier holds non-finite values")
         tok = torch.from_numpy(check_tokens(tokens, cfg.vocab_size, f"layer {layer}")).to(self.device)
         with torch.inference_mode():
-            res = block_forward(self.w, cfg, self.ops, self.plans[layer], cache, self._in(carrier), tok, start_pos,
-                                self.options.expert_override, capture)
+            res = block_forward(self.w, cfg, self.layer_ops[layer], self.plans[layer], cache, self._in(carrier), tok,
+                                start_pos, self.options.expert_override, capture)
             diag = self._diag(layer, res)
             return LayerOutput(self._out(res.attn_carrier), self._out(res.carrier), diag,
                                self._captures(res, diag) if capture else {})

@@ -161,16 +161,67 @@ class Faults:
 
     @classmethod
     def parse(cls, names: tuple[str, ...] | list[str]) -> Faults:
-        """Validated switches for the given fault names; an unknown name is a ParityError."""
+        """Validated switches for the given fault names (`FAULT@LAYERS` entries included: `fault_layers` checks
+        their layer lists); an unknown name is a ParityError."""
         known = FAULTS + DRAFT_FAULTS + SPEC_FAULTS
-        unknown = [n for n in names if n not in known]
+        bare = [n.split("@", 1)[0] for n in names]
+        unknown = [n for n in bare if n not in known]
         if unknown:
             raise ParityError(f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
-        return cls(**{n.replace("-", "_"): True for n in names})
+        return cls(**{n.replace("-", "_"): True for n in bare})
+
+    def without(self, names: set[str] | frozenset[str]) -> Faults:
+        """These switches with the faults `names` off."""
+        return replace(self, **{n.replace("-", "_"): False for n in names})
 
     @property
     def active(self) -> tuple[str, ...]:
         return tuple(f.name.replace("_", "-") for f in fields(self) if getattr(self, f.name))
+
+
+# faults that are an op of a trunk layer: `FAULT@LAYERS` may restrict them to some layers (compress-ratios-u32 is a
+# read of the whole schedule; the draft heads' and the speculative path's faults act outside the trunk's layers)
+LAYER_FAULTS: tuple[str, ...] = tuple(f for f in FAULTS if f != "compress-ratios-u32")
+
+
+def layer_list(text: str, entry: str, n_layers: int) -> frozenset[int]:
+    """'3', '1,4', '2-5' or a mix ('0,2-3') -> the layers, each in [0, n_layers); anything else is a ParityError
+    naming `entry`."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ParityError(f"--inject {entry!r}: bad layer list {text!r} (layers, ranges a-b, commas: 3, 1,4 or "
+                              "2-5)")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if a > b:
+            raise ParityError(f"--inject {entry!r}: empty layer range {part.strip()!r} ({a} > {b})")
+        if b >= n_layers:
+            raise ParityError(f"--inject {entry!r}: layer {b} out of range [0, {n_layers}) (the model has "
+                              f"{n_layers} layers)")
+        layers.update(range(a, b + 1))
+    return frozenset(layers)
+
+
+def fault_layers(names: tuple[str, ...] | list[str], n_layers: int) -> dict[str, frozenset[int]]:
+    """The `FAULT@LAYERS` entries of `names`: fault -> the layers it acts on (faults named without `@` act on
+    every layer and are not in the result). A fault that is not a per-layer trunk op, or named twice, is refused."""
+    at: dict[str, frozenset[int]] = {}
+    seen: set[str] = set()
+    for entry in names:
+        name, sep, text = entry.partition("@")
+        if name in seen:
+            raise ParityError(f"--inject {entry!r}: fault {name!r} named twice (give one layer list: {name}@1,4)")
+        seen.add(name)
+        if not sep:
+            continue
+        if name not in LAYER_FAULTS:
+            what = ("reads the whole layer schedule" if name == "compress-ratios-u32" else
+                    "acts in the draft heads" if name in DRAFT_FAULTS else "acts on the speculative path")
+            raise ParityError(f"--inject {entry!r}: {name} {what}, not in one layer's ops: it takes no @LAYERS "
+                              f"(per-layer faults: {', '.join(LAYER_FAULTS)})")
+        at[name] = layer_list(text, entry, n_layers)
+    return at
 
 
 def compose(f: Faults, ops: Ops) -> Ops:
