@@ -17,6 +17,9 @@
  * the sub-op records (meta line `subops NAME...` for the header; `arrays.txt`: one `MEMBER DESCR DIM...` line per
  * array, its bytes in `MEMBER.bin`).
  *
+ * Optional, a speculative run's rounds: `spec.txt`, one round per line: START K GAMMA CUT ACCEPTED HAS_CONF, then the
+ * K drafts, the GAMMA + 1 verify argmaxes and (HAS_CONF 1) the K confidence logits; written with v4p_spec.
+ *
  * With CHECKPOINT REL, the vector of CHECKPOINT at every position gets a deterministic +-1 noise (splitmix64
  * signs, another seed than the fingerprint's) scaled to REL times the vector's norm: a planted error. When
  * CHECKPOINT is a layer output blk.L, the sub-op record subop.L.hc_ffn_post (the same vectors) gets the same noise,
@@ -203,6 +206,26 @@ static void perturb(float *x, size_t n, double rel, uint64_t seed) {
     for (i = 0; i < n; i++) x[i] += (float)((mix(seed + i) >> 63) ? -scale : scale);
 }
 
+/* The rounds of DIR/spec.txt (if present) as spec records: what an engine's speculative loop has per round. */
+static void spec_rounds(const char *dir, v4p_trace *t) {
+    char path[4096], cut[16];
+    int32_t drafts[256], verify[257];
+    float conf[256];
+    int start, k, gamma, accepted, has_conf, i, x;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/spec.txt", dir);
+    f = fopen(path, "r");
+    if (!f) return;
+    while (fscanf(f, "%d %d %d %15s %d %d", &start, &k, &gamma, cut, &accepted, &has_conf) == 6) {
+        if (k < 1 || k > 256 || gamma < 0 || gamma > k) die(path, "bad round sizes");
+        for (i = 0; i < k; i++) { if (fscanf(f, "%d", &x) != 1) die(path, "drafts"); drafts[i] = (int32_t)x; }
+        for (i = 0; i <= gamma; i++) { if (fscanf(f, "%d", &x) != 1) die(path, "verify"); verify[i] = (int32_t)x; }
+        for (i = 0; has_conf && i < k; i++) if (fscanf(f, "%f", &conf[i]) != 1) die(path, "conf");
+        if (v4p_spec(t, start, drafts, k, gamma, cut, verify, accepted, has_conf ? conf : NULL)) break;
+    }
+    fclose(f);
+}
+
 int main(int argc, char **argv) {
     static int32_t tokens[MAXN], chunks[MAXN], positions[MAXN];
     static char engine[256], version[256], model[1024], model_data[128], dtype[64], flags[8192];
@@ -295,6 +318,7 @@ int main(int argc, char **argv) {
             snprintf(same, sizeof same, "subop.%d.hc_ffn_post", layer);
         arrays(argv[1], t, same[0] ? same : NULL, rel);
     }
+    spec_rounds(argv[1], t);
     if (v4p_close(t, err, sizeof err)) die("v4p_close", err);
     return 0;
 }

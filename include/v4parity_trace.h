@@ -20,9 +20,11 @@
  *     v4p_vector(t, "logits", pos, logits, vocab);          only if "logits" is in h.full
  *     v4p_hc(...), v4p_moe(...), v4p_attn(...)              optional per-layer diagnostic lines
  *     v4p_array(t, "subop.0.q_path", "<f4", shape, 3, data); whole arrays, e.g. sub-op records
+ *     v4p_spec(t, start_pos, drafts, k, gamma, cut, verify, accepted, conf);  one line per speculative round
  *     v4p_close(t, err, sizeof err);          writes the side file, then renames it and the trace into place
  *
  * Trunk checkpoints only (embed, blk.L.attn, blk.L, final_norm); draft checkpoints (mtp.*, dspark.*) are refused.
+ * A trace of spec records alone: n_checkpoints = n_positions = 0 (no full vectors, no sub-op records, no v4p_ckpt).
  * Every function returns 0 on success, -1 on error (v4p_open: NULL); v4p_close reports the first error of the
  * whole session in `err`. Little-endian hosts only (the .npy members are written as "<f4" / "<i4" / "<i8").
  * Record lines come out in the order you call v4p_ckpt (the reader accepts any order; v4parity's own writer
@@ -52,7 +54,7 @@ typedef struct {
     int n_prompt;
     const int32_t *chunks; int n_chunks;
     int decode;
-    const int32_t *positions; int n_positions;   /* ascending */
+    const int32_t *positions; int n_positions;   /* ascending; 0 (and no checkpoints): spec records alone */
     const char *const *checkpoints; int n_checkpoints;
     const char *const *full; int n_full;         /* names whose full vectors go to the side file (may hold "logits") */
     const char *const *subops; int n_subops;     /* sub-op record names for the `subops` line (0: no line) */
@@ -78,6 +80,13 @@ int v4p_attn(v4p_trace *t, int layer, int pos, int n_comp, const int32_t *sel, i
 int v4p_vector(v4p_trace *t, const char *name, int pos, const float *x, size_t n);
 /* A whole extra array `<member>.npy` in the side file: descr "<f4", "<i4" or "<i8", shape of ndim dims. */
 int v4p_array(v4p_trace *t, const char *member, const char *descr, const int64_t *shape, int ndim, const void *data);
+/* One speculative round, in order (docs/trace-format.md "Spec records"): the anchor's position start_pos (the first
+ * round's is n_prompt, each next one the previous start_pos + accepted + 1), the k drafts (cut ones too), gamma of
+ * them verified (cut: "-" or NULL exactly when gamma == k, else "gate", "max-draft" or "budget"), the gamma + 1 verify
+ * argmaxes, accepted = a' (the greedy rule's: checked), conf: the k DSpark confidence logits or NULL. The committed
+ * drafts and bonus must be the header's tokens. */
+int v4p_spec(v4p_trace *t, int start_pos, const int32_t *drafts, int k, int gamma, const char *cut,
+             const int32_t *verify, int accepted, const float *conf);
 int v4p_close(v4p_trace *t, char *err, size_t errlen);
 
 #ifdef __cplusplus
@@ -207,6 +216,7 @@ struct v4p_trace {
     FILE *text;
     v4p_member *members; int n_members;
     char err[512];
+    int n_spec, spec_next;           /* spec rounds written; the next round's start position */
     uint64_t sign_n[4], *signs[4];   /* cached fingerprint signs per vector length: bit k of signs[i] = s(k, i) < 0 */
 };
 
@@ -307,15 +317,23 @@ v4p_trace *v4p_open(const char *trace_path, const v4p_header *h, char *err, size
     t->members = (v4p_member *)calloc(V4P_MAX_MEMBERS, sizeof *t->members);
     if (!t->members) { v4p_fail(t, "out of memory"); goto fail; }
     if (!h->engine || !h->engine_version || !h->model_header_sha256 || !h->model_file || !h->dtype ||
-        !h->flags_json || !h->tokens || !h->chunks || !h->positions || !h->checkpoints) {
+        !h->flags_json || !h->tokens || !h->chunks || (!h->positions && h->n_positions) ||
+        (!h->checkpoints && h->n_checkpoints)) {
         v4p_fail(t, "v4p_header: a required field is NULL (engine, engine_version, model_header_sha256, "
                  "model_file, dtype, flags_json, tokens, chunks, positions, checkpoints)");
         goto fail;
     }
-    if (h->n_hc < 1 || h->dim < 1 || h->top_k < 1 || h->n_layers < 1 || h->n_positions < 1) {
-        v4p_fail(t, "v4p_header: n_hc, dim, top_k, n_layers and n_positions must be >= 1");
+    if (h->n_hc < 1 || h->dim < 1 || h->top_k < 1 || h->n_layers < 1 || h->n_positions < 0 ||
+        (h->n_positions < 1) != (h->n_checkpoints < 1)) {
+        v4p_fail(t, "v4p_header: n_hc, dim, top_k and n_layers must be >= 1, n_positions and n_checkpoints both >= 1 "
+                 "(or both 0: spec records alone)");
         goto fail;
     }
+    if (!h->n_positions && (h->n_full || h->n_subops)) {
+        v4p_fail(t, "v4p_header: a trace of spec records alone has no full vectors or sub-op records");
+        goto fail;
+    }
+    t->spec_next = h->n_prompt;
     if (h->n_hc > 64) { v4p_fail(t, "v4p_header: n_hc %d > 64", h->n_hc); goto fail; }
     for (i = 0; i < h->n_checkpoints; i++)
         if (!v4p_trunk_name(h->checkpoints[i], h->n_layers)) {
@@ -605,6 +623,46 @@ int v4p_attn(v4p_trace *t, int layer, int pos, int n_comp, const int32_t *sel, i
     return ferror(t->text) ? v4p_fail(t, "%s: write failed", t->tmp) : 0;
 }
 
+int v4p_spec(v4p_trace *t, int start_pos, const int32_t *drafts, int k, int gamma, const char *cut,
+             const int32_t *verify, int accepted, const float *conf) {
+    const v4p_header *h = &t->h;
+    int i, rule = 0, all = !cut || !strcmp(cut, "-");
+    if (k < 1) return v4p_fail(t, "v4p_spec: round %d: k %d < 1", t->n_spec, k);
+    if (start_pos != t->spec_next)
+        return v4p_fail(t, "v4p_spec: round %d starts at position %d, expected %d", t->n_spec, start_pos, t->spec_next);
+    if (start_pos >= h->n_tokens)
+        return v4p_fail(t, "v4p_spec: round %d: position %d is past the header's tokens", t->n_spec, start_pos);
+    if (gamma < 0 || gamma > k) return v4p_fail(t, "v4p_spec: round %d: gamma %d not in [0, %d]", t->n_spec, gamma, k);
+    for (i = 0; i < k || i <= gamma; i++)
+        if ((i < k && drafts[i] < 0) || (i <= gamma && verify[i] < 0))
+            return v4p_fail(t, "v4p_spec: round %d: a negative token id", t->n_spec);
+    if (!all && strcmp(cut, "gate") && strcmp(cut, "max-draft") && strcmp(cut, "budget"))
+        return v4p_fail(t, "v4p_spec: round %d: cut '%.20s' (-, gate, max-draft, budget)", t->n_spec, cut);
+    if (all != (gamma == k))
+        return v4p_fail(t, "v4p_spec: round %d: %d of %d drafts verified, cut must be '-' exactly when all are",
+                        t->n_spec, gamma, k);
+    while (rule < gamma && drafts[rule] == verify[rule]) rule++;
+    if (accepted != rule)
+        return v4p_fail(t, "v4p_spec: round %d: accepted %d, the greedy rule accepts %d", t->n_spec, accepted, rule);
+    for (i = 0; i <= accepted && start_pos + 1 + i < h->n_tokens; i++) {
+        int32_t tok = i < accepted ? drafts[i] : verify[accepted];
+        if (tok != h->tokens[start_pos + 1 + i])
+            return v4p_fail(t, "v4p_spec: round %d commits token %d at position %d, the header's tokens say %d",
+                            t->n_spec, (int)tok, start_pos + 1 + i, (int)h->tokens[start_pos + 1 + i]);
+    }
+    fprintf(t->text, "spec %d pos %d: drafts=", t->n_spec, start_pos);
+    v4p_ints(t->text, drafts, k);
+    fprintf(t->text, " verified=%d cut=%s verify=", gamma, all ? "-" : cut);
+    v4p_ints(t->text, verify, gamma + 1);
+    fprintf(t->text, " accepted=%d conf=", accepted);
+    if (conf) v4p_floats(t->text, conf, k);
+    else fputc('-', t->text);
+    fputc('\n', t->text);
+    t->n_spec++;
+    t->spec_next = start_pos + accepted + 1;
+    return ferror(t->text) ? v4p_fail(t, "%s: write failed", t->tmp) : 0;
+}
+
 /* Copy member bytes into the zip, computing the CRC-32 on the way. */
 static int v4p_copy(v4p_trace *t, FILE *out, v4p_member *m, uint32_t *crc) {
     unsigned char buf[1 << 16];
@@ -708,6 +766,10 @@ int v4p_close(v4p_trace *t, char *err, size_t errlen) {
                 if (!m->written[i])
                     v4p_fail(t, "full vector %s at position %d never written", t->h.full[f], (int)t->h.positions[i]);
         }
+        if (!t->h.n_positions && !t->n_spec) v4p_fail(t, "a trace without checkpoints needs spec records (v4p_spec)");
+        if (t->n_spec && t->h.n_tokens > t->h.n_prompt + 1 && t->spec_next < t->h.n_tokens - 1)
+            v4p_fail(t, "the spec rounds commit tokens up to position %d, the header's tokens go on to %d: a round "
+                     "is missing", t->spec_next, t->h.n_tokens - 1);
     }
     if (t->text) {
         if (fclose(t->text)) v4p_fail(t, "%s: write failed", t->tmp);

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -28,7 +29,7 @@ from parity.bisect.search import builtin_prompt
 from parity.contract.checkpoints import block
 from parity.contract.errors import TraceError
 from parity.gguf.weights import Weights
-from parity.tracing.io import vectors_path
+from parity.tracing.io import format_text, read_trace, vectors_path
 from parity.tracing.stats import carrier_stats, top_k
 from parity.tracing.subops import record_members
 
@@ -236,3 +237,93 @@ def test_a_writer_error_is_named_and_leaves_no_file(example, tmp_path):
     (tmp_path / "blk.0.bin").unlink()   # the example's own input errors name the file
     res = subprocess.run([str(example), str(tmp_path), str(tmp_path / "x.trace")], capture_output=True, text=True)
     assert res.returncode == 2 and "blk.0.bin: cannot open" in res.stderr
+
+
+# ---------------------------------------------------------------- spec records (issue 25 point 4)
+
+SPEC_ONLY_C = r"""
+#define V4P_TRACE_IMPLEMENTATION
+#include "v4parity_trace.h"
+#include <stdio.h>
+int main(int argc, char **argv) {
+    static const int32_t tokens[] = {0, 1, 2, 5, 6, 7, 8}, chunks[] = {3, 1, 1, 1, 1};
+    static const int32_t d0[] = {6, 9}, v0[] = {6, 7, 4}, d1[] = {8, 1, 3}, v1[] = {8};
+    static const float c1[] = {0.5f, -1.0f, 2000.0f};
+    v4p_header h = {0};
+    char err[512];
+    v4p_trace *t;
+    h.engine = "c-spec"; h.engine_version = "1"; h.model_size = 1; h.model_file = "m.gguf";
+    h.model_header_sha256 = "0123456789abcdef0123456789abcdef"; h.dtype = "float32"; h.n_layers = 1;
+    h.n_hc = 4; h.dim = 8; h.top_k = 4; h.tokens = tokens; h.n_tokens = 7; h.n_prompt = 3;
+    h.chunks = chunks; h.n_chunks = 5; h.decode = 4; h.flags_json = "{\"fp4_indexer\":false,\"fp8_kv\":false}";
+    t = v4p_open(argv[1], &h, err, sizeof err);
+    if (!t) { fprintf(stderr, "%s\n", err); return 2; }
+    v4p_spec(t, 3, d0, 2, 2, NULL, v0, argc > 2 ? 0 : 1, NULL);    /* argv[2]: a wrong a' */
+    v4p_spec(t, 5, d1, 3, 0, "budget", v1, 0, c1);
+    if (v4p_close(t, err, sizeof err)) { fprintf(stderr, "%s\n", err); return 2; }
+    return 0;
+}
+"""
+
+
+def test_a_spec_only_trace_from_c_is_the_python_writers_and_a_wrong_accept_is_named(tmp_path):
+    cc = require_program("cc", "gcc")
+    (tmp_path / "spec.c").write_text(SPEC_ONLY_C)
+    exe = tmp_path / "spec"
+    subprocess.run([cc, "-std=c99", "-pedantic", "-Wall", "-Wextra", "-Werror", "-I", str(INCLUDE), "-o", str(exe),
+                    str(tmp_path / "spec.c"), "-lm"], check=True, capture_output=True, text=True)
+    out = tmp_path / "s.trace"
+    subprocess.run([str(exe), str(out)], check=True, capture_output=True, text=True)
+    t = read_trace(out, allow_spec_only=True)
+    assert [(r.start_pos, r.drafts, r.verified, r.cut, r.verify, r.accepted, r.conf) for r in t.spec] == [
+        (3, (6, 9), 2, "", (6, 7, 4), 1, None), (5, (8, 1, 3), 0, "budget", (8,), 0, (0.5, -1.0, 2000.0))]
+    assert out.read_bytes() == format_text(t).encode()          # the whole file, header included
+    assert not vectors_path(out).exists()
+    res = subprocess.run([str(exe), str(tmp_path / "x.trace"), "wrong"], capture_output=True, text=True)
+    assert res.returncode == 2 and "round 0: accepted 0, the greedy rule accepts 1" in res.stderr, res.stderr
+    assert not list(tmp_path.glob("x.*"))
+
+
+def test_spec_records_from_the_example_are_read_by_spec_candidate(tiny_f32, example, reference, tmp_path):
+    """A speculative run on the reference trace's own prompt and tokens (the reference engine, QAT sims on as
+    the trace, scripted drafts of depth 2 with the second wrong), its rounds handed to the example as spec.txt
+    (confidences set to float32 values to exercise their format): the C lines are the Python writer's and `spec
+    --candidate` attributes them as the live run."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from parity.bisect.envelope import load_envelope
+    from parity.cli import cli
+    from parity.contract.engine import RunOptions
+    from parity.spec.candidate import records_of
+    from parity.spec.report import spec_report
+    from parity.tracing.io import fmt
+    from parity.tracing.specrecords import format_spec
+    from reference_cpu.engine import ReferenceEngine
+
+    src, ref_trace = reference
+    h = ref_trace.header
+    eng = ReferenceEngine(str(tiny_f32), RunOptions())
+    live = spec_report(eng, eng, "script", h.tokens[: h.n_prompt], h.decode, load_envelope(ENV_F32, "float32"),
+                       depth=2, reject_at=2)
+    assert list(live.spec_tokens) == h.tokens[h.n_prompt:] and live.exact
+    conf = (np.float32(0.1), np.float32(-3.25e-5))
+    records = [replace(r, conf=tuple(map(float, conf)) if i == 0 else None)
+               for i, r in enumerate(records_of(live.rounds))]
+    d = tmp_path / "in"
+    shutil.copytree(src, d)
+    (d / "spec.txt").write_text("".join(
+        f"{r.start_pos} {len(r.drafts)} {r.verified} {r.cut or '-'} {r.accepted} {int(r.conf is not None)} "
+        + " ".join(map(str, [*r.drafts, *r.verify])) + "".join(f" {c!r}" for c in (r.conf or ())) + "\n"
+        for r in records))
+    out = _run(example, d, tmp_path / "c.trace")
+    c_spec = [ln for ln in _records(out) if ln.startswith("spec ")]
+    assert len(c_spec) == len(live.rounds) >= 2
+    assert c_spec == [format_spec(r, fmt) for r in records]
+    res = CliRunner().invoke(cli, ["spec", "-m", str(tiny_f32), "--candidate", str(out), "--envelope", str(ENV_F32),
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["exact"] and [x["labels"] for x in doc["rounds"]] == [list(a.labels) for a in live.attribution]
+    assert doc["committed"]["counts"] == live.committed_counts and doc["state_divergence"] is None
