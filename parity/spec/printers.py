@@ -25,7 +25,8 @@ def headline(report: SpecReport) -> str:
     else:
         who = ("no plain decode in a trace: spec-induced or not is unknown" if d.spec_induced is None else
                "spec-induced" if d.spec_induced else "not spec-induced (plain decode diverges too)")
-        what = (f"{d.cls} at step {d.step} (position {d.position}): spec {d.spec}, plain {d.plain}, reference "
+        plain_at = "" if d.plain is None else f", plain {d.plain}"
+        what = (f"{d.cls} at step {d.step} (position {d.position}): spec {d.spec}{plain_at}, reference "
                 f"{d.reference}; reference margin {d.margin:.3g} ({d.margin_ulps:.0f} ulps) vs tie threshold "
                 f"{d.tie:.3g} ({d.tie_ulps:.0f} ulps); {who}")
     labels = [x for x in report.defects if x.split()[0] in DEFECT_LABELS]
