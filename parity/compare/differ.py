@@ -206,14 +206,24 @@ def _side(t: Trace) -> dict[str, Any]:
             "n_tokens": len(h.tokens), "n_prompt": h.n_prompt, **({"draft": h.draft} if h.draft else {})}
 
 
-def _rows_at(t: Trace, names: list[str], positions: list[int]) -> np.ndarray:
-    """The `ckpt` row of every (checkpoint, position), checkpoint-major.  -> int [len(names) * len(positions)]"""
+def _row_table(t: Trace, positions: list[int]) -> np.ndarray:
+    """The `ckpt` row of every (header checkpoint, position in the sorted `positions`); -1 where none.
+    One pass over the table, built once per diff (not once per checkpoint).  -> int [n_checkpoints, len(positions)]"""
     ck, pos = t.ckpt["ck"], t.ckpt["pos"]
     at = np.asarray(positions)
     listed = np.flatnonzero(np.isin(pos, at))
     where = np.full((len(t.header.checkpoints), len(at)), -1)
     where[ck[listed], np.searchsorted(at, pos[listed])] = listed
-    rows = where[[t.header.checkpoints.index(n) for n in names]]
+    return where
+
+
+def _rows_at(t: Trace, names: list[str], positions: list[int], table: tuple[np.ndarray, list[int]] | None = None
+             ) -> np.ndarray:
+    """The `ckpt` row of every (checkpoint, position), checkpoint-major; `table`: a `_row_table` over sorted positions
+    that include `positions`, with those positions.  -> int [len(names) * len(positions)]"""
+    where, at = table if table is not None else (_row_table(t, positions), positions)
+    cols = np.searchsorted(np.asarray(at), np.asarray(positions, dtype=np.int64))
+    rows = where[[t.header.checkpoints.index(n) for n in names]][:, cols]
     if (rows < 0).any():
         i, j = np.argwhere(rows < 0)[0]
         raise TraceError(f"{t.header.engine} trace: no ckpt row for checkpoint {names[i]} at position {positions[j]}")
@@ -230,7 +240,8 @@ def _metrics_table(a: Trace, b: Trace, names: list[str], positions: list[int], t
     n = np.array([len(ps) for ps in at])
     full = [a.vectors is not None and b.vectors is not None and name in a.vectors and name in b.vectors
             for name in names]
-    parts = [_checkpoint_metrics(a, b, name, ps, _rows_at(a, [name], ps), _rows_at(b, [name], ps), full[i], th)
+    ta, tb = (_row_table(a, positions), positions), (_row_table(b, positions), positions)
+    parts = [_checkpoint_metrics(a, b, name, ps, _rows_at(a, [name], ps, ta), _rows_at(b, [name], ps, tb), full[i], th)
              for i, (name, ps) in enumerate(zip(names, at, strict=True))]
     layers = [checkpoint_layer(name) for name in names]
     return pd.DataFrame({
