@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 CORE    := $(VENV)/.installed-core
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint bench golden clean
+.PHONY: demo test lint bench bench-spec golden clean
 
 # what the demo needs: torch and v4parity's own dependencies (no C/C++ build, no apt)
 $(CORE): pyproject.toml
@@ -37,6 +37,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/v4parity bench --out out/bench
+
+# spec's fitted-drafter acceptance grid (docs/spec.md): out/bench/spec_acceptance.json + .md
+bench-spec: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 $(VPY) -m parity.bench.spec_acceptance --out out/bench
 
 golden: $(STAMP)
 	$(VENV)/bin/v4parity golden --out traces
