@@ -217,7 +217,7 @@ static void spec_rounds(const char *dir, v4p_trace *t) {
     f = fopen(path, "r");
     if (!f) return;
     while (fscanf(f, "%d %d %d %15s %d %d", &start, &k, &gamma, cut, &accepted, &has_conf) == 6) {
-        if (k < 1 || k > 256 || gamma < 0 || gamma > k) die(path, "bad round sizes");
+        if (k < 0 || k > 256 || gamma < 0 || gamma > k) die(path, "bad round sizes");
         for (i = 0; i < k; i++) { if (fscanf(f, "%d", &x) != 1) die(path, "drafts"); drafts[i] = (int32_t)x; }
         for (i = 0; i <= gamma; i++) { if (fscanf(f, "%d", &x) != 1) die(path, "verify"); verify[i] = (int32_t)x; }
         for (i = 0; has_conf && i < k; i++) if (fscanf(f, "%f", &conf[i]) != 1) die(path, "conf");

@@ -81,7 +81,7 @@ int v4p_vector(v4p_trace *t, const char *name, int pos, const float *x, size_t n
 /* A whole extra array `<member>.npy` in the side file: descr "<f4", "<i4" or "<i8", shape of ndim dims. */
 int v4p_array(v4p_trace *t, const char *member, const char *descr, const int64_t *shape, int ndim, const void *data);
 /* One speculative round, in order (docs/trace-format.md "Spec records"): the anchor's position start_pos (the first
- * round's is n_prompt, each next one the previous start_pos + accepted + 1), the k drafts (cut ones too), gamma of
+ * round's is n_prompt, each next one the previous start_pos + accepted + 1), the k >= 0 drafts (cut ones too), gamma of
  * them verified (cut: "-" or NULL exactly when gamma == k, else "gate", "max-draft" or "budget"), the gamma + 1 verify
  * argmaxes, accepted = a' (the greedy rule's: checked), conf: the k DSpark confidence logits or NULL. The committed
  * drafts and bonus must be the header's tokens. */
@@ -627,7 +627,7 @@ int v4p_spec(v4p_trace *t, int start_pos, const int32_t *drafts, int k, int gamm
              const int32_t *verify, int accepted, const float *conf) {
     const v4p_header *h = &t->h;
     int i, rule = 0, all = !cut || !strcmp(cut, "-");
-    if (k < 1) return v4p_fail(t, "v4p_spec: round %d: k %d < 1", t->n_spec, k);
+    if (k < 0) return v4p_fail(t, "v4p_spec: round %d: k %d < 0", t->n_spec, k);
     if (start_pos != t->spec_next)
         return v4p_fail(t, "v4p_spec: round %d starts at position %d, expected %d", t->n_spec, start_pos, t->spec_next);
     if (start_pos >= h->n_tokens)
@@ -651,11 +651,12 @@ int v4p_spec(v4p_trace *t, int start_pos, const int32_t *drafts, int k, int gamm
                             t->n_spec, (int)tok, start_pos + 1 + i, (int)h->tokens[start_pos + 1 + i]);
     }
     fprintf(t->text, "spec %d pos %d: drafts=", t->n_spec, start_pos);
-    v4p_ints(t->text, drafts, k);
+    if (k) v4p_ints(t->text, drafts, k);
+    else fputc('-', t->text);
     fprintf(t->text, " verified=%d cut=%s verify=", gamma, all ? "-" : cut);
     v4p_ints(t->text, verify, gamma + 1);
     fprintf(t->text, " accepted=%d conf=", accepted);
-    if (conf) v4p_floats(t->text, conf, k);
+    if (conf && k) v4p_floats(t->text, conf, k);
     else fputc('-', t->text);
     fputc('\n', t->text);
     t->n_spec++;

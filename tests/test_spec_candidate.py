@@ -200,6 +200,20 @@ def test_spec_records_are_checked_line_by_line(tmp_path, line, old, new, field, 
         read_trace(path, allow_spec_only=True)
 
 
+def test_a_round_without_drafts(tmp_path):
+    """A round that drafted nothing (e.g. an MTP pairing `same` whose anchor check failed) commits the anchor row's
+    argmax alone: `drafts=-`."""
+    path = tmp_path / "t.trace"
+    lines = [GOOD[0], "spec 1 pos 5: drafts=- verified=0 cut=- verify=8 accepted=0 conf=-"]
+    path.write_text(HEADER + "\n".join(lines) + "\n")
+    t = read_trace(path, allow_spec_only=True)
+    assert (t.spec[1].drafts, t.spec[1].verify, t.spec[1].accepted) == ((), (8,), 0)
+    assert format_text(t) == path.read_text()
+    path.write_text(HEADER + "\n".join([GOOD[0], lines[1].replace("drafts=-", "drafts=")]) + "\n")
+    with pytest.raises(TraceError, match=rf"t\.trace:{FIRST + 1}: field 'drafts': .* or '-' for none"):
+        read_trace(path, allow_spec_only=True)
+
+
 def test_spec_only_traces_and_their_limits(tmp_path):
     path = tmp_path / "t.trace"
     path.write_text(HEADER + "\n".join(GOOD) + "\n")

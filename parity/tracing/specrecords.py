@@ -1,11 +1,12 @@
 """`spec` records: one text line per speculative round of an engine's run (docs/trace-format.md "Spec records").
 
-    spec <r> pos <start_pos>: drafts=<d_1,..,d_k> verified=<γ> cut=<-|gate|max-draft|budget> verify=<v_0,..,v_γ>
+    spec <r> pos <start_pos>: drafts=<-|d_1,..,d_k> verified=<γ> cut=<-|gate|max-draft|budget> verify=<v_0,..,v_γ>
         accepted=<a'> conf=<-|c_1,..,c_k>
 
 r counts the rounds from 0; start_pos = c + 1 is the anchor's position (the first verify row); the drafts are all k
-drafted (the cut ones too); γ of them went into the verify batch, `cut` says why γ < k (`-` exactly when γ = k);
-v_0..v_γ are the verify rows' argmaxes; a' the drafts accepted; conf the DSpark raw confidence logits (`-`: none).
+drafted (the cut ones too; `-`: none, a round that only commits the anchor row's argmax); γ of them went into the
+verify batch, `cut` says why γ < k (`-` exactly when γ = k); v_0..v_γ are the verify rows' argmaxes; a' the
+drafts accepted; conf the DSpark raw confidence logits (`-`: none).
 Every field is checked on its line (`parse_spec`), the rounds against each other and against the header's tokens
 (`check_spec`): round r starts where round r-1's commits end (the first at n_prompt), a' is the greedy rule's
 (the longest prefix with d_i = v_{i-1}), and the committed d_1..d_{a'} and bonus v_{a'} are the header's tokens.
@@ -48,7 +49,7 @@ def greedy_accept(drafts: Sequence[int], verify: Sequence[int]) -> int:
 def format_spec(r: SpecRecord, fmt: Callable[[float], str]) -> str:
     """The record's text line (`fmt`: the trace's float format, %.9g)."""
     conf = "-" if r.conf is None else ",".join(fmt(c) for c in r.conf)
-    return (f"spec {r.round} pos {r.start_pos}: drafts={','.join(map(str, r.drafts))} verified={r.verified} "
+    return (f"spec {r.round} pos {r.start_pos}: drafts={','.join(map(str, r.drafts)) or '-'} verified={r.verified} "
             f"cut={r.cut or '-'} verify={','.join(map(str, r.verify))} accepted={r.accepted} conf={conf}")
 
 
@@ -61,9 +62,9 @@ def parse_spec(ln, words: list[str], kv: dict[str, str], need: Callable[..., Non
                                 "accepted=... conf=...'")
     rnd, start = ln.int("round", words[1]), ln.int("pos", words[3])
     need(ln, kv, FIELDS)
-    drafts = ln.ints("drafts", kv["drafts"], None)
-    if not drafts:
-        raise ln.fail("drafts", "at least one draft (the round's k drafts, cut ones included)")
+    drafts = [] if kv["drafts"] == "-" else ln.ints("drafts", kv["drafts"], None)
+    if not drafts and kv["drafts"] != "-":
+        raise ln.fail("drafts", "the round's k drafts, cut ones included, or '-' for none")
     gamma = ln.int("verified", kv["verified"], 0, len(drafts))
     cut = kv["cut"]
     if cut != "-" and cut not in CUTS:
