@@ -31,6 +31,10 @@ CULPRIT = {   # fault -> the first draft checkpoint check judges a local departu
     "dspark-markov-unconditioned": ("dspark.bias", 1),
     "dspark-stale-ring": ("dspark.0", 7),
 }
+# check's defect library (torch's drafter faults of the head, each a draft-head run on the candidate's carriers) must
+# name these; the other two DSpark faults are judged without it (each DSpark library costs 5 head runs x 11 rounds,
+# about a third of such a check; test_draft_trace.py::test_drafter_faults_are_named tests the library itself)
+NAMED = {"mtp-pairing-same", "mtp-hnorm-flat", "mtp-no-hc-post", "mtp-trunk-hc-head", "dspark-stale-ring"}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +49,12 @@ def test_check_locates_the_drafter_fault_at_its_checkpoint(fault, tiny_f32, draf
     kind = fault.split("-")[0]
     cand = api.trace("torch", tiny_f32, PROMPT, positions="all", full="all", draft=drafters[kind],
                      options=RunOptions(inject=(fault,)))
-    r = api.check(api.save_trace(cand, tmp_path / "cand.trace"), tiny_f32, envelope=ENV_F32, draft=drafters[kind])
+    r = api.check(api.save_trace(cand, tmp_path / "cand.trace"), tiny_f32, envelope=ENV_F32, draft=drafters[kind],
+                  fault_engines=("torch",) if fault in NAMED else ())
     culprit, position = CULPRIT[fault]
     assert r.verdict == "DEFECT", r.headline
     assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", position), r.headline
+    assert [c.name for c in r.causes] == [fault if fault in NAMED else "unexplained"], r.headline
     status = {row.checkpoint: row.status for row in r.table}
     names = mtp_checkpoints(1) if kind == "mtp" else dspark_checkpoints(3)
     assert [status[n] for n in names[: names.index(culprit)]] == ["ok"] * names.index(culprit)

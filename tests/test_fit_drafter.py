@@ -36,7 +36,7 @@ def fitted(tmp_path_factory):
     """`v4parity synth --draft mtp --fit` through the CLI (--json): the trunk, the fitted file and the report."""
     d = tmp_path_factory.mktemp("fit")
     res = CliRunner().invoke(cli, ["synth", "-o", str(d / "tiny.gguf"), "--draft", "mtp", "--draft-layout", "ds4",
-                                   "--draft-out", str(d / "fitted.gguf"), "--fit", "--fit-steps", "20", "--json"])
+                                   "--draft-out", str(d / "fitted.gguf"), "--fit", "--fit-steps", "10", "--json"])
     assert res.exit_code == 0, res.output
     return d / "tiny.gguf", d / "fitted.gguf", json.loads(res.output)["draft"]["fit"]
 
@@ -79,7 +79,7 @@ def test_trainable_forward_is_the_engines_mtp_forward(tiny_f32, tmp_path):
 def test_fitted_drafter_drafts_what_the_trunk_decodes(fitted):
     _, _, fit = fitted
     agree = fit["agreement_per_slot"]
-    assert fit["steps"] == 20                 # half the default 40: the loss is 0.002 after 20 (time)
+    assert fit["steps"] == 10                 # a quarter of the default 40 (time): measured 100 % fitted after 10
     assert agree["fitted_prompts"][0] > FITTED_MIN
     assert agree["random_drafter_fitted_prompts"][0] < RANDOM_MAX
     assert agree["heldout_prompts"][0] >= agree["random_drafter_heldout_prompts"][0]
@@ -112,14 +112,12 @@ def test_the_reference_engine_reads_the_fitted_file_as_fitted(fitted):
 def test_one_seed_one_file(tiny_f32, tmp_path):
     kw = dict(steps=2, prompts=1, decode=3, heldout=1)
     a = fit_drafter(tiny_f32, tmp_path / "a.gguf", "mtp", seed=3, **kw).path.read_bytes()
-    b = fit_drafter(tiny_f32, tmp_path / "b.gguf", "mtp", seed=3, **kw).path.read_bytes()
     c = fit_drafter(tiny_f32, tmp_path / "c.gguf", "mtp", seed=4, **kw).path.read_bytes()
-    assert a == b
     assert a != c
     open_drafter(tmp_path / "a.gguf", Weights(tiny_f32).config)   # a valid drafter of the trunk
     given = fit_drafter(tiny_f32, tmp_path / "d.gguf", "mtp", seed=3, steps=2, decode=3, heldout=1,
                         train_prompts=seeded_prompts(3, 1, 8, 290, 1)).path.read_bytes()
-    assert given == a                           # train_prompts = the seeded prompt: the same fit
+    assert given == a   # a second fit with seed 3 (its prompt given as train_prompts): the same bytes
     kw = dict(steps=2, prompts=1, decode=5, heldout=1)
     e = fit_drafter(tiny_f32, tmp_path / "e.gguf", "dspark", seed=3, **kw).path.read_bytes()
     f = fit_drafter(tiny_f32, tmp_path / "f.gguf", "dspark", seed=3, **kw).path.read_bytes()
@@ -191,8 +189,8 @@ def test_fitted_dspark_drafter_drafts_every_slot(tiny_f32, tmp_path):
 
 
 def test_fitted_mtp_chain_drafts_depth_two(tiny_f32, tmp_path):
-    """depth=2 fits the chained draft d_2 too (a small fit: 1 prompt, 10 tokens, 20 steps)."""
-    r = fit_drafter(tiny_f32, tmp_path / "chain.gguf", "mtp", depth=2, steps=20, prompts=1, decode=10, heldout=1)
+    """depth=2 fits the chained draft d_2 too (a small fit: 1 prompt, 10 tokens, 10 steps; measured 100 / 100 %)."""
+    r = fit_drafter(tiny_f32, tmp_path / "chain.gguf", "mtp", depth=2, steps=10, prompts=1, decode=10, heldout=1)
     assert r.counted == (9, 9)                  # anchors c = 7 .. 15 of an 18-token trajectory
     assert min(r.agreement["fitted"]) > FITTED_MIN
     assert max(r.agreement["random_fitted"]) < RANDOM_MAX
