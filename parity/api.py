@@ -304,7 +304,8 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
            progress: Callable[[str], None] | None = None,
            counter: Callable[[str, int, int | None], None] | None = None,
-           draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev") -> Any:
+           draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev",
+           workers: int = 1, ray: str | None = None) -> Any:
     """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
     `draft`: a drafter GGUF both engines open; when the trunk has no defect its head is judged as one more layer
     (both heads on the reference's trunk carriers, MTP chained to `mtp_depth` with `mtp_pairing`;
@@ -312,11 +313,14 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     `progress(message)` announces the stages, `counter(stage, done, total)` counts the long passes' chunks.
     `envelope`: a file (refused when measured on another model); default the stored envelope of this model
     (found by model identity, not file name: `parity.bisect.inputs.envelope_sources`), else measured now and
-    cached."""
+    cached. `workers` / `ray` (None, 'local' or a cluster address): the teacher-forced pass and its round-off
+    twins on worker processes or Ray tasks (`parity.bisect.parallel`; the same result as serial)."""
     from dataclasses import replace
 
+    from parity.bisect import parallel
     from parity.bisect.search import ReplayRouter, builtin_prompt
     from parity.bisect.search import bisect as run_bisect
+    from parity.contract.workpool import WorkPool
 
     say = progress or (lambda _m: None)
     options = options or RunOptions()
@@ -328,13 +332,18 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     drafter = None if draft is None else str(draft)
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=drafter)  # the GGUF is hashed once here
-    env = _stored_or_measured(model, ref.identity, engine, options, envelope, say, counter)
     router = ReplayRouter() if routing_replay else None
+    # before the envelope: the engine refuses its options (an --inject layer list, FAULT@LAYERS) at no cost
     cand = load_engine(engine, str(model), replace(options, expert_override=router), draft=drafter)
+    env = _stored_or_measured(model, ref.identity, engine, options, envelope, say, counter)
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     dh = draft_header(cand, mtp_pairing, mtp_depth) if drafter is not None else None
-    return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router, counter=counter,
-                      draft=dh)
+    with WorkPool(workers, ray) as pool, parallel.active(pool) as d:
+        if d is not None:
+            d.register(ref, parallel.EngineLoader("reference", str(model), drafter), ref.options)
+            d.register(cand, parallel.EngineLoader(engine, str(model), drafter), cand.options)
+        return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router,
+                          counter=counter, draft=dh)
 
 
 def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, options: RunOptions,
@@ -370,7 +379,7 @@ def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False)
     known = engine_faults(engine)  # raises for an unregistered engine, naming the registered ones
     if drafted:
         known = (*known, *getattr(engine_class(engine), "draft_faults", ()))
-    unknown = [f for f in inject if f not in known]
+    unknown = [f for f in inject if f.split("@", 1)[0] not in known]   # FAULT@LAYERS: the engine checks the layers
     if unknown:
         offers = f"it offers: {', '.join(known)}" if known else "it offers no fault switches"
         raise ParityError(f"--inject {unknown[0]!r}: engine {engine!r} has no such fault ({offers})")
@@ -389,7 +398,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
           fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None,
           counter: Callable[[str, int, int | None], None] | None = None,
-          draft: str | os.PathLike | None = None) -> Any:
+          draft: str | os.PathLike | None = None, workers: int = 1, ray: str | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
     size + header hash) in `envelope_search` (default `parity.bisect.inputs.envelope_sources`: the user cache, the
@@ -398,6 +407,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     switches form the defect library;
     `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks; `draft`: the
     candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.bisect.draft_check`).
+    `workers` / `ray` (None, 'local' or a cluster address): the per-layer runs on worker processes or Ray tasks
+    (`parity.bisect.parallel`; the report is the serial one byte for byte, but for its times).
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     import time
     from dataclasses import replace
@@ -405,7 +416,9 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
+    from parity.bisect.parallel import EngineLoader
     from parity.contract.engine import engine_class, engine_faults
+    from parity.contract.workpool import WorkPool
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
 
@@ -444,17 +457,18 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
         say(f"envelope: {found[1]} ({trace_.header.dtype})")
     env_cost = {"envelope_seconds": round(time.perf_counter() - t0, 3),
                 "envelope_source": "measured" if found is None else str(found[1])}
-    library = [(n, lambda o, n=n: load_engine(n, str(model), o), engine_faults(n)) for n in fault_engines]
+    library = [(n, EngineLoader(n, str(model)), engine_faults(n)) for n in fault_engines]
     empty = [n for n, _, faults in library if not faults]
     if empty:
         raise CheckPreflightError(f"engine(s) {', '.join(empty)} offer no fault switches for the defect library")
     drafter = None if draft is None else str(draft)
     draft_library = [] if drafter is None else [
-        (n, lambda o, n=n: load_engine(n, str(model), o, draft=drafter), faults)
+        (n, EngineLoader(n, str(model), drafter), faults)
         for n in fault_engines if (faults := tuple(getattr(engine_class(n), "draft_faults", ())))]
-    report = run_check(trace_, lambda o: load_engine("reference", str(model), o, draft=drafter), env,
-                       fault_engines=library, draft_fault_engines=draft_library,
-                       subops=subops, notes=notes, progress=say, counter=counter, config=config)
+    with WorkPool(workers, ray) as pool:
+        report = run_check(trace_, EngineLoader("reference", str(model), drafter), env,
+                           fault_engines=library, draft_fault_engines=draft_library,
+                           subops=subops, notes=notes, progress=say, counter=counter, config=config, pool=pool)
     return replace(report, **env_cost)
 
 

@@ -182,29 +182,29 @@ def test_engines_are_loaded_once_per_worker_not_per_prompt(plugins, tmp_path, ti
 
 def test_ray_cluster_at_an_address_equals_worker_processes(tmp_path, tiny_realmix, monkeypatch):
     """A real Ray cluster started with `ray start --head` (its own processes), reached by --ray ADDRESS: the
-    report is byte-identical to the --workers run."""
+    report is byte-identical to the --workers run. The head is stopped alone (tests/ray_cluster.py), never by
+    `ray stop --force`, which kills every Ray process on the machine: a decoy named like another cluster's raylet
+    outlives it."""
     require("ray")
     import shutil
-    import socket
+
+    from ray_cluster import ray_head, ray_processes
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # `ray start` makes a token (~/.ray/auth_token); clients need it
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent))
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    started = subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                              "--num-cpus", "2",
-                              "--include-dashboard=false", "--disable-usage-stats"], capture_output=True, text=True,
-                             timeout=120)
-    assert started.returncode == 0, started.stderr
+    decoy_dir = tmp_path / "other-cluster"
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "raylet", "gcs_server",
+                              f"--temp-dir={decoy_dir}"], start_new_session=True)
     try:
-        address = f"127.0.0.1:{port}"
-        args = ["-m", str(tiny_realmix), "--exact", "torch", "--approx", "torch:act_quant=q8_0", "--boundary",
-                "--n", "4", "--decode", "2", "--pins", "1"]
-        for out, executor in (("w", ["--workers", "2"]), ("r", ["--ray", address])):
-            r = subprocess.run([*CLI, *args, *executor, "-o", str(tmp_path / out)], capture_output=True, text=True,
-                               timeout=300)
-            assert r.returncode == 0, r.stderr[-2000:]
-        assert (tmp_path / "w" / REPORT).read_bytes() == (tmp_path / "r" / REPORT).read_bytes()
+        with ray_head(ray_bin) as address:
+            args = ["-m", str(tiny_realmix), "--exact", "torch", "--approx", "torch:act_quant=q8_0", "--boundary",
+                    "--n", "4", "--decode", "2", "--pins", "1"]
+            for out, executor in (("w", ["--workers", "2"]), ("r", ["--ray", address])):
+                r = subprocess.run([*CLI, *args, *executor, "-o", str(tmp_path / out)], capture_output=True,
+                                   text=True, timeout=300)
+                assert r.returncode == 0, r.stderr[-2000:]
+            assert (tmp_path / "w" / REPORT).read_bytes() == (tmp_path / "r" / REPORT).read_bytes()
+        assert decoy.poll() is None and ray_processes(str(decoy_dir)) == [decoy.pid]
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+        decoy.kill()
+        decoy.wait()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from parity.bisect import parallel
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, block, block_attn
 from parity.contract.engine import Engine, LayerOutput
@@ -24,14 +25,28 @@ if TYPE_CHECKING:   # the envelope measures its floors with the null, which runs
 
 
 def layer_input(chunk: ChunkResult, layer: int) -> np.ndarray:
-    """The reference carrier entering `layer` in one chunk: embed for layer 0, else blk.{layer-1}. [n, H, D]"""
-    return chunk.checkpoints[EMBED if layer == 0 else block(layer - 1)]
+    """The reference carrier entering `layer` in one chunk: embed for layer 0, else blk.{layer-1}. [n, H, D], always
+    C-contiguous: an engine's arithmetic may depend on the memory layout of its input (the reference's matmuls
+    give other roundings on the broadcast view its embed returns), and a worker process receives a contiguous
+    copy, so every teacher-forced run gets one."""
+    return np.ascontiguousarray(chunk.checkpoints[EMBED if layer == 0 else block(layer - 1)])
 
 
 def teacher_forced(engine: Engine, ref: Sequence[ChunkResult], layers: Sequence[int], capture: bool = False,
                    on_chunk: Callable[[int], None] | None = None) -> dict[int, list[LayerOutput]]:
     """Run `engine`'s layers on the reference's inputs over the reference's chunk schedule.
-    Returns layer -> one LayerOutput per chunk. One state serves all layers (caches are per layer)."""
+    Returns layer -> one LayerOutput per chunk. One state serves all layers (caches are per layer), so each
+    layer may run alone: with a work pool active (`parity.bisect.parallel`) one unit per layer."""
+    pooled = parallel.for_engine(engine)
+    if pooled is not None:
+        d, eref = pooled
+        outs_of = {}
+        for k, (l, (outs, _)) in enumerate(zip(layers, d.layers([(eref, None, l) for l in layers], ref, capture),
+                                               strict=True)):
+            outs_of[l] = outs
+            if on_chunk:
+                on_chunk(max(0, (k + 1) * len(ref) // len(layers) - 1))
+        return outs_of
     state = engine.new_state()
     outs: dict[int, list[LayerOutput]] = {l: [] for l in layers}
     for i, chunk in enumerate(ref):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from parity.bisect import parallel
 from parity.bisect.attribution import teacher_forced
 from parity.bisect.draft_check import check_drafter, draft_check, draft_library, unjudged
 from parity.bisect.envelope import Envelope
@@ -44,11 +45,13 @@ from parity.bisect.hypotheses import (
 )
 from parity.bisect.null import N_TWINS
 from parity.bisect.opforce import op_verdict
+from parity.bisect.parallel import EngineLoader
 from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
+from parity.contract.workpool import WorkPool
 from parity.gguf.config import ModelConfig
 from parity.tracing.drafts import draft_names
 from parity.tracing.records import Trace
@@ -229,16 +232,30 @@ class _Stages:
     culprit: CheckCulprit | None = None
 
 
-def _quiet(factory: EngineFactory, announced: list[str]) -> EngineFactory:
+@dataclass(frozen=True)
+class _Quiet:
     """The factory with the engine's own stderr announcements ("APPROXIMATE ...", "FAULTS INJECTED ...") captured
-    into `announced` instead of printed: check's internal variant and fault runs are summarised in one note."""
-    def make(options: RunOptions) -> Engine:
+    into `announced` instead of printed: check's internal variant and fault runs are summarised in one note.
+    `loader`: the picklable factory that rebuilds its engines in a worker (`parity.bisect.parallel`); engines made
+    while a work pool is active are registered with it."""
+
+    factory: EngineFactory
+    announced: list[str]
+    loader: EngineLoader | None = None
+
+    def __call__(self, options: RunOptions) -> Engine:
         buf = io.StringIO()
         with contextlib.redirect_stderr(buf):
-            engine = factory(options)
-        announced.extend(line for line in buf.getvalue().splitlines() if line)
+            engine = self.factory(options)
+        self.announced.extend(line for line in buf.getvalue().splitlines() if line)
+        d = parallel.current()
+        if d is not None and self.loader is not None:
+            d.register(engine, self.loader, options)
         return engine
-    return make
+
+
+def _quiet(factory: EngineFactory, announced: list[str], loader: EngineLoader | None = None) -> EngineFactory:
+    return _Quiet(factory, announced, loader or parallel.loader_of(factory))
 
 
 def _decode_step(pos: int | None, n_prompt: int) -> int | None:
@@ -249,16 +266,31 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
           progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS,
-          draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = ()) -> CheckReport:
+          draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
+          pool: WorkPool | None = None) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
     own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down;
     draft_fault_engines: as fault_engines, opened with the candidate's drafter, for its drafter faults.
-    progress(message) announces the stages; counter(stage, done, total) counts the chunks of the two long passes."""
+    progress(message) announces the stages; counter(stage, done, total) counts the chunks of the two long passes.
+    pool: where the per-layer runs go (`parity.bisect.parallel`: worker processes or Ray; factories that are
+    `EngineLoader`s can be rebuilt there); the report is the serial one, byte for byte."""
+    announced: list[str] = []
+    with parallel.active(pool or WorkPool(), announced):
+        return _check(trace, make_reference, env, config, fault_engines, subops, notes, progress, counter, n_twins,
+                      draft_fault_engines, announced)
+
+
+def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: ModelConfig,
+           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
+           subops: Sequence[ChunkResult] | None, notes: Sequence[str], progress: Progress | None,
+           counter: Counter | None, n_twins: int,
+           draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
+           announced: list[str]) -> CheckReport:
     say = progress or (lambda _m: None)
     count = counter or (lambda _s, _d, _t: None)
     t0 = time.perf_counter()
-    announced: list[str] = []
+    loader = parallel.loader_of(make_reference)
     make_reference = _quiet(make_reference, announced)
     fault_engines = [(n, _quiet(f, announced), faults) for n, f, faults in fault_engines]
     h = trace.header
@@ -267,7 +299,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     env.check_options(opts)
     ref_engine = make_reference(opts)
     if isinstance(ref_engine, Variants):   # variants share the reference's weights and cache (no second copy)
-        make_reference = _quiet(ref_engine.variant, announced)
+        make_reference = _quiet(ref_engine.variant, announced, loader)
     L = ref_engine.config.n_layers
     st = _Stages(notes=list(notes), runs={"free": L})
     say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from parity.bisect import parallel
 from parity.bisect.attribution import teacher_forced
 from parity.bisect.envelope import Envelope
 from parity.bisect.null import N_TWINS, LayerNull, NullTest, carriers, judge, layer_nulls, sorted_ids, sorted_sel
@@ -303,6 +304,9 @@ def defect_library(trace: Trace, ref_engine: Engine, cand: Sequence[ChunkResult]
     engine whose clean run already reproduces the candidate credits none of its faults (its own round-off, not
     the mutation, would be what matches)."""
     base = ref_engine.options
+    d = parallel.current()
+    if d is not None and all(parallel.loader_of(f) is not None for _, f, _ in fault_engines):
+        return _pooled_library(d, trace, base, cand, layer, null, fault_engines)
     best, runs = None, 0
     for _name, factory, faults in fault_engines:
         clean = factory(RunOptions(fp8_kv=base.fp8_kv, fp4_indexer=base.fp4_indexer))
@@ -317,6 +321,34 @@ def defect_library(trace: Trace, ref_engine: Engine, cand: Sequence[ChunkResult]
             if best is None or key < (best.fit.structural is not None, best.fit.test.exceed, best.fit.worst):
                 best = FaultMatch(fault, engine, f)
     return best, runs
+
+
+def _pooled_library(d: parallel.Distributor, trace: Trace, base: RunOptions, cand: Sequence[ChunkResult],
+                    layer: int, null: LayerNull, fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
+                    ) -> tuple[FaultMatch | None, int]:
+    """`defect_library` on the work pool: each engine's clean run, then all its faults at once (one unit each),
+    judged and ranked in the serial order; the best match's engine is rebuilt here."""
+    best, runs = None, 0
+    clean = RunOptions(fp8_kv=base.fp8_kv, fp4_indexer=base.fp4_indexer)
+    for _name, factory, faults in fault_engines:
+        loader = parallel.loader_of(factory)
+        assert loader is not None
+        (outs, said), = d.layers([(parallel.EngineRef(loader, clean), None, layer)], cand)
+        d.said(said)
+        runs += 1
+        if fit(trace, outs, layer, null).explains:
+            continue
+        refs = [parallel.EngineRef(loader, replace(clean, inject=(fault,))) for fault in faults]
+        for ref, (outs, said) in zip(refs, d.layers([(r, None, layer) for r in refs], cand), strict=True):
+            d.said(said)
+            f = fit(trace, outs, layer, null)
+            runs += 1
+            key = (f.structural is not None, f.test.exceed, f.worst)
+            if best is None or key < (best[2].structural is not None, best[2].test.exceed, best[2].worst):
+                best = (ref.options.inject[0], ref, f)
+    if best is None:
+        return None, runs
+    return FaultMatch(best[0], d.build(best[1]), best[2]), runs
 
 
 def name_subop(exact: Engine, other: Engine, cand: Sequence[ChunkResult], layer: int, env: Envelope) -> str | None:

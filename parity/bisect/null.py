@@ -18,11 +18,12 @@ gives on correct runs is measured by `make bench` (docs/check.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from parity.bisect import parallel
 from parity.bisect.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import block, block_attn
@@ -153,8 +154,7 @@ def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, li
     dist: dict[int, dict[str, list[np.ndarray]]] = {l: {q: [] for q in base[l]} for l in layers}
     ids: dict[int, list[np.ndarray]] = {l: [] for l in layers}
     sel: dict[int, list[np.ndarray]] = {l: [] for l in layers}
-    for seed in range(1, n + 1):
-        runs = teacher_forced(engine.roundoff_twin(seed), cand, layers)
+    for seed, runs in enumerate(_twin_runs(engine, cand, layers, n), 1):
         for l in layers:
             for q, arr in carriers(runs[l], l).items():
                 dist[l][q].append(rel_l2(base[l][q], arr))
@@ -166,3 +166,18 @@ def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, li
             on_twin(seed)
     return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l]),
                          np.stack(sel[l]) if sel[l] else None) for l in layers}
+
+
+def _twin_runs(engine: Engine, cand: Sequence[ChunkResult], layers: list[int], n: int
+               ) -> Iterator[dict[int, list[LayerOutput]]]:
+    """Twin 1..n of `engine` over `layers` on the candidate's inputs, one dict a twin, in seed order: in this
+    process, or one unit per (twin, layer) on the active work pool (`parity.bisect.parallel`)."""
+    pooled = parallel.for_engine(engine)
+    if pooled is None:
+        for seed in range(1, n + 1):
+            yield teacher_forced(engine.roundoff_twin(seed), cand, layers)   # type: ignore[attr-defined]
+        return
+    d, ref = pooled
+    results = d.layers(parallel.twin_jobs(ref, layers, n), cand)
+    for _ in range(n):
+        yield {l: next(results)[0] for l in layers}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from parity.bisect import parallel
 from parity.bisect.attribution import layer_input
 from parity.bisect.envelope import DISCRETE, ROW_CAPTURES
 from parity.bisect.hypotheses import Fit, pick_diff, twins_make
@@ -29,17 +30,26 @@ OP_OF = {cap: op for op, caps in SUBOPS for cap in caps}
 
 
 def given_of(dump: ChunkResult, layer: int) -> dict[str, np.ndarray]:
-    """The candidate's sub-op values of one chunk, as `OpForcing.forward_ops` takes them (HC mixes included)."""
+    """The candidate's sub-op values of one chunk, as `OpForcing.forward_ops` takes them (HC mixes included),
+    C-contiguous (as a worker process receives them: `attribution.layer_input`)."""
     given = dict(dump.captures[layer])
     diag = dump.diags[layer]
     for which, (_pre, post, comb) in (("hc_attn", diag.hc_attn), ("hc_ffn", diag.hc_ffn)):
         given[f"{which}.post"], given[f"{which}.comb"] = post, comb
-    return given
+    return {k: np.ascontiguousarray(v) for k, v in given.items()}
 
 
 def forced_run(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[ChunkResult],
                layer: int) -> list[LayerOutput]:
     """`layer` over the candidate's chunks, every op on the candidate's inputs (one layer-run)."""
+    check_forcing(engine, dumps, layer)
+    state = engine.new_state()
+    return [engine.forward_ops(state, layer, layer_input(c, layer), c.tokens, c.start_pos, given_of(d, layer))
+            for c, d in zip(cand, dumps, strict=True)]
+
+
+def check_forcing(engine: Engine, dumps: Sequence[ChunkResult], layer: int) -> None:
+    """Refuse op-level forcing by an engine without `OpForcing`, or from dumps that lack an op's input."""
     if not isinstance(engine, OpForcing):
         raise ParityError(f"engine {engine.name} cannot run single ops on given inputs (OpForcing)")
     needed = {i for inputs in SUBOP_INPUTS.values() for i in inputs} - {"carrier"}
@@ -47,9 +57,6 @@ def forced_run(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[Chun
     if missing:
         raise ParityError(f"layer {layer}: the candidate's dumps lack sub-op input(s) {', '.join(missing)}: no "
                           "op-level forcing (checkpoints.SUBOP_INPUTS)")
-    state = engine.new_state()
-    return [engine.forward_ops(state, layer, layer_input(c, layer), c.tokens, c.start_pos, given_of(d, layer))
-            for c, d in zip(cand, dumps, strict=True)]
 
 
 def op_cells(a: Sequence[LayerOutput], b: Sequence[LayerOutput], ratio: int) -> dict[str, tuple[np.ndarray,
@@ -144,6 +151,13 @@ def op_verdict(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[Chun
     """Forced run of `layer` and n forced twin runs (1 + n layer-runs), judged op by op."""
     if not isinstance(engine, RoundoffTwins):
         raise ParityError(f"engine {engine.name} has no round-off twins (RoundoffTwins): no measured null")
-    ref = forced_run(engine, cand, dumps, layer)
-    twins = [forced_run(engine.roundoff_twin(s), cand, dumps, layer) for s in range(1, n + 1)]
+    pooled = parallel.for_engine(engine)
+    if pooled is None:
+        ref = forced_run(engine, cand, dumps, layer)
+        twins = [forced_run(engine.roundoff_twin(s), cand, dumps, layer) for s in range(1, n + 1)]
+    else:   # 1 + n units on the work pool (`parity.bisect.parallel`), merged in seed order
+        check_forcing(engine, dumps, layer)
+        d, eref = pooled
+        ref, *twins = [outs for outs, _ in d.layers([(eref, s or None, layer) for s in range(n + 1)], cand,
+                                                    dumps=dumps)]
     return judge_ops(ref, twins, dumps, layer, engine.config.ratio(layer))

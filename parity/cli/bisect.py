@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from parity.cli.check import pool_args, pool_options
 from parity.cli.common import (
     device_option,
     dtype_option,
@@ -131,10 +132,11 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a step x layer / layer PNG.")
 @html_option()
 @click.option("--wide", is_flag=True, help="Print the summary's lines unwrapped (default: within 100 columns).")
+@pool_options("the teacher-forced pass and its round-off twins")
 @json_errors
 def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, decode, chunk, inject, dtype,
            device, no_fp8_kv, no_fp4_indexer, envelope_path, routing_replay, draft, mtp_depth, mtp_pairing, as_json,
-           plot, html_path, wide):
+           plot, html_path, wide, workers, ray):
     """Find where ENGINE departs from the reference: layer, sub-op, step, local or propagated, defect or noise.
 
     Exit status: 0 no defect (or noise only), 1 defect.
@@ -149,6 +151,7 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
     if envelope_path is not None and not Path(envelope_path).exists():
         raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
     check_draft_options(draft)
+    workers, ray = pool_args(workers, ray)
     cfg = Weights(model).config
     sources = {"tokens": tokens, "tokens_file": tokens_file, "prompt": prompt, "prompt_file": prompt_file}
     if follow is not None:
@@ -165,7 +168,8 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
     report = api.bisect(model, engine=engine, tokens=ids, decode=decode, chunk=chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
                         routing_replay=routing_replay, progress=(bar := _progress()).note,
-                        counter=bar, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing)
+                        counter=bar, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
+                        ray=ray)
     if plot:
         from parity.bisect.search import plot_report
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from parity.cli.common import (
@@ -14,6 +16,30 @@ from parity.cli.common import (
     write_text,
 )
 from parity.contract.errors import ParityError
+from parity.contract.workpool import LOCAL_RAY_CPUS
+
+
+def pool_options(what: str) -> Callable[[Callable], Callable]:
+    """--workers N and --ray [ADDRESS] (as `validate` takes them) for `what` runs (`parity.contract.workpool`)."""
+    def deco(f: Callable) -> Callable:
+        f = click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+                         help=f"Run {what} as Ray tasks on the cluster at ADDRESS (host:port, auto); --ray alone "
+                              "starts a local instance. The model must be readable at this path on every node.")(f)
+        return click.option("--workers", default=1, show_default=True, type=click.IntRange(1),
+                            help=f"Worker processes for {what}; with --ray and no address: the local instance's "
+                                 f"CPUs ({LOCAL_RAY_CPUS} if not given). The report is the serial one.")(f)
+    return deco
+
+
+def pool_args(workers: int, ray: str | None) -> tuple[int, str | None]:
+    """(workers, ray) as the pool takes them: --workers with --ray ADDRESS is refused (the cluster decides);
+    --ray alone gets LOCAL_RAY_CPUS unless --workers is given."""
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT
+    if ray not in (None, "local") and given:
+        raise click.UsageError("--workers sets the CPUs of a local Ray instance; with --ray ADDRESS the cluster "
+                               "decides")
+    return (LOCAL_RAY_CPUS if ray == "local" and not given else workers), ray
 
 
 class Refused(click.ClickException):
@@ -45,9 +71,10 @@ class Refused(click.ClickException):
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the free-running / local excess per checkpoint as a PNG.")
 @html_option()
+@pool_options("the per-layer runs (teacher-forced, hypotheses, faults, round-off twins)")
 @json_errors
 def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, draft, as_json, markdown_path,
-          plot, html_path) -> None:
+          plot, html_path, workers, ray) -> None:
     """Judge CANDIDATE against the reference on MODEL: the reference follows its tokens and chunks, every
     layer is re-run on the candidate's own inputs (local error), and each difference beyond the noise
     envelope is explained by a benign numerics variant or matched against the known porting bugs.
@@ -56,6 +83,7 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
     Exit codes: 0 MATCH or NOISE (every excess explained as benign), 1 DEFECT,
                 2 usage or preflight error (other model, tokens, shapes, no full vectors).
     Example: v4parity check -m tiny-f32.gguf --candidate torch.trace --markdown check.md
+             v4parity check -m tiny-f32.gguf --candidate torch.trace --workers 2
     """
     from pathlib import Path
 
@@ -70,10 +98,11 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
            read_token_list(Path(tokens_file).read_text(), tokens_file) if tokens_file is not None else None)
     from parity.cli.progress import Progress
 
+    workers, ray = pool_args(workers, ray)
     bar = Progress()
     try:
         report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
-                           progress=bar.note, counter=bar, draft=draft)
+                           progress=bar.note, counter=bar, draft=draft, workers=workers, ray=ray)
     except ParityError as e:
         raise Refused(str(e)) from None
     if markdown_path:

@@ -1,0 +1,85 @@
+"""`check --workers N` / `check --ray local` (issue 27 point 3): the per-layer runs (teacher-forced pass, round-off
+twins, hypotheses, fault trials) on worker processes or Ray tasks give the serial report byte for byte.
+
+The JSON documents are compared as bytes with the two wall-clock fields (`seconds`, `envelope.seconds`) set to
+0: everything else — verdict, causes and their evidence, every table value to the last bit, notes (including the
+count of silenced engine announcements) — must be the serial run's. Candidates: a clean torch trace and one with
+`comb-not-transposed@3` (a fault at one chosen layer, tests/test_inject_layers.py), every position, full vectors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from requires import require
+
+from parity import api
+from parity.bisect.check_report import to_json
+from parity.bisect.search import builtin_prompt
+from parity.cli import cli
+from parity.contract.engine import RunOptions, load_engine
+from parity.tracing.runner import run_sequence
+
+ENV_F32 = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
+DECODE = 2
+
+
+def _bytes(doc: dict) -> bytes:
+    doc = json.loads(json.dumps(doc))
+    doc["seconds"] = 0
+    doc["envelope"]["seconds"] = 0
+    return json.dumps(doc, indent=1).encode()
+
+
+@pytest.fixture(scope="module")
+def candidates(tiny_f32, tmp_path_factory):
+    ref = load_engine("reference", str(tiny_f32), RunOptions())
+    prompt = builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
+    forced = [int(t) for t in np.concatenate([c.tokens for c in run_sequence(ref, prompt, DECODE)])[len(prompt):]]
+    out = {}
+    for name, inject in (("clean", ()), ("faulty", ("comb-not-transposed@3",))):
+        path = tmp_path_factory.mktemp("workers") / f"{name}.trace"
+        api.save_trace(api.trace("torch", tiny_f32, prompt, positions="all", full="all", decode=DECODE,
+                                 forced=forced, options=RunOptions(inject=inject)), path)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def serial(tiny_f32, candidates):
+    return {name: to_json(api.check(api.load_trace(p), tiny_f32, envelope=ENV_F32))
+            for name, p in candidates.items()}
+
+
+def test_serial_verdicts(serial):
+    """The two candidates the comparisons below are about: a clean run and a DEFECT at layer 3, named."""
+    assert serial["clean"]["verdict"] in ("MATCH", "NOISE")
+    faulty = serial["faulty"]
+    assert faulty["verdict"] == "DEFECT" and faulty["culprit"]["layer"] == 3
+    assert [(c["name"], c["layer"]) for c in faulty["causes"] if c["kind"] == "defect"] == [("comb-not-transposed", 3)]
+
+
+def test_two_worker_processes_give_the_serial_json(tiny_f32, candidates, serial):
+    for name, path in candidates.items():
+        r = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(path), "--envelope",
+                                     str(ENV_F32), "--json", "--workers", "2"])
+        assert r.exit_code == (1 if name == "faulty" else 0), r.output
+        assert _bytes(json.loads(r.output)) == _bytes(serial[name]), name
+
+
+def test_local_ray_gives_the_serial_json(tiny_f32, candidates, serial, monkeypatch):
+    require("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")   # --ray local must start its own instance, never join this
+    for name, path in candidates.items():
+        report = api.check(api.load_trace(path), tiny_f32, envelope=ENV_F32, workers=2, ray="local")
+        assert _bytes(to_json(report)) == _bytes(serial[name]), name
+
+
+def test_workers_with_a_ray_address_is_refused(tiny_f32, candidates):
+    r = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(candidates["clean"]),
+                                 "--workers", "2", "--ray", "127.0.0.1:9"])
+    assert r.exit_code == 2 and "--workers sets the CPUs of a local Ray instance" in r.output
