@@ -10,10 +10,13 @@ Algorithm (L layers, T positions, every run on the reference's chunk schedule an
    the candidate departs; binary search over k in 1 + ceil(log2 L) spliced runs, each costing L - k
    reference layers. The culprit must also depart locally in step 2 (a splice can see sub-envelope drift
    amplified by a QAT code flip downstream); if no layer departs locally, the verdict is noise;
-4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and the sub-ops
-   are compared in `SUBOPS` order; the first whose local error exceeds its envelope (and is not a
-   legitimate QAT code flip or near-tie routing flip, or their cascade) is named, with the first position
-   and, past the prompt, the decode step.
+4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and so do N_TWINS
+   round-off twins of the reference; every sub-op is judged by `check`'s round-off null (`null_drill_down`:
+   the op-level test of `parity.bisect.opforce.judge_ops`, the same binomial exceedance test, TIEs and
+   structural differences), and the culprit op is named with the first position and, past the prompt, the
+   decode step. A layer that departs by the null is a defect there even when no single op does (as `check`
+   calls a departing layer that no benign variant explains). Only a reference without round-off twins falls
+   back to the envelope's floors (`compare_subops`, K x floor).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +46,9 @@ from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
 from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
+
+if TYPE_CHECKING:
+    from parity.bisect.opforce import OpVerdict
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
 QUANT_MBITS = {"rope_kv": 3, "comp_rows": 3, "index_rows": 1}   # e4m3, e4m3, e2m1
@@ -265,11 +272,61 @@ def _worst(results: list[SubopResult], name: str) -> SubopResult:
 
 def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], layer: int,
                env: Envelope) -> list[SubopResult]:
-    """Every sub-op of `layer`, in SUBOPS order, both engines fed the reference's inputs."""
+    """Every sub-op of `layer`, in SUBOPS order, both engines fed the reference's inputs, judged by the round-off
+    null (N_TWINS twins of the reference on the same inputs: 2 + N_TWINS layer-runs); by the envelope's floors
+    only when the reference has no twins."""
     r_outs = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
     c_outs = teacher_forced(cand, ref, [layer], capture=True)[layer]
-    return compare_subops(r_outs, c_outs, ref, layer, cand.config.ratio(layer), env,
-                          (ref_engine.name, cand.name))
+    for name in (n for _sub, caps in SUBOPS for n in caps):   # every capture filled, on both sides
+        _cat(r_outs, name, ref_engine.name, layer)
+        _cat(c_outs, name, cand.name, layer)
+    if not isinstance(ref_engine, RoundoffTwins):
+        return compare_subops(r_outs, c_outs, ref, layer, cand.config.ratio(layer), env,
+                              (ref_engine.name, cand.name))
+    from parity.bisect.opforce import judge_ops  # opforce -> hypotheses -> this module
+
+    twins = [teacher_forced(ref_engine.roundoff_twin(s), ref, [layer], capture=True)[layer]
+             for s in range(1, N_TWINS + 1)]
+    return null_drill_down(judge_ops(r_outs, twins, as_dumps(ref, c_outs, layer), layer, cand.config.ratio(layer)))
+
+
+def as_dumps(chunks: Sequence[ChunkResult], outs: Sequence[LayerOutput], layer: int) -> list[ChunkResult]:
+    """One engine's captured run of `layer` (one LayerOutput per chunk) as the per-chunk dumps `judge_ops` reads:
+    that layer's carriers, diagnostics and sub-op captures (the other layers' slots are empty)."""
+    pad = [None] * layer
+    return [ChunkResult(c.start_pos, c.tokens, {block_attn(layer): o.attn_carrier, block(layer): o.carrier},
+                        c.logits, [*pad, o.diag], [*([{}] * layer), o.captures])  # type: ignore[list-item]
+            for c, o in zip(chunks, outs, strict=True)]
+
+
+def null_drill_down(v: OpVerdict) -> list[SubopResult]:
+    """`judge_ops`'s verdict of one layer as SubopResults in SUBOPS order. Both engines ran the whole layer on the
+    same inputs, so an op inherits the departures of the ops before it: the culprit ('defect') is the first op, in
+    execution order, that departs by the null (its test significant, or the structural difference), else, when
+    only the pooled cells depart, judge_ops' culprit. An op with TIEs or with cells outside every twin short of
+    significance is 'noise'; else 'ok'. floor: the largest twin at the op's worst cell; excess: that cell's
+    distance over it."""
+    struct_op = v.fit.subop if v.fit.structural else None
+    departs = [sub for sub, _ in SUBOPS if sub == struct_op or (sub in v.ops and v.ops[sub].significant)]
+    culprit = departs[0] if departs else None if v.fit.explains else v.fit.subop
+    out = []
+    for sub, _caps in SUBOPS:
+        t = v.ops.get(sub)
+        ties = [d for s, d in v.fit.ties if s == sub]
+        worst = t.worst if t is not None else None
+        err = t.err if t is not None else 0.0
+        floor, excess = (worst.twin_max, worst.ratio) if worst is not None else (0.0, 0.0)
+        if sub == culprit:
+            own = t is not None and t.significant and sub != struct_op
+            detail = v.fit.structural if sub == struct_op else t.summary() if own else v.fit.test.summary()
+            pos = t.first.position if own and t.first is not None else v.fit.position
+            out.append(SubopResult(sub, "defect", err, floor, excess, pos, f"{sub}: {detail}"))
+        elif ties or (t is not None and t.exceed):
+            out.append(SubopResult(sub, "noise", err, floor, excess, None,
+                                   "; ".join([*ties, *([t.summary()] if t is not None and t.exceed else [])])))
+        else:
+            out.append(SubopResult(sub, "ok", err, floor, excess, None))
+    return out
 
 
 def compare_subops(r_outs: Sequence[LayerOutput], c_outs: Sequence[LayerOutput], chunks: Sequence[ChunkResult],
@@ -612,11 +669,14 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
             return LocalStage("defect", Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}"),
                               attribution, probes, subops, runs)
     clock.lap("drill_down")
-    if not any(s.status == "noise" for s in subops):
+    by_null = isinstance(ref_engine, RoundoffTwins)   # `local` and the drill-down judged by the round-off null
+    if by_null or not any(s.status == "noise" for s in subops):
         pos = attribution[layer].worst_position
         step, where = _where(pos, P)
-        return LocalStage("defect", Culprit(layer, None, pos, step, f"{where}; no captured sub-op differs: the "
-                                            "defect is between captures"), attribution, probes, subops, runs)
+        why = ("the layer departs by the round-off null on the reference's inputs, no single captured sub-op does"
+               if by_null else "no captured sub-op differs: the defect is between captures")
+        return LocalStage("defect", Culprit(layer, None, pos, step, f"{where}; {why}"), attribution, probes, subops,
+                          runs)
     noisy = next(s for s in subops if s.status == "noise")
     return LocalStage("noise", Culprit(layer, noisy.name, None, None, noisy.detail), attribution, probes, subops, runs)
 

@@ -1,22 +1,29 @@
 """Arbitration: several engines on the same tokens; per checkpoint, which engines agree with which.
 
-Two engines agree at a checkpoint when the largest per-position rel-L2 between their vectors is within the
-checkpoint's tolerance; the clusters are the connected groups of agreeing engines (largest first, ties by the
-order the engines were given). The odd ones out are the engines outside the largest cluster at the first
-checkpoint (in depth order) where the engines split.
+Without `check` reports (rule "tolerance"): two engines agree at a checkpoint when the largest per-position rel-L2
+between their vectors is within the checkpoint's tolerance; the clusters are the connected groups of agreeing engines
+(largest first, ties by the order the engines were given). The odd ones out are the engines outside the largest
+cluster at the first checkpoint (in depth order) where the engines split.
+
+With each engine's `check` report (`arbitrate --check`, rule "check": `judged_by_checks`) the clusters are `check`'s
+judgement, so the two never disagree about a run: an engine departs at a checkpoint when `check` calls its run
+DEFECT and the checkpoint is at or after its culprit (the first checkpoint of the culprit layer that `check`'s table
+does not mark `ok`; the embedding for a culprit outside every block); engines that do not depart there agree (each
+is within the reference's round-off null, or explained as benign); departing engines agree when `check` names the
+same known fault at the same layer (an "unexplained" one stands alone). The pairwise rel-L2 stays as evidence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from parity.compare.jsonvalues import json_safe
 from parity.compare.metrics import rel_l2
-from parity.contract.checkpoints import LOGITS, trace_checkpoints
+from parity.contract.checkpoints import EMBED, LOGITS, block, block_attn, checkpoint_layer, trace_checkpoints
 from parity.tracing.runner import ChunkResult, all_tokens, stack
 
 
@@ -39,6 +46,7 @@ class Arbitration:
     greedy_disagreements: dict[str, int]      # decode steps whose argmax differs from the first engine's token
     # `arbitrate --check`: engine -> its `check` report (parity.bisect.check.CheckReport); empty without it
     checks: dict[str, Any] = field(default_factory=dict)
+    rule: str = "tolerance"                   # how engines agree: "tolerance" (rel-L2 <= tol) | "check" (verdicts)
 
     @property
     def unanimous(self) -> bool:
@@ -46,7 +54,7 @@ class Arbitration:
 
     def to_json(self) -> dict:
         return {"engines": list(self.engines), "tokens": list(self.tokens), "n_prompt": self.n_prompt,
-                "first_split": self.first_split, "odd_ones_out": list(self.odd_ones_out),
+                "rule": self.rule, "first_split": self.first_split, "odd_ones_out": list(self.odd_ones_out),
                 "greedy_disagreements": self.greedy_disagreements,
                 "checkpoints": [{"name": c.name, "tolerance": c.tolerance, "clusters": [list(g) for g in c.clusters],
                                  "pairs": {k: json_safe(v) for k, v in c.pairs.items()}} for c in self.checkpoints]}
@@ -98,12 +106,58 @@ def arbitrate_runs(runs: Mapping[str, Sequence[ChunkResult]], n_prompt: int,
                        tuple(e for g in split.clusters[1:] for e in g) if split else (), greedy)
 
 
+def departs_from(report: Any, names: Sequence[str]) -> int | None:
+    """Index in `names` (the arbitration's checkpoints, depth order) from which `check`'s report calls the run
+    departed: None unless DEFECT; a culprit outside every block (layer None) from the embedding; a trunk layer L from
+    the first checkpoint of L (or later) that the report's table does not mark `ok`, else from blk.L; a culprit after
+    the trunk (the drafter) never."""
+    if report.verdict != "DEFECT":
+        return None
+    c = report.culprit
+    layer = c.layer if c is not None else None
+    if isinstance(layer, str):         # "drafter <checkpoint>": after every trunk checkpoint
+        return None
+    if layer is None:
+        return names.index(EMBED) if EMBED in names else 0
+    status = {r.checkpoint: r.status for r in report.table}
+    later = [i for i, n in enumerate(names) if n == LOGITS or (checkpoint_layer(n) is not None
+                                                             and checkpoint_layer(n) >= layer)]
+    bad = [i for i in later if status.get(names[i], "ok") != "ok"]
+    return bad[0] if bad else next(i for i, n in enumerate(names) if n in (block_attn(layer), block(layer)))
+
+
+def _defect_key(engine: str, report: Any) -> str:
+    """What two departing engines share when `check` names the same known fault at the same layer."""
+    name = next((c.name for c in report.causes if c.kind == "defect"), "unexplained")
+    layer = report.culprit.layer if report.culprit is not None else None
+    return f"unexplained:{engine}" if name == "unexplained" else f"{name}@{layer}"
+
+
+def judged_by_checks(a: Arbitration, checks: Mapping[str, Any]) -> Arbitration:
+    """The arbitration re-clustered by each engine's `check` report (see the module doc): clusters, first split and
+    odd ones out follow the verdicts; pairs (rel-L2) and greedy disagreements are kept. Every engine needs a report."""
+    missing = [e for e in a.engines if e not in checks]
+    if missing:
+        raise ValueError(f"judged_by_checks: no check report for engine(s) {', '.join(missing)}")
+    names = [c.name for c in a.checkpoints]
+    start = {e: departs_from(checks[e], names) for e in a.engines}
+    out = []
+    for i, c in enumerate(a.checkpoints):
+        key = {e: ("ok" if start[e] is None or i < start[e] else _defect_key(e, checks[e])) for e in a.engines}
+        out.append(replace(c, clusters=clusters(a.engines, lambda x, y, k=key: k[x] == k[y])))
+    split = next((c for c in out if len(c.clusters) > 1), None)
+    return replace(a, checkpoints=tuple(out), first_split=split.name if split else None,
+                   odd_ones_out=tuple(e for g in split.clusters[1:] for e in g) if split else (),
+                   checks=dict(checks), rule="check")
+
+
 def summary_lines(a: Arbitration) -> list[str]:
     """The report a person reads: the verdict line, then one line per checkpoint with its clusters."""
+    by = " by each engine's `check` verdict" if a.rule == "check" else ""
     if a.unanimous:
-        head = f"all {len(a.engines)} engines agree at every checkpoint ({', '.join(a.engines)})"
+        head = f"all {len(a.engines)} engines agree{by} at every checkpoint ({', '.join(a.engines)})"
     else:
-        head = (f"engines split first at {a.first_split}: odd one(s) out {', '.join(a.odd_ones_out)} "
+        head = (f"engines split{by} first at {a.first_split}: odd one(s) out {', '.join(a.odd_ones_out)} "
                 f"(the others agree with each other)")
     lines = [head]
     if a.greedy_disagreements:
@@ -113,5 +167,6 @@ def summary_lines(a: Arbitration) -> list[str]:
     for c in a.checkpoints:
         groups = " | ".join("{" + ", ".join(g) + "}" for g in c.clusters)
         worst = max(c.pairs.values()) if c.pairs else 0.0
-        lines.append(f"{c.name:<{width}}  {groups}  (tol {c.tolerance:.2g}, worst pair {worst:.3g})")
+        rule = "check" if a.rule == "check" else f"tol {c.tolerance:.2g}"
+        lines.append(f"{c.name:<{width}}  {groups}  ({rule}, worst pair {worst:.3g})")
     return lines
