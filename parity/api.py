@@ -589,10 +589,9 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     Two engines agree where their largest per-position rel-L2 is <= `rel_tol`, or, with an `envelope` file,
     <= k * floor + eps of that checkpoint (logits: k * logit_rel + eps). `check_each`: each engine's run is also
     recorded as a trace (every position, full vectors) and judged by `check` against `model` (with `envelope`
-    when given) -> `Arbitration.checks`, label -> CheckReport."""
-    from dataclasses import replace
-
-    from parity.compare.arbitration import arbitrate_runs
+    when given) -> `Arbitration.checks`, label -> CheckReport, and the clusters are then those verdicts'
+    (`parity.compare.arbitration.judged_by_checks`: one judgement, never the tolerance's)."""
+    from parity.compare.arbitration import arbitrate_runs, judged_by_checks
     from parity.contract.errors import ParityError
 
     engines = list(dict.fromkeys(engines))
@@ -631,7 +630,7 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     for label, t in traces.items():
         say(f"arbitrate: check {label}")
         checks[label] = check(t, model, envelope=envelope, progress=say)
-    return replace(report, checks=checks) if check_each else report
+    return judged_by_checks(report, checks) if check_each else report
 
 
 def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[str, Any]:
