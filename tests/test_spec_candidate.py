@@ -141,9 +141,13 @@ def test_trace_out_and_candidate_give_the_live_report(tiny_f32, mtp, tmp_path):
                                     ",".join(map(str, PROMPT)), *NOSIMS, "--trace-out", str(out)])
     assert res.exit_code == 0, res.output
     live = json.loads(res.stdout)
-    res = CliRunner().invoke(main, [*common, "--candidate", str(out)])
+    res = CliRunner().invoke(main, [*common, "--candidate", str(out), "--markdown", str(tmp_path / "c.md")])
     assert res.exit_code == 0, res.output
     cand = json.loads(res.stdout)
+    md = (tmp_path / "c.md").read_text()
+    assert "EXACT: speculative == reference tokens" in md and "plain" not in md.splitlines()[2]
+    assert "state parity: not checked: a trace records no engine state" in md
+    assert "drafter parity (candidate vs reference drafter on the candidate's inputs): not checked" in md
     for key in ("exact", "labels", "acceptance", "committed", "cost", "defects"):
         assert cand[key] == live[key], key
     assert [x["labels"] for x in cand["rounds"]] == [x["labels"] for x in live["rounds"]]

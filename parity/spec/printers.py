@@ -59,6 +59,7 @@ def summary_lines(report: SpecReport) -> list[str]:
             "drafter parity (candidate vs reference drafter on the candidate's inputs): " + (
                 "no draft checkpoints (scripted drafts)" if not any(report.options.get("drafter") == k
                                                                      for k in ("mtp", "dspark")) else
+                "not checked: a trace records no draft checkpoints" if "candidate" in report.options else
                 "every round's draft checkpoints equal" if report.drafter_divergence is None else
                 f"first departure in round {report.drafter_divergence.round}: {report.drafter_divergence.component} "
                 f"({report.drafter_divergence.why})"),
