@@ -531,23 +531,32 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration
 
 def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str | os.PathLike, *, decode: int = 0,
-                     chunk: int | None = None, options: RunOptions | None = None) -> dict[str, Any]:
+                     chunk: int | None = None, options: RunOptions | None = None,
+                     draft: str | os.PathLike | None = None, mtp_depth: int = 1,
+                     mtp_pairing: str = "prev") -> dict[str, Any]:
     """Run llama.cpp (engine `llamacpp`) greedily on `tokens` (+ `decode` steps, prefill in pieces of `chunk`) and
-    write its capture file (`parity.tracing.importers`). Returns {path, n_tensors, tokens, flags}."""
+    write its capture file (`parity.tracing.importers`). `draft`: llama.cpp's MTP file; its graph then runs on the
+    run's carriers as `trace --engine llamacpp --draft` runs it and the draft checkpoints are stored too
+    (`parity.tracing.capture_draft`). Returns {path, n_tensors, n_draft, tokens, flags, draft}."""
     from parity.contract.errors import ParityError
     from parity.gguf.llamacpp import Capturer
+    from parity.tracing.capture_draft import capture_draft_arrays
     from parity.tracing.importers import write_llamacpp_capture
 
     options = options or RunOptions(fp8_kv=False, fp4_indexer=False)
-    eng = load_engine("llamacpp", str(model), options)
+    eng = load_engine("llamacpp", str(model), options, draft=None if draft is None else str(draft))
     if not isinstance(eng, Capturer):
         raise ParityError("the registered llamacpp engine offers no capture capability")
+    dh = draft_header(eng, mtp_pairing, mtp_depth) if draft is not None else {}
     tokens = [int(t) for t in tokens]
     arrays = eng.capture(tokens, chunk_schedule(len(tokens), chunk), decode)
+    n_tensors = len(arrays) - 4
+    extra = capture_draft_arrays(eng, dh, arrays) if dh else {}
     meta = {"engine": eng.name, "engine_version": eng.version, "flags": eng.options.flags(),
-            "model": model_identity(model)}
-    path = write_llamacpp_capture(out, arrays, meta)
-    return {"path": path, "n_tensors": len(arrays) - 4, "tokens": arrays["input_ids"].tolist(), "flags": meta["flags"]}
+            "model": model_identity(model), **({"draft": dh} if dh else {})}
+    path = write_llamacpp_capture(out, {**arrays, **extra}, meta)
+    return {"path": path, "n_tensors": n_tensors, "n_draft": len(extra) // 2, "tokens": arrays["input_ids"].tolist(),
+            "flags": meta["flags"], "draft": dh or None}
 
 
 def llamacpp_quantizer() -> Any:
@@ -656,11 +665,12 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
          options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
          progress: Callable[[str], None] | None = None,
          counter: Callable[[str, int, int | None], None] | None = None,
-         trace_out: str | os.PathLike | None = None) -> Any:
-    """Speculative greedy decoding of `engine` on `model` with the drafter `draft` (MTP depth `depth` or one
-    DSpark block a round), or scripted drafts (`script`: accept-all | reject-at:I, depth `depth`); plain decodes of
-    the engine and the reference; every round attributed by the reference (parity.spec). The tie threshold comes
-    from the envelope (`envelope`, else the stored one of this model with these QAT flags, else measured now).
+         trace_out: str | os.PathLike | None = None, pairing: str | None = None) -> Any:
+    """Speculative greedy decoding of `engine` on `model` with the drafter `draft` (MTP depth `depth` with
+    `pairing` prev | same, None: prev; or one DSpark block a round), or scripted drafts (`script`: accept-all |
+    reject-at:I, depth `depth`); plain decodes of the engine and the reference; every round attributed by the
+    reference (parity.spec). The tie threshold comes from the envelope (`envelope`, else the stored one of this
+    model with these QAT flags, else measured now).
     `trace_out`: write the run's rounds as a trace of spec records (what `spec_candidate` reads).
     Returns a `parity.spec.report.SpecReport`."""
     from dataclasses import replace
@@ -688,7 +698,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     say(f"spec: {engine}, {kind} drafts, {steps} steps on {len(tokens)} prompt tokens")
     report = spec_report(cand, ref, kind, [int(t) for t in tokens], steps, env, depth=depth, gate=the_gate,
                          max_draft=max_draft, reject_at=reject_at, drafter=drafter.config if drafter else None,
-                         counter=counter)
+                         counter=counter, pairing=pairing)
     if trace_out is not None:
         from parity.spec.candidate import spec_trace
 

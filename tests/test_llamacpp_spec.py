@@ -176,3 +176,32 @@ def test_a_rollback_deeper_than_the_planes_is_refused_by_llamacpp(tiny_f32):
     state = lcp.restore(state, saved)
     with pytest.raises(ParityError, match=r"llama_memory_seq_rm refused .* at most lcp_rs_seq=2 positions"):
         forward_chunk(lcp, state, np.asarray([5], np.int64), len(PROMPT) + 2)   # 3 rows back
+
+
+def test_capture_llamacpp_draft_records_what_the_trace_route_records(tiny_f32, drafter, tmp_path):
+    """`capture llamacpp --draft` (issue 24 item 4): its draft:<checkpoint> arrays are the draft checkpoints of
+    `trace --engine llamacpp --draft` on the same tokens, bit for bit (both run llama.cpp's MTP graph on llama.cpp's
+    own carriers of one schedule), at the positions the trace records them."""
+    require("llama_cpp")
+    from parity import api
+    from parity.cli import cli
+
+    tokens, out = [0, 5, 7, 9, 11, 13, 2, 4], tmp_path / "cap.npz"
+    args = ["capture", "llamacpp", "-m", str(tiny_f32), "--tokens", ",".join(map(str, tokens)), "--decode", "3",
+            "--draft", str(drafter), "--mtp-depth", "2", "-o", str(out), "--json"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["n_draft"] == 8
+    trace = api.trace("llamacpp", tiny_f32, tokens, decode=3, positions="all", full="all", options=OPTS,
+                      draft=str(drafter), mtp_depth=2)
+    with np.load(out) as z:
+        cap = {k: z[k] for k in z.files}
+    assert json.loads(str(cap["meta"]))["draft"] == trace.header.draft
+    assert cap["input_ids"].tolist() == trace.header.tokens
+    names = [n for n in trace.header.checkpoints if n.startswith("mtp.")]
+    assert sorted(names) == sorted(k.removeprefix("draft:") for k in cap if k.startswith("draft:"))
+    for name in names:
+        np.testing.assert_array_equal(cap[f"draft:{name}"], trace.vectors[name], err_msg=name)
+        assert cap[f"draft_positions:{name}"].tolist() == list(range(1, len(cap["input_ids"])))   # prev pairs
+    res = CliRunner().invoke(cli, [*args[:8], "--mtp-depth", "2", "-o", str(tmp_path / "x.npz")])
+    assert res.exit_code == 2 and "give --draft FILE" in res.output
