@@ -70,6 +70,18 @@ def test_commit_verify_frontier_needs_a_batch_that_completes_a_block(tiny_f32, m
     assert rep.state_divergence.component == "blk.2.comp.rows"
 
 
+def test_ring_exact_window_is_a_false_reject_in_round_0_with_the_anchor_named(tiny_f32, mtp_file, reference):
+    # W = 8, round 0's batch at positions 6..9 written into an 8-slot ring before attending: positions 8 and 9
+    # overwrite the slots of 0 and 1, which the query at 6 still attends (its window: positions 0..6), so already
+    # v_0 is wrong and the first draft, the reference's own token, is rejected
+    cand = torch_engine(tiny_f32, mtp_file, "spec-ring-exact-window")
+    rep = scripted(cand, reference, steps=4)
+    assert rep.plain_tokens == rep.reference_tokens
+    assert rep.first_round(["FALSE-REJECT", "VERIFIER-DEFECT"]) == 0
+    d = rep.state_divergence
+    assert (d.round, d.component) == (0, "anchor") and "state anchor after round 0" in rep.defects
+
+
 def test_logits_row_stale_commits_a_rejected_rows_token_named_as_the_anchor(tiny_f32, mtp_file, reference):
     cand = torch_engine(tiny_f32, mtp_file, "spec-logits-row-stale")
     rep = scripted(cand, reference, reject_at=2)
@@ -255,3 +267,32 @@ def test_pairing_options_are_checked(tiny_f32, mtp_file, reference):
         spec_report(reference, reference, "mtp", PROMPT, 4, ENV, depth=2, pairing="next")
     with pytest.raises(ParityError, match="applies to an MTP drafter only"):
         spec_report(reference, reference, "script", PROMPT, 4, ENV, depth=2, pairing="same")
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from parity.cli import cli as group
+
+    return CliRunner().invoke(group, ["spec", *map(str, args)])
+
+
+def test_cli_names_the_anchor_and_exits_1_and_checks_the_pairing(tiny_f32, mtp_file):
+    import json
+
+    env = Path(__file__).parent / "fixtures" / "spec" / "tiny-f32-nosims.envelope.json"
+    common = ["-m", tiny_f32, "--tokens", " ".join(map(str, PROMPT)), "--envelope", env, "--steps", 4,
+              "--no-fp8-kv", "--no-fp4-indexer"]
+    res = cli(*common, "--script", "reject-at:2", "--depth", 3, "--engine", "torch", "--inject",
+              "spec-logits-row-stale", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["state_divergence"]["round"], doc["state_divergence"]["component"]) == (0, "anchor")
+    r0 = doc["rounds"][0]   # 4 steps: the budget leaves 2 drafts; d_2 rejected, the bonus from the last row
+    assert r0["accepted"] == 1 < r0["verified"] == 2 and r0["bonus"] == r0["verify"][2] != r0["verify"][1]
+    res = cli(*common, "--draft", mtp_file, "--engine", "reference", "--depth", 2, "--pairing", "same", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["options"]["pairing"] == "same"
+    for bad in (["--script", "accept-all", "--pairing", "same"], ["--draft", mtp_file, "--pairing", "next"]):
+        res = cli(*common, *bad)
+        assert res.exit_code == 2, (bad, res.output)

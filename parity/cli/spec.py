@@ -35,6 +35,10 @@ class Refused(click.ClickException):
 @click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
 @click.option("--depth", type=int, default=1, show_default=True,
               help="Drafts per round: MTP chain depth, or scripted drafts (a DSpark round drafts its block of B).")
+@click.option("--pairing", type=click.Choice(["prev", "same"]), default=None,
+              help="MTP pairing (spec §2.3; default prev): prev pairs X_{p-1} with t_p (llama.cpp, vLLM); same pairs "
+                   "X_p with t_p (ds4: the first MTP output predicts the anchor, checked for free, so a round drafts "
+                   "depth - 1 and none when that check fails).")
 @click.option("--steps", type=int, default=32, show_default=True, help="Tokens to generate.")
 @click.option("--tokens", default=None, help="Prompt token ids, e.g. 0,17,42.")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -64,7 +68,7 @@ class Refused(click.ClickException):
 @html_option(help="Also write a self-contained HTML page to FILE: per-round timeline (label colours), per-slot "
                    "acceptance plot.")
 @json_errors
-def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt, prompt_file, tokenizer, gate,
+def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_file, prompt, prompt_file, tokenizer, gate,
          max_draft, no_fp8_kv, no_fp4_indexer, device, inject, envelope_path, as_json, markdown_path,
          html_path, candidate, trace_out) -> None:
     """Decode speculatively with ENGINE and a drafter, decode plainly with ENGINE and the reference, and check
@@ -98,7 +102,7 @@ def spec(model, draft, script, engine, depth, steps, tokens, tokens_file, prompt
                                      counter=bar) if candidate is not None else
                   api.spec(model, ids, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
                            gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
-                           progress=bar.note, counter=bar, trace_out=trace_out))
+                           progress=bar.note, counter=bar, trace_out=trace_out, pairing=pairing))
     except ParityError as e:
         raise Refused(str(e)) from None
     finally:
@@ -120,8 +124,9 @@ def _candidate_only(ctx: click.Context) -> None:
     """With --candidate the trace gives the run: a run option given on the command line is refused by name."""
     from click.core import ParameterSource
 
-    given = [p for p in ("script", "engine", "depth", "steps", "tokens", "tokens_file", "prompt", "prompt_file",
-                         "gate", "max_draft", "no_fp8_kv", "no_fp4_indexer", "device", "inject", "trace_out")
+    given = [p for p in ("script", "engine", "depth", "pairing", "steps", "tokens", "tokens_file", "prompt",
+                         "prompt_file", "gate", "max_draft", "no_fp8_kv", "no_fp4_indexer", "device", "inject",
+                         "trace_out")
              if ctx.get_parameter_source(p) not in (ParameterSource.DEFAULT, None)]
     if given:
         raise Refused(f"--candidate reads the run from the trace: drop --{given[0].replace('_', '-')} (only -m, "
