@@ -11,13 +11,17 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
 
 
 @click.command()
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="tiny", show_default=True,
-              help="Model dimensions (tiny: 6 layers, every feature fires in ~300 tokens).")
-@click.option("--quant", type=click.Choice(QUANTS), default="f32", show_default=True,
-              metavar="[f32|real-mix|mxfp4|lcp-FTYPE]",
+@click.option("--preset", type=click.Choice([*sorted(PRESETS), "flash"]), default="tiny", show_default=True,
+              help="Model dimensions (tiny: 6 layers, every feature fires in ~300 tokens; flash: the real V4-Flash "
+                   "shape at full depth, 43 layers, real vocabulary, release types, written streaming, ~10 GB with "
+                   "16 experts).")
+@click.option("--quant", type=click.Choice(QUANTS), default=None, metavar="[f32|real-mix|mxfp4|lcp-FTYPE]",
               help="f32: all F32; real-mix: the real release's per-class types; mxfp4: MXFP4 experts; "
                    "lcp-FTYPE: each tensor in the type llama.cpp's quantizer writes at that file type, FTYPE "
-                   f"one of {', '.join(FTYPES)} (k-quants and IQ4 as random valid blocks).")
+                   f"one of {', '.join(FTYPES)} (k-quants and IQ4 as random valid blocks).  [default: f32; "
+                   "flash: real-mix, the only layout it writes]")
+@click.option("--experts", type=click.IntRange(min=6), default=None,
+              help="--preset flash: routed experts per layer (6 active, width 2048).  [default: 16]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed (same seed -> same bytes).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="GGUF file to write.")
 @click.option("--draft", type=click.Choice(["mtp", "dspark"]), default=None,
@@ -39,17 +43,24 @@ from parity.gguf.synth_draft import DRAFT_QUANTS
               help="MTP --fit: also fit (and measure) the chained drafts d_2..d_DEPTH.")
 @json_option()
 @json_errors
-def synth(preset: str, quant: str, seed: int, output: str, draft: str | None, draft_layout: str | None,
-          draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int | None, fit_depth: int,
-          as_json: bool) -> None:
+def synth(preset: str, quant: str | None, experts: int | None, seed: int, output: str, draft: str | None,
+          draft_layout: str | None, draft_out: str | None, draft_quant: str, fit: bool, fit_steps: int | None,
+          fit_depth: int, as_json: bool) -> None:
     """Write a synthetic deepseek4 GGUF with the real key names, value types and tensor names.
 
     \b
     Example: v4parity synth --preset tiny --quant real-mix -o tiny.gguf
              v4parity synth --preset tiny --quant lcp-Q4_K_M -o tiny-q4_k_m.gguf
+             v4parity synth --preset flash --experts 16 -o /tmp/flash.gguf
     """
     from parity.gguf.synth import synthesize
 
+    if preset == "flash":
+        _flash(quant, experts, seed, output, draft or draft_layout or draft_out or (fit and "--fit"), as_json)
+        return
+    if experts is not None:
+        raise click.UsageError("--experts is for --preset flash only")
+    quant = quant or "f32"
     layout = _draft_layout(draft, draft_layout, draft_out)
     if fit and layout is None:
         raise click.UsageError("--fit needs --draft, --draft-layout and --draft-out")
@@ -115,6 +126,25 @@ def inspect(model: str, tensors: bool, draft: str | None, as_json: bool) -> None
         print_inspection(report, tensors=tensors)
     if not report["validation"]["ok"]:
         raise SystemExit(1)
+
+
+def _flash(quant: str | None, experts: int | None, seed: int, output: str, drafting: object, as_json: bool) -> None:
+    """synth --preset flash: the full-depth V4-Flash-shaped file, streaming, in the release type mix."""
+    from parity.gguf.synth_flash import DEFAULT_EXPERTS, write_flash
+
+    if quant not in (None, "real-mix"):
+        raise click.UsageError(f"--preset flash is written in the release type mix only (--quant real-mix), "
+                               f"not {quant}")
+    if drafting:
+        raise click.UsageError("--preset flash writes no drafter (--draft/--draft-layout/--draft-out/--fit)")
+    experts = DEFAULT_EXPERTS if experts is None else experts
+    path = write_flash(output, experts, seed)
+    size = path.stat().st_size
+    if as_json:
+        echo_json({"wrote": str(path), "bytes": size, "preset": "flash", "quant": "real-mix", "experts": experts,
+                   "seed": seed})
+    else:
+        click.echo(f"wrote {path} ({size:,} bytes; preset=flash quant=real-mix experts={experts} seed={seed})")
 
 
 def _fit(path, size: int, kind: str, draft_out: str, layout: str, seed: int, steps: int | None, depth: int,
