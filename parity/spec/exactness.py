@@ -76,7 +76,8 @@ class Committed:
 def committed_verdicts(rounds: Sequence[Round], attrs: Sequence[RoundAttribution], first: int, first_reference: int,
                        first_logits: np.ndarray, n_prompt: int, steps: int, env: Envelope) -> list[Committed]:
     """Every committed token in order: the prefill's (`first`, judged on the reference's prefill row
-    `first_logits` [V] with its argmax `first_reference`), then each round's v_0..v_{a'}; at most `steps`."""
+    `first_logits` [V] with its argmax `first_reference`), then each round's v_0..v_{a'-1} and its bonus
+    (`Round.row_tokens`); at most `steps`."""
     row = np.asarray(first_logits, np.float64)
     gap, tie = float(row[first_reference] - row[first]), env.tie_margin(float(row[first_reference]))
     out = [Committed(0, n_prompt - 1, verdict(first, first_reference, gap, tie), first, first_reference, gap, tie)]
