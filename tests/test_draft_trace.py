@@ -95,7 +95,7 @@ def test_reference_and_torch_draft_checkpoints_agree(mtp_traces, dspark_traces, 
     drafts = r.table[r.table["checkpoint"].isin(names)]
     assert drafts["checkpoint"].unique().tolist() == names
     assert (drafts["method"] == "full").all() and len(drafts) == len(names) * (T - 1)
-    assert drafts["rel_l2"].max() <= ENGINE_TOL     # measured: MTP 8.4e-7, DSpark 3.9e-6 (the raw confidences)
+    assert drafts["rel_l2"].max() <= ENGINE_TOL     # measured: MTP 8.4e-7, DSpark 4.7e-6 (the raw confidences)
     assert (drafts["depth"].min() > r.table.loc[r.table["checkpoint"] == "final_norm", "depth"].max())
     if kind == "dspark":
         exact = r.table[r.table["checkpoint"] == "dspark.drafts"]
