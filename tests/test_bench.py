@@ -92,6 +92,7 @@ def test_time_prefill_decode_counts_layers_reps_and_steps(tiny_f32) -> None:
     timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
     run = bench.time_prefill_decode(timed, 10, reps=3, decode_steps=2)
     L = timed.config.n_layers
+    assert run["load"] >= 0 and run["prefill_cpu_s"] > 0 and run["decode_cpu_s"] > 0  # beside every wall time
     assert len(run["prefill_all_s"]) == 3
     assert len(run["prefill_layer_s"]) == L and len(run["decode_layer_s"]) == L
     assert run["prefill_s"] == sorted(run["prefill_all_s"])[1]
@@ -296,3 +297,21 @@ def test_verdict_summary_counts_false_defects_and_misses() -> None:
     assert s["time"]["all"] == {"n": 6, "median_s": 3.5, "max_s": 6.0, "median_layer_runs": 10}
     assert list(s["time"]["by_length"]["f32"]) == ["40", "150"]
     assert upper_bound(0, 50) == pytest.approx(1 - 0.05 ** (1 / 50), rel=1e-6)
+
+
+def test_every_ratio_carries_the_load_it_was_measured_at() -> None:
+    """A ratio of two wall times taken at different loads is meaningless: each speed-up cell names the 1-minute load
+    average of both runs, the CPU-time rows (load-insensitive) sit beside them, and the diff row its load and CPU."""
+    ref = _worker("reference", [4], [8.0], [0.8])
+    tor = _worker("torch", [4], [2.0], [0.2])
+    ref["runs"][0].update(load=0.6, prefill_cpu_s=12.0, decode_cpu_s=1.5)
+    tor["runs"][0].update(load=4.2, prefill_cpu_s=2.0, decode_cpu_s=0.25)
+    report = {"engines": {"reference": ref, "torch": tor},
+              "trace_diff": {"checkpoints": 88, "positions": 4096, "from_npz_s": 0.5, "load": 3.9, "cpu_s": 0.61}}
+    rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
+    assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x (load 0.6 / 4.2)")
+    cpu = rows["CPU time, prefill 24 tok (all layers, all threads)"]
+    assert cpu == ("12.000 s", "2.000 s", "6.0x (load 0.6 / 4.2)")
+    assert rows["CPU time, decode 24 tok (all layers, all threads)"][2] == "6.0x (load 0.6 / 4.2)"
+    assert rows["diff of two .npz traces, 88 checkpoints x 4096 positions"][0] == "0.50 s (CPU 0.61 s, load 3.9)"
+

@@ -107,6 +107,12 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def load_average() -> float:
+    """The 1-minute load average (runnable + waiting tasks), recorded beside every timing: on a shared machine a
+    wall time means nothing without it."""
+    return os.getloadavg()[0]
+
+
 def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int) -> dict[str, Any]:
     """Median wall time of an n-token prefill and of each following decode step, total and per layer.
 
@@ -116,23 +122,27 @@ def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_ste
 
     n_layers = timed.config.n_layers
     prompt = prompt_tokens(n_prompt, timed.config.vocab_size)
-    prefill, prefill_layers, decode, decode_layers = [], [], [], []
+    prefill, prefill_layers, decode, decode_layers, loads, cpu = [], [], [], [], [], {"prefill": [], "decode": []}
     for _ in range(reps):
         state = timed.new_state()
         timed.layer_s = []
-        t = time.perf_counter()
+        loads.append(load_average())
+        t, c = time.perf_counter(), time.process_time()
         res = forward_chunk(timed, state, prompt, 0)
         prefill.append(time.perf_counter() - t)
+        cpu["prefill"].append(time.process_time() - c)
         prefill_layers.append(timed.layer_s[-n_layers:])
         for i in range(decode_steps):
             tok = np.array([int(np.argmax(res.logits[-1]))])
             timed.layer_s = []
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             res = forward_chunk(timed, state, tok, n_prompt + i)
             decode.append(time.perf_counter() - t)
+            cpu["decode"].append(time.process_time() - c)
             decode_layers.append(timed.layer_s[-n_layers:])
     return {
-        "prompt": n_prompt, "reps": reps, "decode_steps": decode_steps,
+        "prompt": n_prompt, "reps": reps, "decode_steps": decode_steps, "load": _median(loads),
+        "prefill_cpu_s": _median(cpu["prefill"]), "decode_cpu_s": _median(cpu["decode"]) if decode else None,
         "prefill_s": _median(prefill), "prefill_all_s": prefill,
         "prefill_layer_s": [_median([r[l] for r in prefill_layers]) for l in range(n_layers)],
         "decode_s": _median(decode) if decode else None,
@@ -430,9 +440,12 @@ def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str
     tmp.mkdir(parents=True, exist_ok=True)
     pa, pb = write_trace(a, tmp / "a.npz"), write_trace(b, tmp / "b.npz")
     del a, b
+    load, c = load_average(), time.process_time()
     from_files, report = _timed_median(lambda: diff(pa, pb), reps)
+    cpu = (time.process_time() - c) / (1 if from_files >= 5.0 else reps + 1)
     first = report.first_drift or {}
     return {"checkpoints": len(trace_checkpoints(n_layers)), "positions": n_pos, "from_npz_s": from_files,
+            "load": load, "cpu_s": cpu,
             "first_drift": first.get("checkpoint"), "npz_mb": (pa.stat().st_size + pb.stat().st_size) / 2**20}
 
 
@@ -528,6 +541,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     report["models"] = {k: {"path": str(v), "gib": v.stat().st_size / 2**30} for k, v in models.items()}
     log("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
     n_values = (1 << 18) if quick else DEQUANT_VALUES
+    report["dequant_load"] = load_average()
     report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
     log("trace diff at real-model size (88 checkpoints x 4096 positions) ...")
     report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
@@ -586,11 +600,17 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     ratios = (ref or tor)["ratios"]
     fmt = lambda x: "-" if x is None else f"{x:.3f} s"  # noqa: E731
     for n in lengths:
+        at = _loads(ref, tor, n)
         for l, ratio in enumerate(ratios):
             kind = {4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
             for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
                 r, t = (times[l] if times else None for times in (_per_layer(ref, n, key), _per_layer(tor, n, key)))
-                rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x" if r and t else "-"))
+                rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x{at}" if r and t else "-"))
+        for what in ("prefill", "decode"):
+            r, t = (_run(w, n) or {} for w in (ref, tor))
+            if r.get(f"{what}_cpu_s") and t.get(f"{what}_cpu_s"):
+                rows.append((f"CPU time, {what} {n} tok (all layers, all threads)", fmt(r[f"{what}_cpu_s"]),
+                             fmt(t[f"{what}_cpu_s"]), f"{r[f'{what}_cpu_s'] / t[f'{what}_cpu_s']:.1f}x{at}"))
     est = []
     for w in (ref, tor):
         decode = _per_layer(w, lengths[0], "decode_layer_s")
@@ -604,8 +624,9 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             rows.append((f"{name}: trace recording / forward ({tr['prompt']} tok, every position)",
                          f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "", f"{100 * tr['overhead']:+.2f} %"))
     td = report["trace_diff"]
+    at = f" (CPU {td['cpu_s']:.2f} s, load {td['load']:.1f})" if "load" in td else ""
     rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
-                 f"{td['from_npz_s']:.2f} s", "", ""))
+                 f"{td['from_npz_s']:.2f} s{at}", "", ""))
     mem = eng.get("reference_1layer_memory")
     if mem:
         run = mem["runs"][0]
@@ -620,6 +641,13 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _loads(ref: dict[str, Any] | None, tor: dict[str, Any] | None, n: int) -> str:
+    """' (load R / T)': the 1-minute load average during the reference's and the torch engine's runs at length n
+    ('' where a run predates the load record)."""
+    r, t = (_run(w, n) or {} for w in (ref, tor))
+    return f" (load {r['load']:.1f} / {t['load']:.1f})" if "load" in r and "load" in t else ""
+
+
 def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(measure, 1 thread, N threads, speed-up) of the reference, per layer (layer 0 CSA / layer 1 HCA)."""
     eng = report["engines"]
@@ -628,10 +656,11 @@ def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         return []
     n = one["runs"][0]["prompt"]
     rows = []
+    at = _loads(one, many, n)
     for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
         a, b = _per_layer(one, n, key), _per_layer(many, n, key)
         rows.append((what, " / ".join(f"{x:.3f} s" for x in a), " / ".join(f"{x:.3f} s" for x in b),
-                     " / ".join(f"{x / y:.2f}x" for x, y in zip(a, b, strict=True))))
+                     " / ".join(f"{x / y:.2f}x" for x, y in zip(a, b, strict=True)) + at))
     return rows
 
 
@@ -671,8 +700,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"| measure | 1 thread | {n} threads | speed-up |",
                   "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in threads]
+    at = f"; load {report['dequant_load']:.1f} at the start" if "dequant_load" in report else ""
     lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "
-              "(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants):", "",
+              f"(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants{at}):", "",
               "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact "
               "| torch / reference |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["dequant"]:
