@@ -315,3 +315,12 @@ def test_every_ratio_carries_the_load_it_was_measured_at() -> None:
     assert rows["CPU time, decode 24 tok (all layers, all threads)"][2] == "6.0x (load 0.6 / 4.2)"
     assert rows["diff of two .npz traces, 88 checkpoints x 4096 positions"][0] == "0.50 s (CPU 0.61 s, load 3.9)"
 
+
+
+def test_per_length_workers_merge_into_one_engine_answer() -> None:
+    a, b = _worker("torch", [4], [2.0], [0.2]), _worker("torch", [4], [9.0], [0.9])
+    b["runs"][0]["prompt"], b["tracing"], b["peak_rss_gb"] = 128, None, 7.0
+    a["load_s"], b["load_s"] = 1.0, 3.0
+    m = bench.merge_workers([a, b])
+    assert [r["prompt"] for r in m["runs"]] == [24, 128] and m["tracing"] == a["tracing"]
+    assert (m["peak_rss_gb"], m["peak_rss_anon_gb"], m["load_s"]) == (7.0, 1.5, 3.0)

@@ -529,6 +529,17 @@ def tiny_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def merge_workers(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's answer from its per-length workers: runs in order, the tracing run, the largest peak memory and
+    load time."""
+    out = dict(parts[0])
+    out["runs"] = [r for w in parts for r in w["runs"]]
+    out["tracing"] = next((w["tracing"] for w in parts if w["tracing"]), None)
+    for key in ("peak_rss_anon_gb", "peak_rss_gb", "load_s"):
+        out[key] = max(w[key] for w in parts)
+    return out
+
+
 def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = 1,
               log: Callable[[str], None] = print, peers: tuple[str, ...] = ()) -> dict[str, Any]:
     """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
@@ -546,16 +557,22 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     log("trace diff at real-model size (88 checkpoints x 4096 positions) ...")
     report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
     timeout = 600 if quick else 1800
-    workers = {}
-    for engine in engines:
-        dev = device if engine == "torch" else "cpu"
-        plan = PLANS["quick" if quick else engine if engine == "reference" else f"torch-{dev}"]
-        log(f"{engine} engine ({dev}) on the 2-layer file: prefill {list(plan['lengths'])} tokens, decode steps ...")
-        spec = {"engine": engine, "model": str(models["2layer"]), "device": dev, "lengths": plan["lengths"],
-                "decode_steps": plan["decode_steps"], "trace_prompt": min(plan["lengths"]),
-                "trace_reps": plan["trace_reps"], "cache_gb": RunOptions.cache_gb, "qat_sims": True}
-        # the reference parallelises over experts itself; a second BLAS thread pool would only contend
-        workers[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout)
+    plans = {e: PLANS["quick" if quick else e if e == "reference" else f"torch-{device}"] for e in engines}
+    parts: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    # one worker per (prompt length, engine), the engines alternating at each length: the two sides of a ratio are
+    # measured seconds apart, not minutes (on a shared machine the load changes within minutes)
+    for n in sorted(set().union(*(p["lengths"] for p in plans.values()))):
+        for engine in (e for e in engines if n in plans[e]["lengths"]):
+            dev, plan = device if engine == "torch" else "cpu", plans[engine]
+            log(f"{engine} engine ({dev}) on the 2-layer file: prefill {n} tokens, decode steps ...")
+            first = n == min(plan["lengths"])
+            spec = {"engine": engine, "model": str(models["2layer"]), "device": dev,
+                    "lengths": {n: plan["lengths"][n]}, "decode_steps": plan["decode_steps"], "trace_prompt": n,
+                    "trace_reps": plan["trace_reps"] if first else 0, "cache_gb": RunOptions.cache_gb,
+                    "qat_sims": True}
+            # the reference parallelises over experts itself; a second BLAS thread pool would only contend
+            parts[engine].append(spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout))
+    workers = {e: merge_workers(ws) for e, ws in parts.items()}
     if "reference" in engines:
         cache_gb = RunOptions.cache_gb / REAL_LAYERS
         log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
