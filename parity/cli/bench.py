@@ -35,7 +35,7 @@ ENGINES = ("reference", "torch")
                    "not meaningful).")
 @click.option("--verdicts/--no-verdicts", default=True, show_default=True,
               help="Also measure `check`'s verdicts on the tiny models (false DEFECTs on correct runs, detection of "
-                   "the torch faults; OUT/verdicts.json and verdicts.md; about 35 min on 2 cores, --quick: minutes).")
+                   "the torch faults; OUT/verdicts.json and verdicts.md; about 80 min on 2 cores, --quick: minutes).")
 @click.option("--verdicts-only", is_flag=True, help="Only the verdict benchmark (skip the performance tables).")
 @json_option(help="Print the report as JSON on stdout instead of the tables (errors too).")
 @json_errors
