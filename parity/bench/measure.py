@@ -540,12 +540,15 @@ def merge_workers(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = 1,
+def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = None,
               log: Callable[[str], None] = print, peers: tuple[str, ...] = ()) -> dict[str, Any]:
     """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
+    from parity.contract.cpus import usable_cpus
     from parity.contract.engine import RunOptions
 
     t0 = time.perf_counter()
+    # torch's intra-op threads, always set for the worker (an inherited OMP_NUM_THREADS=1 would otherwise decide)
+    torch_threads = torch_threads or usable_cpus()
     report: dict[str, Any] = {"bench_version": BENCH_VERSION, "quick": quick, "device": device,
                               "torch_threads": torch_threads, "machine": machine_info()}
     models = bench_models(cache_dir, quick, log)

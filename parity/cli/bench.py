@@ -27,9 +27,10 @@ ENGINES = ("reference", "torch")
 @click.option("--peers", default="llamacpp,hf", show_default=True,
               help="Peer engines timed beside ours on the tiny F32 model (comma list of registered engines; '' for "
                    "none).")
-@click.option("--torch-threads", type=int, default=1, show_default=True,
-              help="Torch CPU threads of the torch worker (0: torch's default). On a shared 2-core box more "
-                   "threads mostly spin; the reference always runs one BLAS thread and parallelises over experts.")
+@click.option("--torch-threads", type=int, default=0, show_default=True,
+              help="Torch CPU (intra-op) threads of the torch worker (0: one per usable CPU, set explicitly whatever "
+                   "OMP_NUM_THREADS says). On a busy 2-core box 1 thread lost half the torch engine's CPU share "
+                   "(docs/bench.md); the reference always runs one BLAS thread and parallelises over experts.")
 @click.option("--quick", is_flag=True,
               help="Tiny synthetic model and short prompts: checks the whole pipeline in seconds (numbers are "
                    "not meaningful).")
