@@ -155,6 +155,8 @@ def test_trace_out_and_candidate_give_the_live_report(tiny_f32, mtp, tmp_path):
     assert cand["state_divergence"] is None and not cand["state_checked"] and live["state_checked"]
     res = CliRunner().invoke(main, [*common, "--candidate", str(out), "--steps", "4"])
     assert res.exit_code == 2 and "drop --steps" in res.output
+    res = CliRunner().invoke(main, [*common, "--candidate", str(out), "--mtp-pairing", "same"])
+    assert res.exit_code == 2 and "drop --mtp-pairing" in res.output
 
 
 HEADER = """v4parity-trace 1

@@ -290,9 +290,9 @@ def test_cli_names_the_anchor_and_exits_1_and_checks_the_pairing(tiny_f32, mtp_f
     assert (doc["state_divergence"]["round"], doc["state_divergence"]["component"]) == (0, "anchor")
     r0 = doc["rounds"][0]   # 4 steps: the budget leaves 2 drafts; d_2 rejected, the bonus from the last row
     assert r0["accepted"] == 1 < r0["verified"] == 2 and r0["bonus"] == r0["verify"][2] != r0["verify"][1]
-    res = cli(*common, "--draft", mtp_file, "--engine", "reference", "--depth", 2, "--pairing", "same", "--json")
+    res = cli(*common, "--draft", mtp_file, "--engine", "reference", "--depth", 2, "--mtp-pairing", "same", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["options"]["pairing"] == "same"
-    for bad in (["--script", "accept-all", "--pairing", "same"], ["--draft", mtp_file, "--pairing", "next"]):
+    for bad in (["--script", "accept-all", "--mtp-pairing", "same"], ["--draft", mtp_file, "--mtp-pairing", "next"]):
         res = cli(*common, *bad)
         assert res.exit_code == 2, (bad, res.output)

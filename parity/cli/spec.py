@@ -35,7 +35,7 @@ class Refused(click.ClickException):
 @click.option("--engine", default="torch", show_default=True, help="Candidate engine (registered name).")
 @click.option("--depth", type=int, default=1, show_default=True,
               help="Drafts per round: MTP chain depth, or scripted drafts (a DSpark round drafts its block of B).")
-@click.option("--pairing", type=click.Choice(["prev", "same"]), default=None,
+@click.option("--mtp-pairing", "pairing", type=click.Choice(["prev", "same"]), default=None,
               help="MTP pairing (spec §2.3; default prev): prev pairs X_{p-1} with t_p (llama.cpp, vLLM); same pairs "
                    "X_p with t_p (ds4: the first MTP output predicts the anchor, checked for free, so a round drafts "
                    "depth - 1 and none when that check fails).")
@@ -129,7 +129,8 @@ def _candidate_only(ctx: click.Context) -> None:
                          "trace_out")
              if ctx.get_parameter_source(p) not in (ParameterSource.DEFAULT, None)]
     if given:
-        raise Refused(f"--candidate reads the run from the trace: drop --{given[0].replace('_', '-')} (only -m, "
+        flag = next(p.opts[0] for p in ctx.command.params if p.name == given[0])
+        raise Refused(f"--candidate reads the run from the trace: drop {flag} (only -m, "
                       "--draft, --envelope, --json, --markdown and --html go with it)")
 
 
