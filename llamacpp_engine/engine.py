@@ -27,7 +27,7 @@ from llamacpp_engine import rollback
 from llamacpp_engine.constraints import check_model
 from llamacpp_engine.mtp import MTPHead, MTPState
 from llamacpp_engine.session import KV_TYPES, Context, Model, Settings
-from llamacpp_engine.stateview import committed_rows
+from llamacpp_engine.stateview import committed_rows, last_committed_rows
 from parity.contract.draft import MTPOutput
 from parity.contract.engine import LayerOutput, RunOptions, check_tokens, refuse_roundoff
 from parity.contract.errors import ParityError
@@ -263,6 +263,14 @@ class LlamaCppEngine:
         """The compressed rows llama.cpp's captures show after each committed chunk (llamacpp_engine.stateview):
         [(T, {blk.l.comp.rows | blk.l.index.rows: rows emitted before T})]."""
         return committed_rows(state, self.config)
+
+    # -- capability: PartialStateView (the compressed rows; state parity as far as the captures show it) ----------
+    def visible_state(self, state: LlamaState) -> tuple[dict[str, np.ndarray], str]:
+        """Capability `PartialStateView`: the compressed rows emitted before the end of the last committed chunk
+        (`blk.l.comp.rows`, `blk.l.index.rows`) and what llama.cpp's captures do not show."""
+        return last_committed_rows(state, self.config), (
+            "compressed rows only (comp and index rows of every compressed layer after each commit): llama.cpp's "
+            "captures show neither the raw window rows, the compressors' pending accumulators nor the MTP state")
 
     # -- capability: a raw llama.cpp capture (the `v4parity capture llamacpp` file) ----------------
     def capture(self, prompt: list[int], chunks: list[int], decode: int) -> dict[str, np.ndarray]:

@@ -22,26 +22,41 @@ from parity.gguf.config import ModelConfig
 from parity.gguf.llamacpp import layer_output
 
 if TYPE_CHECKING:
-    from llamacpp_engine.engine import LlamaState
+    from llamacpp_engine.engine import Chunk, LlamaState
 
 
 def committed_rows(state: LlamaState, cfg: ModelConfig) -> list[tuple[int, dict[str, np.ndarray]]]:
     """(T, rows) per committed chunk, T = its end position: the compressed rows emitted at positions < T, by
     `StateView` name, for every compressed layer (the ratio-0 layers have none)."""
+    return [chunk_rows(chunk, cfg) for chunk in settled_chunks(state)]
+
+
+def last_committed_rows(state: LlamaState, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The rows of `committed_rows`'s last entry (the state after the latest commit), computed alone."""
+    chunks = settled_chunks(state)
+    if not chunks:
+        raise ParityError("llamacpp: the sequence has fed nothing; it has no committed caches")
+    return chunk_rows(chunks[-1], cfg)[1]
+
+
+def settled_chunks(state: LlamaState) -> list[Chunk]:
+    """The chunks fed, refused while a rollback waits for its replay."""
     if state.pending is not None:
         raise ParityError("llamacpp: a rollback is pending (restore without the replay that settles it); the "
                           "committed caches are not defined yet")
-    out = []
-    for chunk in fed(state):
-        if chunk.tensors is None:
-            raise ParityError(f"llamacpp: the chunk at position {chunk.start} has not run")
-        positions = chunk.start + np.arange(len(chunk.tokens))
-        rows: dict[str, np.ndarray] = {}
-        for l in range(cfg.n_layers):
-            if cfg.ratio(l):
-                caps = layer_output(chunk.tensors, cfg, l, positions, capture=True).captures
-                rows[f"blk.{l}.comp.rows"] = caps["comp_rows"]
-                if cfg.has_indexer(l):
-                    rows[f"blk.{l}.index.rows"] = caps["index_rows"]
-        out.append((int(positions[-1]) + 1, rows))
-    return out
+    return fed(state)
+
+
+def chunk_rows(chunk: Chunk, cfg: ModelConfig) -> tuple[int, dict[str, np.ndarray]]:
+    """(T, rows) of one committed chunk (see `committed_rows`)."""
+    if chunk.tensors is None:
+        raise ParityError(f"llamacpp: the chunk at position {chunk.start} has not run")
+    positions = chunk.start + np.arange(len(chunk.tokens))
+    rows: dict[str, np.ndarray] = {}
+    for l in range(cfg.n_layers):
+        if cfg.ratio(l):
+            caps = layer_output(chunk.tensors, cfg, l, positions, capture=True).captures
+            rows[f"blk.{l}.comp.rows"] = caps["comp_rows"]
+            if cfg.has_indexer(l):
+                rows[f"blk.{l}.index.rows"] = caps["index_rows"]
+    return int(positions[-1]) + 1, rows

@@ -93,7 +93,9 @@ def test_spec_engine_llamacpp_with_its_mtp_runs_end_to_end(tiny_f32, drafter):
     rolled = [r for r in doc["rounds"] if r["verified"] and r["accepted"] < r["verified"]]
     assert len(rolled) >= 8 and all(r["replayed"] == r["accepted"] + 1 for r in rolled)
     assert doc["options"]["engine"] == "llamacpp" and "lcp_rs_seq=16" in doc["options"]["flags"]["engine_args"]
-    assert doc["state_checked"] is False   # llama.cpp shows no full StateView (its rows: the tests below)
+    # llama.cpp shows no full StateView: its compressed rows are compared after every commit, and the report says so
+    assert doc["state_checked"] is True and doc["state_divergence"] is None
+    assert doc["state_note"].startswith("compressed rows only") and "raw window rows" in doc["state_note"]
 
 
 def test_partial_rollback_is_exact_and_its_committed_rows_match_sequential_decode(engines):
@@ -121,6 +123,27 @@ def test_partial_rollback_is_exact_and_its_committed_rows_match_sequential_decod
                 compared += 1
                 assert rel_l2(want[end][name].reshape(1, -1), arr.reshape(1, -1))[0] <= ROWS_TOL, (end, name)
     assert compared >= 4 * (len(seen) - 1)   # both ratio-4 layers' comp and index rows after every commit
+
+
+def test_state_parity_compares_the_rows_llamacpp_shows_and_names_a_wrong_one(engines, monkeypatch):
+    """`spec`'s state parity on llama.cpp (a `PartialStateView`): its committed compressed rows against the
+    reference's after every commit; one row moved by 1e-2 in what llama.cpp shows is named after round 0."""
+    lcp, ref = engines
+    env = load_envelope(ENVELOPE, "float32")
+    rep = spec_report(lcp, ref, "script", PROMPT, 8, env, depth=3, reject_at=2)
+    assert rep.state_checked and rep.state_divergence is None and rep.state_note.startswith("compressed rows only")
+    shown = lcp.visible_state
+
+    def moved(state):
+        rows, note = shown(state)
+        name = next(k for k, v in rows.items() if len(v))
+        return {**rows, name: rows[name] + np.float32(1e-2)}, note
+
+    monkeypatch.setattr(lcp, "visible_state", moved)
+    rep = spec_report(lcp, ref, "script", PROMPT, 8, env, depth=3, reject_at=2)
+    div = rep.state_divergence
+    assert div is not None and div.round == 0 and div.kind == "values" and div.component.endswith(".comp.rows")
+    assert rep.defects
 
 
 def rolled_back_run(lcp, tokens, n_prompt, tails):

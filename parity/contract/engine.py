@@ -252,6 +252,14 @@ class StateView(Protocol):
 
 
 @runtime_checkable
+class PartialStateView(Protocol):
+    def visible_state(self, state: Any) -> tuple[dict[str, np.ndarray], str]:
+        """What an engine without a full `StateView` can show of its trunk caches after a commit: some of
+        `StateView.state_arrays`'s components (same names, same layout) and one sentence naming what it cannot
+        show. State parity compares those components only and the report prints the sentence."""
+
+
+@runtime_checkable
 class CacheStats(Protocol):
     def cache_stats(self) -> dict[str, int]:
         """Statistics of the engine's weight cache (entries, bytes, budget, hits, misses, evictions)."""

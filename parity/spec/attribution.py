@@ -116,12 +116,22 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
                                     tuple(map(float, ties)), tuple(map(float, gaps)), tuple(map(int, star)),
                                     drafter))
         if divergence is None:
-            found = first_difference(run.states[n], state_view(ref, state, source), tol) if run.states else None
+            shown = run.states[n] if run.states else None
+            found = first_difference(shown, reference_view(ref, state, source, shown, run.state_scope), tol) \
+                if shown is not None else None
             found = found or anchor_difference(r, rho, gaps, ties)
             divergence = StateDivergence(n, r.start_pos, *found) if found else None
         if counter:
             counter("reference attribution", n + 1, len(run.rounds))
     return out, divergence
+
+
+def reference_view(ref: Engine, state: object, source: MTPSource | DSparkSource | None, shown: dict[str, np.ndarray],
+                   scope: str | None) -> dict[str, np.ndarray]:
+    """The reference's caches in `StateView` layout, cut to the components `shown` when the candidate shows only
+    some (`scope`: a `PartialStateView`'s note; None: it shows all)."""
+    full = state_view(ref, state, source)
+    return full if scope is None else {k: full[k] for k in shown if k in full}
 
 
 def anchor_difference(r: Round, rho: np.ndarray, gaps: np.ndarray, ties: np.ndarray) -> tuple[str, str, str] | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parity.contract.engine import Engine, StateView, VerifyPicks
+from parity.contract.engine import Engine, PartialStateView, StateView, VerifyPicks
 from parity.contract.errors import ParityError
 from parity.spec.accept import Gate, accept_length, first_max
 from parity.spec.drafts import DSparkSource, MTPSource, Proposal, ScriptSource, need_snapshots
@@ -73,6 +73,7 @@ caches after each round's commit (`state_view`)."""
     inputs: list[np.ndarray] = field(default_factory=list)
     feed_first: list[int] = field(default_factory=list)
     states: list[dict[str, np.ndarray]] = field(default_factory=list)  # after each round (engines with StateView)
+    state_scope: str | None = None   # a PartialStateView's note: which components `states` holds (None: all)
     draft_checkpoints: list[dict[str, np.ndarray]] = field(default_factory=list)   # each round's (Proposal)
 
     @property
@@ -136,6 +137,9 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
                                 None if bonus == int(verify[a]) else bonus, off))
         if isinstance(engine, StateView):
             run.states.append(state_view(engine, state, source))
+        elif isinstance(engine, PartialStateView):
+            shown, run.state_scope = engine.visible_state(state)
+            run.states.append(shown)
         first = c + 1
         if counter:
             counter("spec rounds", min(len(run.generated), steps), steps)

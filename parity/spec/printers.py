@@ -53,9 +53,10 @@ def summary_lines(report: SpecReport) -> list[str]:
             f"decode rows; {c['drafted']} drafted, {c['accepted']} accepted; {c['snapshots']} state snapshots",
             "state parity: " + (report.state_note or "not checked (the engine has no StateView)"
                                 if not report.state_checked else
-                                "every commit equal to the reference's" if report.state_divergence is None else
-                                f"first difference after round {report.state_divergence.round}: "
-                                f"{report.state_divergence.component} ({report.state_divergence.why})"),
+                                ("every commit equal to the reference's" if report.state_divergence is None else
+                                 f"first difference after round {report.state_divergence.round}: "
+                                 f"{report.state_divergence.component} ({report.state_divergence.why})")
+                                + (f"; compared: {report.state_note}" if report.state_note else "")),
             "drafter parity (candidate vs reference drafter on the candidate's inputs): " + (
                 "no draft checkpoints (scripted drafts)" if not any(report.options.get("drafter") == k
                                                                      for k in ("mtp", "dspark")) else
@@ -100,7 +101,8 @@ def to_json(report: SpecReport) -> dict[str, Any]:
     checkpoint where the candidate's drafter departs from the reference drafter on the candidate's inputs, kind,
     why} or null), state_flip_possible (a values difference with QAT sims on: noted, not a
     defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step, position, token, reference, margin,
-    tie}]}: every committed token judged on its own prefix), state_checked, state_note (why not, or null), cost,
+    tie}]}: every committed token judged on its own prefix), state_checked, state_note (why not; with a partial view
+    the components compared; else null), cost,
     tokens, options, seconds, defects. A run read from a trace (`--candidate`): spec_induced, plain and
     tokens.plain null."""
     d = report.divergence

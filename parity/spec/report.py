@@ -38,7 +38,7 @@ class SpecReport:
     per_slot: tuple[float | None, ...]            # the candidate's online acceptance per slot
     reference_per_slot: tuple[float | None, ...]  # the reference drafter's offline acceptance per slot
     seconds: dict[str, float]
-    state_note: str | None = None                 # why states were not compared, when they were not
+    state_note: str | None = None                 # why states were not compared, or which part was (partial view)
 
     @property
     def exact(self) -> bool:
@@ -158,7 +158,8 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
                "gate": str(gate), "max_draft": max_draft, "temperature": 0, "tie_break": "first-max",
                "reject_at": reject_at, "envelope_logit_rel": env.logit_rel}
     return assemble(options, run, cand_plain, ref_tokens, ref_logits, attrs, state_div, env,
-                    {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3})
+                    {"reference_plain": t1 - t0, "plain": t2 - t1, "spec": t3 - t2, "attribution": t4 - t3},
+                    run.state_scope)
 
 
 def reference_decode(ref: Engine, prompt: Sequence[int], steps: int) -> tuple[list[int], np.ndarray]:
