@@ -416,7 +416,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.bisect.check import check as run_check
     from parity.bisect.check import reference_options
     from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
-    from parity.bisect.parallel import EngineLoader
+    from parity.bisect.parallel import EngineLoader, warm
     from parity.contract.engine import engine_class, engine_faults
     from parity.contract.workpool import WorkPool
     from parity.gguf.inventory import validate
@@ -465,7 +465,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     draft_library = [] if drafter is None else [
         (n, EngineLoader(n, str(model), drafter), faults)
         for n in fault_engines if (faults := tuple(getattr(engine_class(n), "draft_faults", ())))]
-    with WorkPool(workers, ray) as pool:
+    with WorkPool(workers, ray, warm=(warm, (("reference", *fault_engines),))) as pool:
         report = run_check(trace_, EngineLoader("reference", str(model), drafter), env,
                            fault_engines=library, draft_fault_engines=draft_library,
                            subops=subops, notes=notes, progress=say, counter=counter, config=config, pool=pool)

@@ -171,13 +171,18 @@ def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, li
 def _twin_runs(engine: Engine, cand: Sequence[ChunkResult], layers: list[int], n: int
                ) -> Iterator[dict[int, list[LayerOutput]]]:
     """Twin 1..n of `engine` over `layers` on the candidate's inputs, one dict a twin, in seed order: in this
-    process, or one unit per (twin, layer) on the active work pool (`parity.bisect.parallel`)."""
+    process, or as units of (twin, layers) on the active work pool (`parity.bisect.parallel`)."""
     pooled = parallel.for_engine(engine)
     if pooled is None:
         for seed in range(1, n + 1):
             yield teacher_forced(engine.roundoff_twin(seed), cand, layers)   # type: ignore[attr-defined]
         return
     d, ref = pooled
-    results = d.layers(parallel.twin_jobs(ref, layers, n), cand)
+    jobs = parallel.twin_groups(ref, layers, n, d.pool.workers)
+    results = d.groups(jobs, cand)
+    per_seed = len(jobs) // max(n, 1)
     for _ in range(n):
-        yield {l: next(results)[0] for l in layers}
+        runs: dict[int, list[LayerOutput]] = {}
+        for (_, _, group), (outs, _) in zip(jobs[:per_seed], (next(results) for _ in range(per_seed)), strict=True):
+            runs.update(zip(group, outs, strict=True))
+        yield runs

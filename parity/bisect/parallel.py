@@ -53,6 +53,21 @@ class EngineRef:
 
 # ---------------------------------------------------------------- worker side
 
+def warm(names: Sequence[str]) -> None:
+    """A worker's start: import the engines `names` in a background thread (the torch engine's import of torch
+    takes seconds), so the first units, the reference's, need not wait for it (`WorkPool(warm=(warm, (names,)))`)."""
+    import threading
+
+    from parity.contract.engine import engine_class
+
+    def run() -> None:
+        for name in names:
+            with contextlib.suppress(Exception):   # a failing import is reported where the engine is loaded
+                engine_class(name)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 _BASES: dict[EngineLoader, Engine] = {}       # the first engine each loader opened (variants share it)
 _OTHERS: dict[EngineRef, tuple[Engine, str]] = {}
 _KEEP = 4                                      # engines without `Variants` kept per worker (fault engines)
@@ -91,21 +106,26 @@ def worker_engine(ref: EngineRef) -> tuple[Engine, str]:
 Inputs = Sequence[tuple[int, np.ndarray, np.ndarray]]   # per chunk: (start_pos, tokens, carrier entering the layer)
 
 
-def run_layer(ref: EngineRef, seed: int | None, layer: int, inputs: Inputs, capture: bool = False,
-              given: Sequence[dict[str, np.ndarray]] | None = None) -> tuple[list[LayerOutput], str]:
-    """One unit: `layer` of the engine `ref` (its round-off twin `seed` when not None) over every chunk, one
-    state; with `given` (per chunk), every sub-op on those inputs (`OpForcing.forward_ops`). Returns the outputs
-    and what building the engine printed."""
+def run_layers(ref: EngineRef, seed: int | None, layers: tuple[int, ...], capture: bool, forced_ops: bool,
+               *data: Any) -> tuple[list[list[LayerOutput]], str]:
+    """One unit: `layers` of the engine `ref` (its round-off twin `seed` when not None) over every chunk, one
+    state (each layer has its own cache: the same outputs as each layer alone); `data`: each layer's inputs
+    (per chunk (start_pos, tokens, carrier)), then with `forced_ops` each layer's given sub-op values per chunk
+    (`OpForcing.forward_ops`: every sub-op on those). Top-level arguments, so Ray resolves shared ones. Returns
+    the outputs per layer and what building the engine printed."""
     engine, said = worker_engine(ref)
     if seed is not None:
         engine = engine.roundoff_twin(seed)   # type: ignore[attr-defined]
     state = engine.new_state()
-    inputs = [(s, t, np.ascontiguousarray(x)) for s, t, x in inputs]   # as `attribution.layer_input` gives them
-    if given is None:
-        outs = [engine.forward_layer(state, layer, x, t, s, capture=capture) for s, t, x in inputs]
-    else:
-        outs = [engine.forward_ops(state, layer, x, t, s, g)   # type: ignore[attr-defined]
-                for (s, t, x), g in zip(inputs, given, strict=True)]
+    inputs = [[(s, t, np.ascontiguousarray(x)) for s, t, x in chunks]   # as `attribution.layer_input` gives them
+              for chunks in data[: len(layers)]]
+    given = data[len(layers):] if forced_ops else [None] * len(layers)
+    outs: list[list[LayerOutput]] = [[] for _ in layers]
+    for i in range(len(inputs[0])):
+        for k, layer in enumerate(layers):
+            s, t, x = inputs[k][i]
+            outs[k].append(engine.forward_layer(state, layer, x, t, s, capture=capture) if given[k] is None else
+                           engine.forward_ops(state, layer, x, t, s, given[k][i]))   # type: ignore[attr-defined]
     return outs, said
 
 
@@ -133,17 +153,26 @@ class Distributor:
                ) -> Iterator[tuple[list[LayerOutput], str]]:
         """(outputs, what building the engine printed) of every (engine, seed, layer) job on the candidate's
         inputs (with `dumps`: every sub-op on the candidate's dumped inputs), in the order of `jobs`."""
+        for outs, said in self.groups([(r, s, (l,)) for r, s, l in jobs], cand, capture, dumps):
+            yield outs[0], said
+
+    def groups(self, jobs: Sequence[tuple[EngineRef, int | None, tuple[int, ...]]], cand: Sequence[ChunkResult],
+               capture: bool = False, dumps: Sequence[ChunkResult] | None = None
+               ) -> Iterator[tuple[list[list[LayerOutput]], str]]:
+        """As `layers`, a job running several layers in one unit (outputs per layer, in the job's order)."""
         shared: dict[int, Any] = {}
         given: dict[int, Any] = {}
-        for _, _, layer in jobs:
-            if layer not in shared:
-                shared[layer] = self.pool.share(layer_inputs(cand, layer))
-                if dumps is not None:
-                    from parity.bisect.opforce import given_of
+        for _, _, group in jobs:
+            for layer in group:
+                if layer not in shared:
+                    shared[layer] = self.pool.share(layer_inputs(cand, layer))
+                    if dumps is not None:
+                        from parity.bisect.opforce import given_of
 
-                    given[layer] = self.pool.share([given_of(d, layer) for d in dumps])
-        units = [(ref, seed, layer, shared[layer], capture, given.get(layer)) for ref, seed, layer in jobs]
-        yield from self.pool.ordered(run_layer, units)
+                        given[layer] = self.pool.share([given_of(d, layer) for d in dumps])
+        units = [(ref, seed, group, capture, dumps is not None, *(shared[l] for l in group),
+                  *((given[l] for l in group) if dumps is not None else ())) for ref, seed, group in jobs]
+        yield from self.pool.ordered(run_layers, units)
 
     def said(self, text: str) -> None:
         """Count what building a unit's engine printed, where the serial code built (and silenced) that engine."""
@@ -201,9 +230,15 @@ def loader_of(factory: Any) -> EngineLoader | None:
     return None
 
 
-def twin_jobs(ref: EngineRef, layers: Sequence[int], n: int) -> list[tuple[EngineRef, int | None, int]]:
-    """Seed-major: every layer of twin 1, then of twin 2, ... (the serial order)."""
-    return [(ref, seed, l) for seed in range(1, n + 1) for l in layers]
+def twin_groups(ref: EngineRef, layers: Sequence[int], n: int, workers: int
+                ) -> list[tuple[EngineRef, int | None, tuple[int, ...]]]:
+    """Seed-major units of the round-off twins (the serial order): each twin's layers split into as few groups as
+    keep every worker busy (about 2 units per worker in all; one group when n twins are enough), so a small layer
+    does not pay a unit's overhead alone."""
+    k = max(1, min(len(layers), -(-2 * workers // max(n, 1))))
+    size = -(-len(layers) // k)
+    groups = [tuple(layers[i : i + size]) for i in range(0, len(layers), size)]
+    return [(ref, seed, g) for seed in range(1, n + 1) for g in groups]
 
 
 def with_options(ref: EngineRef, **changes: Any) -> EngineRef:

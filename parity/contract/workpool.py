@@ -37,10 +37,13 @@ def _call(unit: tuple[Callable[..., Any], tuple]) -> Any:
 class WorkPool:
     """Serial (workers 1, no Ray), `workers` spawned processes, or Ray tasks of one CPU each (see the module doc)."""
 
-    def __init__(self, workers: int = 1, ray: str | None = None) -> None:
+    def __init__(self, workers: int = 1, ray: str | None = None,
+                 warm: tuple[Callable[..., Any], tuple] | None = None) -> None:
+        """`warm`: (function, args) each worker process runs when it starts (e.g. importing the engines its
+        units will load), while this process goes on; Ray workers start on demand and are not warmed."""
         if workers < 1:
             raise ParityError(f"workers must be >= 1, got {workers}")
-        self.workers, self.ray = workers, ray
+        self.workers, self.ray, self.warm = workers, ray, warm
         self._pool: Any = None
         self._ray: Any = None
         self._started_ray = False
@@ -65,12 +68,13 @@ class WorkPool:
         elif self.workers > 1:
             for var in THREAD_VARS:
                 os.environ.setdefault(var, "1")
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+            self._pool = multiprocessing.get_context("spawn").Pool(
+                self.workers, *(self.warm if self.warm is not None else ()))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.terminate() if exc[0] is not None else self._pool.close()
+        if self._pool is not None:   # every result was taken or is abandoned: no need to wait for a clean exit
+            self._pool.terminate()
             self._pool.join()
             self._pool = None
         if self._started_ray:
