@@ -158,3 +158,17 @@ def test_prompt_length_mismatch_is_reported(tmp_path):
     assert notes[0] == "forced: prompt_tokens differs: A 12, B 13" and notes[1].startswith("prompt lengths differ")
     # the official fixture's usage.prompt_tokens (12) agrees with the dump's
     assert not any("prompt lengths" in n for n in compare_runs(run("greedy.official.json"), run("ref.ds4.json")).notes)
+
+
+def test_comparison_is_frozen_and_built_once():
+    import dataclasses
+
+    cmp = compare_runs(run("ref.ds4.json"), run("cand_tie.ds4.json"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cmp.notes = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cmp.steps[0].verdict = "WRONG"  # type: ignore[misc]
+    assert isinstance(cmp.steps, tuple) and isinstance(cmp.notes, tuple)
+    # the JSON document lists steps and notes as JSON arrays, as before the report was frozen
+    d = cmp.to_dict()
+    assert isinstance(d["steps"], list) and isinstance(d["notes"], list) and len(d["steps"]) == 3

@@ -49,8 +49,9 @@ def logprobs(a: str, b: str, as_json: bool, markdown_path: str | None, fail_on: 
     Example:
       v4parity logprobs official/short_italian_fact.official.json ours.json --fail-on wrong --fail-on tie
     """
-    from parity.logprobs.compare import compare_runs, render_markdown, render_text
+    from parity.logprobs.compare import compare_runs
     from parity.logprobs.io import read_run
+    from parity.logprobs.printers import render_markdown, render_text
 
     if tie_margin < 0 or drift_tol < 0:
         raise click.BadParameter("--tie-margin and --drift-tol must be >= 0")

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from parity.compare.jsonvalues import json_safe
-from parity.compare.textcells import fit_line, md_cell
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.errors import ParityError
+from parity.logprobs import printers
 from parity.logprobs.io import LogprobRun, Step, Tok
 
 # Defaults for the verdict, in nats of logprob. 0.1 is about the bf16 rounding of a logit of size ~25
@@ -58,8 +58,10 @@ class Divergence:
     tail_cand: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepCompare:
+    """One step of the alignment, built once by `compare_step` (compared) or `compare_runs` (not compared)."""
+
     step: int
     ref_token: str | None
     cand_token: str | None
@@ -121,16 +123,19 @@ def _fits(ref: LogprobRun, cand: LogprobRun, ctx: int) -> tuple[bool, str]:
     return fits, f"{n} prompt tokens + {steps} steps{'' if fits else f' does not fit in ctx {ctx}'}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Comparison:
+    """Two logprob runs compared step by step, built once by `compare_runs`; printers in
+    `parity.logprobs.printers`."""
+
     ref: str
     cand: str
     greedy_only: bool
     tie_margin: float
     drift_tol: float
-    steps: list[StepCompare]
-    notes: list[str] = field(default_factory=list)
-    ds4_test_na: str = ""               # why ds4_test's rule does not apply (empty: it applies)
+    steps: tuple[StepCompare, ...]
+    notes: tuple[str, ...]
+    ds4_test_na: str                    # why ds4_test's rule does not apply (empty: it applies)
 
     @property
     def compared(self) -> list[StepCompare]:
@@ -174,25 +179,12 @@ class Comparison:
         return out
 
     def summary_line(self) -> str:
-        c = self.counts()
-        fd = self.first_divergent_step()
-        ds4 = {True: "PASS", False: "FAIL", None: "n/a"}[self.ds4_test()]
-        if self.ds4_test_na:
-            ds4 += f" ({self.ds4_test_na})"
-        cut = sum(s.cand_token is None for s in self.steps)
-        tail = f"; INCOMPLETE: B lacks {cut} of A's {len(self.steps)} steps" if self.incomplete else ""
-        mode = " greedy-only (tokens compared, no logprob metrics)" if self.greedy_only else ""
-        return (f"logprobs: {len(self.compared)}/{len(self.steps)} steps compared{mode}: "
-                f"MATCH {c['MATCH']}, TIE-FLIP {c['TIE-FLIP']}, DRIFT {c['DRIFT']}, WRONG {c['WRONG']}; "
-                f"first divergent step: {'none' if fd is None else fd}; ds4_test: {ds4}{tail}")
+        """The one-line summary (`parity.logprobs.printers.summary_line`)."""
+        return printers.summary_line(self)
 
-    def to_dict(self) -> dict:
-        """JSON-ready: infinite bounds become the string "inf"."""
-        d = asdict(self)
-        d.update(counts=self.counts(), first_divergent_step=self.first_divergent_step(),
-                 first_non_match_step=self.first_non_match_step(), ds4_test=self.ds4_test(),
-                 incomplete=self.incomplete, summary=self.summary_line())
-        return json_safe(d)
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (`parity.logprobs.printers.to_dict`): infinite bounds become the string "inf"."""
+        return printers.to_dict(self)
 
 
 def _xlogy(x: float, y: float) -> float:
@@ -253,21 +245,22 @@ def _ds4_test_na(ref: LogprobRun, cand: LogprobRun) -> str:
     return ""
 
 
-def _shared_stats(sc: StepCompare, ref: Step, cand: Step) -> None:
+def _shared_stats(ref: Step, cand: Step) -> dict[str, Any]:
+    """The StepCompare fields of two scored top-k lists: k, Jaccard, shared count, Δlogprob, rank shift, bounds."""
     rank_r = {t.data: r for r, (t, _) in enumerate(ref.top)}
     rank_c = {t.data: r for r, (t, _) in enumerate(cand.top)}
     lp_r, lp_c = dict((t.data, lp) for t, lp in ref.top), dict((t.data, lp) for t, lp in cand.top)
     shared = [t for t in rank_r if t in rank_c]
-    sc.k = min(len(ref.top), len(cand.top))
-    top_r, top_c = {t.data for t, _ in ref.top[:sc.k]}, {t.data for t, _ in cand.top[:sc.k]}
-    sc.jaccard = len(top_r & top_c) / len(top_r | top_c)
-    sc.n_shared = len(shared)
+    k = min(len(ref.top), len(cand.top))
+    top_r, top_c = {t.data for t, _ in ref.top[:k]}, {t.data for t, _ in cand.top[:k]}
+    out: dict[str, Any] = {"k": k, "jaccard": len(top_r & top_c) / len(top_r | top_c), "n_shared": len(shared),
+                           "divergence": truncated_divergence(lp_r, lp_c)}
     if shared:
         d = [abs(lp_c[t] - lp_r[t]) for t in shared]
         shifts = [abs(rank_r[t] - rank_c[t]) for t in shared]
-        sc.max_abs_dlogprob, sc.mean_abs_dlogprob = max(d), sum(d) / len(d)
-        sc.max_rank_shift, sc.mean_rank_shift = max(shifts), sum(shifts) / len(shifts)
-    sc.divergence = truncated_divergence(lp_r, lp_c)
+        out.update(max_abs_dlogprob=max(d), mean_abs_dlogprob=sum(d) / len(d),
+                   max_rank_shift=max(shifts), mean_rank_shift=sum(shifts) / len(shifts))
+    return out
 
 
 def compare_step(ref: Step, cand: Step, *, greedy_only: bool, cand_has_logprobs: bool,
@@ -276,20 +269,63 @@ def compare_step(ref: Step, cand: Step, *, greedy_only: bool, cand_has_logprobs:
     def key(t: Tok) -> int:
         return keys.setdefault(t.data, len(keys))
 
-    sc = StepCompare(ref.index, ref.selected.label(), cand.selected.label(), ref.selected == cand.selected)
+    fields: dict[str, Any] = {}
     if greedy_only or not ref.top or not cand.top:  # no usable scores: the verdict rests on the tokens alone
-        verdict, margin = classify_step([(key(ref.selected), 0.0)], [(key(cand.selected), 0.0)], 0.0, 0.0)
+        verdict, _ = classify_step([(key(ref.selected), 0.0)], [(key(cand.selected), 0.0)], 0.0, 0.0)
         margin = None
         if not greedy_only:
-            sc.note = "a side lists no scored entry at this step: tokens compared only"
+            fields["note"] = "a side lists no scored entry at this step: tokens compared only"
     else:
         verdict, margin = classify_step([(key(t), lp) for t, lp in ref.top], [(key(t), lp) for t, lp in cand.top],
                                         tie_margin, drift_tol)
-        _shared_stats(sc, ref, cand)
-    sc.verdict, sc.ref_margin = verdict.value, margin
+        fields.update(_shared_stats(ref, cand))
     if cand_has_logprobs:
-        sc.ds4_test, sc.ds4_test_detail = ds4_test_check(ref, cand)
-    return sc
+        fields["ds4_test"], fields["ds4_test_detail"] = ds4_test_check(ref, cand)
+    return StepCompare(ref.index, ref.selected.label(), cand.selected.label(), ref.selected == cand.selected,
+                       verdict=verdict.value, ref_margin=margin, **fields)
+
+
+def _align(ref: LogprobRun, cand: LogprobRun, greedy_only: bool, tie_margin: float,
+           drift_tol: float) -> tuple[StepCompare, ...]:
+    """Every step of the longer run: compared while the greedy tokens agree, noted (not compared) after."""
+    keys: dict[bytes, int] = {}
+    steps: list[StepCompare] = []
+    diverged_at = None
+    for i in range(max(len(ref.steps), len(cand.steps))):
+        a = ref.steps[i] if i < len(ref.steps) else None
+        b = cand.steps[i] if i < len(cand.steps) else None
+        if a is None or b is None:
+            only = "A" if b is None else "B"
+            steps.append(StepCompare(i, a.selected.label() if a else None, b.selected.label() if b else None,
+                                     note=f"only in {only}"))
+        elif diverged_at is not None:
+            steps.append(StepCompare(i, a.selected.label(), b.selected.label(),
+                                     note=f"not compared: contexts differ since step {diverged_at}"))
+        else:
+            steps.append(compare_step(a, b, greedy_only=greedy_only, cand_has_logprobs=not cand.greedy_only,
+                                      tie_margin=tie_margin, drift_tol=drift_tol, keys=keys))
+            if not steps[-1].same_token:
+                diverged_at = i
+    return tuple(steps)
+
+
+def _run_notes(ref: LogprobRun, cand: LogprobRun, greedy_only: bool) -> list[str]:
+    """The notes on the two runs as a whole: greedy-only sides, prompt lengths, finish reasons, step counts."""
+    notes = []
+    if greedy_only:
+        both = ref.greedy_only and cand.greedy_only
+        side = "A and B carry" if both else ("A" if ref.greedy_only else "B") + " carries"
+        notes.append(f"{side} greedy tokens only (alternatives at -9999 or none): tokens are compared, "
+                     "KL/JS/Jaccard/Δlogprob are not computed, and a tie cannot be told from a wrong token")
+    n_a, n_b = ref.meta.get("prompt_tokens"), cand.meta.get("prompt_tokens")
+    if n_a is not None and n_b is not None and n_a != n_b:
+        notes.append(f"prompt lengths differ (A {n_a} tokens, B {n_b}): check that both rendered the same prompt")
+    for name, run in (("A", ref), ("B", cand)):
+        if run.meta.get("finish_reason"):
+            notes.append(f"{name} finish_reason: {run.meta['finish_reason']}")
+    if len(ref.steps) != len(cand.steps):
+        notes.append(f"A has {len(ref.steps)} steps, B has {len(cand.steps)}: extra steps are not compared")
+    return notes
 
 
 def compare_runs(ref: LogprobRun, cand: LogprobRun, tie_margin: float = TIE_MARGIN,
@@ -304,80 +340,7 @@ def compare_runs(ref: LogprobRun, cand: LogprobRun, tie_margin: float = TIE_MARG
         raise LogprobPreflightError(f"refusing to compare logprobs of different runs (A {where(ref)}, B {where(cand)}; "
                                     "--force compares anyway): " + "; ".join(problems))
     greedy_only = ref.greedy_only or cand.greedy_only
-    out = Comparison(ref.describe(), cand.describe(), greedy_only, tie_margin, drift_tol, [],
-                     [*fit_notes, *(f"forced: {p}" for p in problems)], _ds4_test_na(ref, cand))
-    if greedy_only:
-        both = ref.greedy_only and cand.greedy_only
-        side = "A and B carry" if both else ("A" if ref.greedy_only else "B") + " carries"
-        out.notes.append(f"{side} greedy tokens only (alternatives at -9999 or none): tokens are compared, "
-                         "KL/JS/Jaccard/Δlogprob are not computed, and a tie cannot be told from a wrong token")
-    keys: dict[bytes, int] = {}
-    diverged_at = None
-    for i in range(max(len(ref.steps), len(cand.steps))):
-        a = ref.steps[i] if i < len(ref.steps) else None
-        b = cand.steps[i] if i < len(cand.steps) else None
-        if a is None or b is None:
-            only = "A" if b is None else "B"
-            out.steps.append(StepCompare(i, a.selected.label() if a else None, b.selected.label() if b else None,
-                                         note=f"only in {only}"))
-        elif diverged_at is not None:
-            out.steps.append(StepCompare(i, a.selected.label(), b.selected.label(),
-                                         note=f"not compared: contexts differ since step {diverged_at}"))
-        else:
-            sc = compare_step(a, b, greedy_only=greedy_only, cand_has_logprobs=not cand.greedy_only,
-                              tie_margin=tie_margin, drift_tol=drift_tol, keys=keys)
-            out.steps.append(sc)
-            if not sc.same_token:
-                diverged_at = i
-    n_a, n_b = ref.meta.get("prompt_tokens"), cand.meta.get("prompt_tokens")
-    if n_a is not None and n_b is not None and n_a != n_b:
-        out.notes.append(f"prompt lengths differ (A {n_a} tokens, B {n_b}): check that both rendered the same prompt")
-    for name, run in (("A", ref), ("B", cand)):
-        if run.meta.get("finish_reason"):
-            out.notes.append(f"{name} finish_reason: {run.meta['finish_reason']}")
-    if len(ref.steps) != len(cand.steps):
-        out.notes.append(f"A has {len(ref.steps)} steps, B has {len(cand.steps)}: extra steps are not compared")
-    return out
-
-
-def _fmt(x: float | None, spec: str = ".3g") -> str:
-    if x is None:
-        return "-"
-    return "inf" if math.isinf(x) else format(x, spec)
-
-
-def render_text(cmp: Comparison, wide: bool = False) -> str:
-    """The console report: header, one row per step, notes, the summary line. Within 100 columns (long lines wrap,
-    words are never cut); `wide` adds the JS interval and the tail masses and never wraps."""
-    lines = [f"A (reference): {cmp.ref}", f"B (candidate): {cmp.cand}",
-             f"tie margin {cmp.tie_margin} nats, drift tolerance {cmp.drift_tol} nats", ""]
-    extra = f" {'JS in':>19} {'tail A/B':>15}" if wide else ""
-    head = (f"{'step':>4}  {'verdict':<8} {'A token':<16} {'B token':<16} {'jacc':>5} {'max|Δlp|':>8} "
-            f"{'rank±':>5} {'KL≥':>8}{extra}  ds4_test")
-    lines += [head, "-" * len(head)]
-    for s in cmp.steps:
-        dv = s.divergence
-        js = f"[{_fmt(dv.js_lower)}, {_fmt(dv.js_upper)}]" if dv else "-"
-        tails = f"{_fmt(dv.tail_ref, '.2g')}/{_fmt(dv.tail_cand, '.2g')}" if dv else "-"
-        ds4 = {True: "ok", False: "FAIL " + s.ds4_test_detail, None: "-"}[s.ds4_test]
-        lines.append(f"{s.step:>4}  {s.verdict or '-':<8} {s.ref_token or '-':<16.16} {s.cand_token or '-':<16.16} "
-                     f"{_fmt(s.jaccard, '.2f'):>5} {_fmt(s.max_abs_dlogprob):>8} {_fmt(s.max_rank_shift, 'd'):>5} "
-                     f"{_fmt(dv.kl_lower if dv else None):>8}" + (f" {js:>19} {tails:>15}" if wide else "")
-                     + f"  {ds4}" + (f"  ({s.note})" if s.note else ""))
-    lines += [""] + [f"note: {n}" for n in cmp.notes] + [cmp.summary_line()]
-    return "\n".join(lines if wide else [fit_line(line) for line in lines])
-
-
-def render_markdown(cmp: Comparison) -> str:
-    """The report as GitHub Markdown: the summary line, one table row per step, the notes."""
-    lines = [f"**v4parity logprobs**: A = `{cmp.ref}`, B = `{cmp.cand}`", "", f"**{cmp.summary_line()}**", "",
-             "| step | verdict | A token | B token | Jaccard | max abs Δlogprob | KL lower bound | ds4_test |",
-             "|---|---|---|---|---|---|---|---|"]
-    for s in cmp.steps:
-        ds4 = {True: "ok", False: "FAIL " + s.ds4_test_detail, None: "-"}[s.ds4_test]
-        kl = _fmt(s.divergence.kl_lower) if s.divergence else "-"
-        cells = [str(s.step), s.verdict or "-", s.ref_token or "-", s.cand_token or "-", _fmt(s.jaccard, ".2f"),
-                 _fmt(s.max_abs_dlogprob), kl, ds4 + (f" ({s.note})" if s.note else "")]
-        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
-    lines += [""] + [f"> note: {n}" for n in cmp.notes]
-    return "\n".join(lines) + "\n"
+    return Comparison(ref.describe(), cand.describe(), greedy_only, tie_margin, drift_tol,
+                      _align(ref, cand, greedy_only, tie_margin, drift_tol),
+                      (*fit_notes, *(f"forced: {p}" for p in problems), *_run_notes(ref, cand, greedy_only)),
+                      _ds4_test_na(ref, cand))
