@@ -391,7 +391,7 @@ def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
     from parity.bisect.envelope import judge_diff, load_envelope
 
     env = load_envelope(envelope, report.b["dtype"], report.a["model"])
-    return judge_diff(report.table, env)
+    return judge_diff(report.rows, env)
 
 
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,

@@ -30,12 +30,12 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from parity.bisect.null import N_TWINS
 from parity.compare.metrics import max_abs, rel_l2
+from parity.compare.rows import CheckpointRow
 from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
@@ -418,16 +418,14 @@ class EnvelopeJudgement:
         return out
 
 
-def judge_diff(table: Any, env: Envelope) -> EnvelopeJudgement:
-    """Judge a diff's per-(checkpoint, position) table (columns checkpoint, pos, rel_l2, drift) by the envelope:
-    DRIFT where rel_l2 > k * floor + eps anywhere (non-finite included), else NOISE where a row is beyond the diff's
-    fixed thresholds, else OK. Logits are judged by the diff alone."""
-    rows = []
-    for name, t in table.groupby("checkpoint", sort=False):
-        rel = t["rel_l2"].to_numpy(np.float64)
-        floor = env.floor(name)
-        excess = np.where(np.isfinite(rel), env.excess(np.nan_to_num(rel), floor), np.inf)
-        i = int(np.argmax(excess))
-        verdict = "DRIFT" if excess[i] > 1 else "NOISE" if t["drift"].any() else "OK"
-        rows.append(EnvelopeCheck(str(name), int(t["pos"].iloc[i]), float(rel[i]), floor, float(excess[i]), verdict))
-    return EnvelopeJudgement(tuple(rows), env.dtype)
+def judge_diff(rows: Sequence[CheckpointRow], env: Envelope) -> EnvelopeJudgement:
+    """Judge a diff's checkpoint rows (`DiffReport.rows`) by the envelope, each at its worst rel-L2 position: DRIFT
+    where rel_l2 > k * floor + eps (non-finite included), else NOISE where a position is beyond the diff's fixed
+    thresholds (`drifting`), else OK. Logits are judged by the diff alone."""
+    out = []
+    for r in rows:
+        floor = env.floor(r.checkpoint)
+        excess = float(env.excess(r.rel_l2, floor)) if np.isfinite(r.rel_l2) else float("inf")
+        verdict = "DRIFT" if excess > 1 else "NOISE" if r.drifting else "OK"
+        out.append(EnvelopeCheck(r.checkpoint, r.rel_l2_pos, r.rel_l2, floor, excess, verdict))
+    return EnvelopeJudgement(tuple(out), env.dtype)

@@ -23,6 +23,7 @@ import pandas as pd
 
 from parity.compare import metrics
 from parity.compare.jsonvalues import json_safe
+from parity.compare.rows import CheckpointRow, checkpoint_rows, summary_frame
 from parity.contract.checkpoints import LOGITS, checkpoint_depths, checkpoint_layer, has_top, per_stream
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.weights import same_model
@@ -101,9 +102,10 @@ def _short(xs: list) -> str:
     return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiffReport:
-    """Everything a diff found. `table`: one row per (checkpoint, position); `summary`: one per checkpoint."""
+    """Everything a diff found. `table`: one row per (checkpoint, position); `rows`: one judged `CheckpointRow` per
+    checkpoint (table order), computed once from `table` and `thresholds`; `summary`: those rows as a frame."""
 
     a: dict[str, Any]
     b: dict[str, Any]
@@ -115,6 +117,11 @@ class DiffReport:
     flags_differ: dict[str, Any] = field(default_factory=dict)
     logits: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LOGIT_COLUMNS))
     departure: dict[str, Any] | None = None  # the largest rel-L2 jump between consecutive checkpoints (on drift)
+    rows: tuple[CheckpointRow, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        rows = checkpoint_rows(self.table, self.thresholds.rel_tol, self.thresholds.norm_tol)
+        object.__setattr__(self, "rows", rows)
 
     def __bool__(self) -> bool:
         return self.first_drift is None
@@ -123,20 +130,12 @@ class DiffReport:
     def exact(self) -> bool:
         """Bit-identical in every compared field: checkpoint rows, per-layer diagnostics and side-file logits."""
         layers_same = all((self.layers[c] == v).all() for c, v in _NO_DIFF.items())
-        return bool(self.table["exact"].all() and layers_same and self.logits["exact"].all())
+        return bool(all(r.exact for r in self.rows) and layers_same and self.logits["exact"].all())
 
     @property
     def summary(self) -> pd.DataFrame:
-        """Per checkpoint (depth order): worst position by rel-L2 and its metrics, drift count."""
-        t = self.table
-        worst = t.loc[t.assign(key=t["rel_l2"].fillna(np.inf)).groupby("checkpoint", sort=False)["key"].idxmax()]
-        agg = t.groupby("checkpoint", sort=False).agg(
-            positions=("pos", "size"), drifting=("drift", "sum"), exact=("exact", "all"),
-            cosine_min=("cosine", "min"), max_abs=("max_abs", "max"),
-            stream_ratio_min=("stream_ratio_min", "min"), stream_ratio_max=("stream_ratio_max", "max"))
-        w = worst.set_index("checkpoint")[["depth", "layer", "method", "pos", "norm_ratio", "rel_l2", "sqnr_db"]]
-        out = w.rename(columns={"pos": "worst_pos"}).join(agg)
-        return out.reset_index().sort_values("depth", kind="stable").reset_index(drop=True)
+        """Per checkpoint (depth order): worst position by rel-L2 and its metrics, drift count (`summary_frame`)."""
+        return summary_frame(self.rows)
 
     def to_dict(self) -> dict[str, Any]:
         def records(df: pd.DataFrame) -> list[dict]:

@@ -24,6 +24,7 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 
 from parity.compare.differ import DiffReport, Thresholds, diff_traces
+from parity.compare.rows import CheckpointRow
 from parity.contract.checkpoints import LOGITS
 from parity.contract.errors import ParityError
 from parity.tracing.records import Trace
@@ -84,12 +85,12 @@ def load_tolerances(src: str | os.PathLike | dict | None) -> Tolerances:
     return Tolerances(default, per, top1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateResult:
     """passed + one entry per checkpoint (name, status, worst metrics, tolerance, minimal passing tolerance)."""
 
     passed: bool
-    cases: list[dict[str, Any]]
+    cases: tuple[dict[str, Any], ...]
     report: DiffReport
     golden: str
     candidate: str
@@ -98,42 +99,21 @@ class GateResult:
         return self.passed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "golden": self.golden, "candidate": self.candidate, "cases": self.cases,
+        return {"passed": self.passed, "golden": self.golden, "candidate": self.candidate, "cases": list(self.cases),
                 "first_drift": self.report.first_drift, "warnings": self.report.warnings}
 
 
 def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | dict | None = None,
              force: bool = False, names: tuple[str, str] = ("golden", "candidate")) -> GateResult:
-    """Diff candidate against golden and judge every checkpoint by its own tolerance."""
+    """Diff candidate against golden and judge every checkpoint row (`DiffReport.rows`) by its own tolerance."""
     tol = load_tolerances(tolerances)
     report = diff_traces(golden, candidate, Thresholds(), force=force)
-    compared = report.table["checkpoint"].unique().tolist() + ([LOGITS] if len(report.logits) else [])
+    compared = [r.checkpoint for r in report.rows] + ([LOGITS] if len(report.logits) else [])
     unmatched = [pat for pat, _ in tol.checkpoints if not any(fnmatch.fnmatchcase(c, pat) for c in compared)]
     if unmatched:
         raise ParityError(f"tolerances: checkpoint pattern(s) {unmatched} match no compared checkpoint "
                           f"(compared: {', '.join(compared)})")
-    cases = []
-    for name, rows in report.table.groupby("checkpoint", sort=False):
-        th = tol.for_checkpoint(name)
-        rel = rows["rel_l2"].to_numpy()
-        dev = np.abs(rows["norm_ratio"].to_numpy() - 1.0)
-        problems = []
-        if not rows["finite"].all():
-            problems.append("non-finite statistics")
-        if not np.all(rel <= th.rel_tol):
-            problems.append(f"rel-L2 {np.nanmax(rel):.3e} > {th.rel_tol:g} (would pass at rel_tol >= "
-                            f"{np.nanmax(rel):.3e})")
-        if not np.all(dev <= th.norm_tol):
-            problems.append(f"|RMS ratio - 1| {np.nanmax(dev):.3e} > {th.norm_tol:g} (would pass at norm_tol >= "
-                            f"{np.nanmax(dev):.3e})")
-        if tol.require_top1 and name == "final_norm":
-            flips = rows[rows["argmax_a"] != rows["argmax_b"]]
-            problems += [f"top-1 token differs at position {p}: golden {a}, candidate {b}"
-                         for p, a, b in zip(flips["pos"], flips["argmax_a"], flips["argmax_b"], strict=True)]
-        cases.append({"checkpoint": name, "passed": not problems, "problems": problems,
-                      "method": rows["method"].iloc[0], "max_rel_l2": float(np.nanmax(rel)),
-                      "max_norm_dev": float(np.nanmax(dev)),
-                      "rel_tol": th.rel_tol, "norm_tol": th.norm_tol})
+    cases = [_case(row, tol.for_checkpoint(row.checkpoint), tol.require_top1) for row in report.rows]
     if len(report.logits):  # the side files' full logits, judged by rel-L2 as `diff` judges them
         th, rel = tol.for_checkpoint(LOGITS), report.logits["rel_l2"].to_numpy(dtype=np.float64)
         problems = [] if report.logits["finite"].all() else ["non-finite values"]
@@ -143,7 +123,23 @@ def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | di
         cases.append({"checkpoint": LOGITS, "passed": not problems, "problems": problems, "method": "full",
                       "max_rel_l2": float(np.nanmax(rel)), "max_norm_dev": None, "rel_tol": th.rel_tol,
                       "norm_tol": th.norm_tol})
-    return GateResult(all(c["passed"] for c in cases), cases, report, *names)
+    return GateResult(all(c["passed"] for c in cases), tuple(cases), report, *names)
+
+
+def _case(row: CheckpointRow, th: Thresholds, require_top1: bool) -> dict[str, Any]:
+    """The gate's case of one checkpoint row: its failing metrics at the checkpoint's own tolerance `th` (worded,
+    with the smallest tolerance that would pass) and, at final_norm with `require_top1`, every top-1 flip."""
+    words = {"non-finite": "non-finite statistics",
+             "rel-L2": f"rel-L2 {row.rel_l2_nanmax:.3e} > {th.rel_tol:g} (would pass at rel_tol >= "
+                       f"{row.rel_l2_nanmax:.3e})",
+             "norm ratio": f"|RMS ratio - 1| {row.norm_dev_nanmax:.3e} > {th.norm_tol:g} (would pass at norm_tol >= "
+                           f"{row.norm_dev_nanmax:.3e})"}
+    problems = [words[m] for m in row.failing_at(th.rel_tol, th.norm_tol)]
+    if require_top1 and row.checkpoint == "final_norm":
+        problems += [f"top-1 token differs at position {p}: golden {a}, candidate {b}" for p, a, b in row.top1_flips]
+    return {"checkpoint": row.checkpoint, "passed": not problems, "problems": problems, "method": row.method,
+            "max_rel_l2": row.rel_l2_nanmax, "max_norm_dev": row.norm_dev_nanmax, "rel_tol": th.rel_tol,
+            "norm_tol": th.norm_tol}
 
 
 def with_verdict(r: GateResult, verdict: str, headline: str) -> GateResult:
@@ -152,7 +148,7 @@ def with_verdict(r: GateResult, verdict: str, headline: str) -> GateResult:
     ok = verdict != "DEFECT"
     case = {"checkpoint": "check", "passed": ok, "problems": [] if ok else [headline], "method": "round-off null",
             "verdict": verdict, "headline": headline}
-    return replace(r, passed=ok, cases=[*r.cases, case])
+    return replace(r, passed=ok, cases=(*r.cases, case))
 
 
 def junit_xml(r: GateResult) -> str:

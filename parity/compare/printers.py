@@ -1,4 +1,4 @@
-"""Printers of a `DiffReport` (pure functions of the report; the report itself is never changed here).
+"""Printers of a `DiffReport` (pure functions of the report and its `CheckpointRow`s, `parity.compare.rows`).
 
 Per checkpoint each metric shows its OWN worst value over the compared positions: the largest rel-L2,
 the RMS ratio farthest from 1, the smallest cosine. The position shown (`pos`) is the worst position of
@@ -13,82 +13,24 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import click
 import numpy as np
-import pandas as pd
 
 from parity.compare.differ import DiffReport
 from parity.compare.jsonvalues import json_safe
+from parity.compare.rows import WORST_FIELDS, CheckpointRow, by_depth
 from parity.compare.textcells import md_cell
 
 
-@dataclass(frozen=True)
-class CheckpointRow:
-    """One checkpoint's worst values (each metric at its own worst position) and its verdict."""
-
-    checkpoint: str
-    method: str
-    pos: int                 # worst position of the failing metric (else of rel-L2)
-    failing: str             # "non-finite" | "rel-L2" | "norm ratio" | "" (agrees)
-    rel_l2: float
-    rel_l2_pos: int
-    norm_ratio: float
-    norm_ratio_pos: int
-    cosine: float
-    sqnr_db: float           # at `pos`
-    max_abs: float
-    stream_min: float
-    stream_max: float
-    positions: int
-    drifting: int
-    exact: bool
-
-    @property
-    def status(self) -> str:
-        if self.exact:
-            return "exact"
-        return f"DRIFT {self.drifting}/{self.positions}" if self.drifting else "ok"
-
-
-def _argworst(key: np.ndarray) -> int:
-    """Index of the largest key, NaN counting as the worst."""
-    return int(np.argmax(np.where(np.isnan(key), np.inf, key)))
-
-
-def _row(name: str, g: pd.DataFrame, rel_tol: float, norm_tol: float) -> CheckpointRow:
-    pos = g["pos"].to_numpy()
-    rel, norm = g["rel_l2"].to_numpy(np.float64), g["norm_ratio"].to_numpy(np.float64)
-    i_rel, i_norm = _argworst(rel), _argworst(np.abs(norm - 1.0))
-    finite = g["finite"].to_numpy(bool)
-    if not finite.all():
-        failing, i = "non-finite", int(np.argmin(finite))
-    elif not rel[i_rel] <= rel_tol:
-        failing, i = "rel-L2", i_rel
-    elif not abs(norm[i_norm] - 1.0) <= norm_tol:
-        failing, i = "norm ratio", i_norm
-    else:
-        failing, i = "", i_rel
-    return CheckpointRow(
-        checkpoint=name, method=str(g["method"].iloc[0]), pos=int(pos[i]), failing=failing,
-        rel_l2=float(rel[i_rel]), rel_l2_pos=int(pos[i_rel]), norm_ratio=float(norm[i_norm]),
-        norm_ratio_pos=int(pos[i_norm]), cosine=float(g["cosine"].min()), sqnr_db=float(g["sqnr_db"].iloc[i]),
-        max_abs=float(g["max_abs"].max()), stream_min=float(g["stream_ratio_min"].min()),
-        stream_max=float(g["stream_ratio_max"].max()), positions=len(g), drifting=int(g["drift"].sum()),
-        exact=bool(g["exact"].all()))
-
-
 def checkpoint_rows(r: DiffReport) -> list[CheckpointRow]:
-    """One row per checkpoint, in depth order (see the module docstring for the values shown)."""
-    t = r.table.sort_values(["depth", "pos"], kind="stable")
-    return [_row(str(name), g, r.thresholds.rel_tol, r.thresholds.norm_tol)
-            for name, g in t.groupby("checkpoint", sort=False)]
+    """The report's rows (`DiffReport.rows`, computed once by the differ) in depth order."""
+    return by_depth(r.rows)
 
 
 def worst_rows(r: DiffReport) -> list[dict]:
-    """`checkpoint_rows` as JSON-ready dicts, with each row's status."""
-    return [{**{k: json_safe(v, nan=None) for k, v in asdict(row).items()}, "status": row.status}
+    """`checkpoint_rows` as JSON-ready dicts (`WORST_FIELDS`), with each row's status."""
+    return [{**{k: json_safe(getattr(row, k), nan=None) for k in WORST_FIELDS}, "status": row.status}
             for row in checkpoint_rows(r)]
 
 
