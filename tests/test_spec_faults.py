@@ -216,6 +216,65 @@ def test_dspark_tap_sum_cannot_act_in_spec(tiny_f32, dspark_file, dspark_referen
     assert rep.exact and rep.drafter_divergence is None and not rep.defects
 
 
+# The three faults whose drafts stay the reference drafter's on PROMPT (above) change a verified draft elsewhere:
+# prompt, steps and the first round with DRAFTER-DRIFT measured over 10 prompts x 16 steps (docs/spec.md, drafter
+# faults); the random MTP head, depth 2. The test re-derives which positions must carry the label from the rule
+# (spec §6.2) on the report's own drafts, reference drafts and verify rows.
+ACTING_MTP = {"mtp-trunk-hc-head": ([137, 148, 219, 275, 11, 42], 3, 0),
+              "mtp-hnorm-flat": ([25, 8, 251, 218, 243, 156], 12, 9)}
+
+
+def drift_positions(rep):
+    """(round, slot) of every verified draft that is neither the reference verifier's token nor the reference
+    drafter's (on the candidate's inputs), the verify row agreeing with the reference: DRAFTER-DRIFT by the rule."""
+    return [(n, i) for n, (r, a) in enumerate(zip(rep.rounds, rep.attribution, strict=True))
+            for i, d in enumerate(r.drafts) if i < r.verified and i <= r.accepted
+            and r.verify[i] == a.reference[i] and d != a.reference[i] and d != a.reference_drafts[i]]
+
+
+def assert_drift_named(rep, checkpoint, first_round):
+    assert rep.exact                                    # the drafts change, never the committed tokens
+    want = drift_positions(rep)
+    got = [(n, i) for n, a in enumerate(rep.attribution) for i, lab in enumerate(a.labels) if lab == "DRAFTER-DRIFT"]
+    assert got == want and want and want[0][0] == first_round
+    d = rep.drafter_divergence
+    assert (d.round, d.component) == (0, checkpoint)   # the checkpoint departs from round 0, the drafts later
+    assert f"DRAFTER-DRIFT x{len(got)} (drafter departs at {checkpoint} from round 0)" in rep.defects
+    return got
+
+
+@pytest.mark.parametrize("fault", list(ACTING_MTP))
+def test_a_small_mtp_fault_changes_a_verified_draft_on_another_prompt(tiny_f32, mtp_file, reference, fault):
+    prompt, steps, first = ACTING_MTP[fault]
+    rep = drafted(torch_engine(tiny_f32, mtp_file, fault), reference, "mtp", steps, prompt=prompt)
+    assert_drift_named(rep, FIRST_CHECKPOINT[fault], first)
+
+
+@pytest.fixture(scope="module")
+def fitted_dspark(tiny_f32, tmp_path_factory):
+    """A DSpark drafter fitted on PROMPT's greedy continuation (20 Adam steps, 8 tokens: ~5-15 s under load): its
+    slot 0 is accepted, so slot 1, the first the Markov chain conditions on a draft, gets verified. The random
+    drafter's slot 0 is almost never accepted (1 of 149 rounds over 10 prompts x 16 steps, and there the fault left
+    slot 1 as it was), so its changed slot >= 1 drafts stay NOT-VERIFIED."""
+    from parity.spec.fit import fit_drafter
+    from reference_cpu.engine import ReferenceEngine
+
+    path = fit_drafter(tiny_f32, tmp_path_factory.mktemp("spec-faults") / "dspark-fit.gguf", "dspark", steps=20,
+                       train_prompts=[PROMPT], decode=8, heldout=1).path
+    return path, ReferenceEngine(str(tiny_f32), OPTS, draft=str(path))
+
+
+def test_unconditioned_markov_chain_drifts_at_slot_1_once_slot_0_is_accepted(tiny_f32, fitted_dspark):
+    path, ref = fitted_dspark
+    clean = drafted(torch_engine(tiny_f32, path), ref, "dspark", steps=6)
+    assert clean.drafter_divergence is None and not clean.defects and clean.rounds[0].accepted >= 1
+    rep = drafted(torch_engine(tiny_f32, path, "dspark-markov-unconditioned"), ref, "dspark", steps=6)
+    got = assert_drift_named(rep, "dspark.bias", next(n for n, _ in drift_positions(rep)))
+    # slot 0's bias is W2 W1[anchor] with or without the fault: it never changes, only slots after an accepted d_1
+    assert all(r.drafts[0] == a.reference_drafts[0] for r, a in zip(rep.rounds, rep.attribution, strict=True))
+    assert all(i >= 1 and rep.rounds[n].accepted >= i for n, i in got)
+
+
 # ---------------------------------------------------------------- MTP pairings (spec §2.3)
 class OwnRowFirst:
     """An MTP head whose `same` pair (X^(L)_p, t_p) predicts what the trunk's own row p predicts, as a well-fitted
