@@ -13,11 +13,11 @@ from gpu_engine.model import (
     LayerPlan,
     Ops,
     Routing,
-    grouped_output,
     hc_pre_of,
-    kv_latent,
+    layer_grouped_output,
+    layer_kv_latent,
+    layer_q_path,
     moe,
-    q_path,
     route,
 )
 from gpu_engine.ops import rms_norm
@@ -30,7 +30,7 @@ Tensor = torch.Tensor
 
 def main_kv(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, M: Tensor, pos: Tensor) -> Tensor:
     """K_M = FP8SIM(RoPE(RMSNorm_kv_norm(W_kv M), pos)) of a stage, as its ring stores it.  M [c, D] -> [c, hd]."""
-    return ops.kv_round(ops.rope(kv_latent(w, cfg, plan.prefix, M), pos, plan.freqs))
+    return ops.kv_round(ops.rope(layer_kv_latent(w, cfg, plan.prefix, M), pos, plan.freqs))
 
 
 def dspark_stage(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, ring: Ring, X: Tensor,
@@ -42,11 +42,11 @@ def dspark_stage(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, 
     pos = torch.arange(p + 1, p + 1 + B, device=X.device)
     u, _, post_a, C_a = hc_pre_of(w, cfg, X, pre + "hc_attn_")
     x = rms_norm(u, w.vector(pre + "attn_norm.weight"), eps)
-    q = ops.rope(q_path(w, cfg, pre, x)[1], pos, plan.freqs)
-    block_k = ops.kv_round(ops.rope(kv_latent(w, cfg, pre, x), pos, plan.freqs))
+    q = ops.rope(layer_q_path(w, cfg, pre, x)[1], pos, plan.freqs)
+    block_k = ops.kv_round(ops.rope(layer_kv_latent(w, cfg, pre, x), pos, plan.freqs))
     o = ops.attention(q, torch.cat([ring.rows, block_k]), ops.dspark_mask(ring.pos, p, cfg.window_size, B),
                       w.vector(pre + "attn_sinks.weight"), SCORE_BUDGET)
-    Y = ops.hc_post(grouped_output(w, cfg, pre, ops.rope(o, pos, plan.freqs, inverse=True)), X, post_a, C_a)
+    Y = ops.hc_post(layer_grouped_output(w, cfg, pre, ops.rope(o, pos, plan.freqs, inverse=True)), X, post_a, C_a)
     v, _, post_f, C_f = hc_pre_of(w, cfg, Y, pre + "hc_ffn_")
     xf = rms_norm(v, w.vector(pre + "ffn_norm.weight"), eps)
     r = route(w, cfg, ops, plan.layer, xf, tokens, p + 1, None)

@@ -28,6 +28,7 @@ from gpu_engine.draft_blocks import dspark_stage, main_kv
 from gpu_engine.faults import DRAFT_FAULTS, FAULTS, SPEC_FAULTS, Faults, compose, fault_layers
 from gpu_engine.fit import fit_dspark, fit_mtp
 from gpu_engine.hc import hc_head
+from gpu_engine.linear import linear
 from gpu_engine.model import BlockResult, LayerPlan, Ops, block_forward
 from gpu_engine.ops import (
     fp4_e2m1_roundtrip,
@@ -349,7 +350,7 @@ class TorchEngine:
         res = block_forward(w, cfg, self.ops, self._draft_plan(L), cache, X0, tau, start_pos, None, False)
         X1 = self.ops.mtp_carrier(res.attn_carrier, res.carrier)
         z = self.ops.mtp_hc_head(w, cfg, X1)
-        logits = w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight")
+        logits = linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), w.weight("output.weight"))
         return MTPOutput(*(self._out(t) for t in (X0, res.attn_carrier, X1, logits, res.routing.ids)))
 
     def new_dspark_state(self) -> list[Ring]:
@@ -392,7 +393,7 @@ class TorchEngine:
                 ids.append(self._out(r.ids))
             z = hc_head(X, w.matrix("dspark.hc_head_fn.weight", self.act), w.vector("dspark.hc_head_scale.weight"),
                         w.vector("dspark.hc_head_base.weight"), cfg.norm_eps, cfg.hc_eps)
-            base = w.linear(rms_norm(z, w.vector("dspark.norm.weight"), cfg.norm_eps), "output.weight")
+            base = linear(rms_norm(z, w.vector("dspark.norm.weight"), cfg.norm_eps), w.weight("output.weight"))
             w2 = w.matrix("dspark.markov_w2.weight", self.act)
             drafts, biased, u = self.ops.markov_chain(base, int(anchor), w.matrix("dspark.markov_w1.weight", self.act),
                                                       w2)
@@ -443,7 +444,7 @@ class TorchEngine:
             z = hc_head(self._in(carrier), w.matrix("output_hc_fn.weight", self.act),
                         w.vector("output_hc_scale.weight"), w.vector("output_hc_base.weight"), cfg.norm_eps, cfg.hc_eps)
             final = rms_norm(z, w.vector("output_norm.weight"), cfg.norm_eps)
-            logits = w.linear(final, "output.weight")
+            logits = linear(final, w.weight("output.weight"))
         return self._out(final), self._out(logits)
 
     # capabilities for `v4parity synth --draft mtp|dspark --fit`: Adam through this engine's own draft-head ops

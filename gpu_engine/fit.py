@@ -5,10 +5,10 @@ The forwards are the torch engine's draft heads composed with the model's ops (`
 the MTP head (`mtp_input`, `model.block_forward` on layer L, the MTP HC head, the output head; chained rows through
 the same block on the ring of the pairs before them) and the DSpark round
 (main rows into fresh rings, `draft_blocks.dspark_stage` per stage, the HC head, the output head), run on
-`TrainableWeights`: the product interface `DeviceWeights` gives the ops (linear, grouped and expert products,
-rows, vectors, matrices) over float32 tensors, the drafter's as leaves with gradients, the trunk's embedding and
-output head fixed. Targets: the trunk's own greedy tokens. Adam, seeded (the item order), deterministic on one
-thread.
+`TrainableWeights`: the interface `DeviceWeights` gives the ops (weight handles for the products of
+`gpu_engine.linear`, rows, vectors, matrices) over float32 tensors, the drafter's as leaves with gradients, the
+trunk's embedding and output head fixed. Targets: the trunk's own greedy tokens. Adam, seeded (the item order),
+deterministic on one thread.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from gpu_engine.attention import LayerCache, new_layer_cache
 from gpu_engine.draft import Ring, confidence, dspark_main
 from gpu_engine.draft_blocks import dspark_stage, main_kv
 from gpu_engine.hc import hc_head
+from gpu_engine.linear import Matrix, dense_matrix, linear
 from gpu_engine.model import LayerPlan, Ops, block_forward
 from gpu_engine.ops import rms_norm, rope_frequencies
 from parity.contract.errors import ParityError, TensorError
@@ -33,14 +34,15 @@ FIXED = ("token_embd.weight", "output.weight")   # the trunk's: shared by the he
 
 
 class TrainableWeights:
-    """`DeviceWeights`' product interface over dense float tensors (numpy shapes, (out, in)); no quantization."""
+    """`DeviceWeights`' interface over dense float tensors (numpy shapes, (out, in)); no quantization."""
 
     act = torch.float32
 
     def __init__(self, tensors: Mapping[str, Tensor]) -> None:
         self.t = dict(tensors)
-        # expert tensors split once: indexing [e] at every use would give every use a full-size gradient to add
-        self.experts = {k: v.unbind(0) for k, v in self.t.items() if v.dim() == 3}
+        # handles made once: an expert tensor's split (indexing [e] at every use would give every use a full-size
+        # gradient to add) is then shared by every use
+        self.handles: dict[str, Matrix] = {}
 
     def _get(self, name: str) -> Tensor:
         if name not in self.t:
@@ -57,20 +59,12 @@ class TrainableWeights:
         """idx [n] -> [n, in]"""
         return self._get(name)[idx]
 
-    def linear(self, x: Tensor, name: str) -> Tensor:
-        """y = x Wᵀ.  x [n, in] -> [n, out]"""
-        return x @ self._get(name).T
-
-    def grouped_linear(self, x: Tensor, name: str) -> Tensor:
-        """z_g = W[g] x_g, W [G·r, w] read as G blocks of r rows.  x [n, G, w] -> [n, G, r]"""
-        _, groups, width = x.shape
-        return torch.einsum("ngw,grw->ngr", x, self._get(name).reshape(groups, -1, width))
-
-    def expert_linear(self, x: Tensor, name: str, e: int, weight: Tensor | None = None) -> Tensor:
-        """y = (x · weight) W_eᵀ of expert e of (E, out, in).  x [n, in], weight [n] or None -> [n, out]"""
-        self._get(name)
-        return (x if weight is None else x * weight[:, None]) @ self.experts[name][e].T
-
+    def weight(self, name: str) -> Matrix:
+        """The exact handle of matrix `name` (`gpu_engine.linear`): float32, no rounding; an expert tensor's
+        experts split once."""
+        if name not in self.handles:
+            self.handles[name] = dense_matrix(self._get(name), name)
+        return self.handles[name]
 
 def mtp_rows(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, cache: LayerCache, G: Tensor, tau: Tensor,
              start_pos: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -85,7 +79,7 @@ def mtp_rows(w: TrainableWeights, cfg: ModelConfig, plan: LayerPlan, cache: Laye
     res = block_forward(w, cfg, ops, plan, cache, X0, tau, start_pos, None, True)
     X1 = ops.mtp_carrier(res.attn_carrier, res.carrier)
     z = ops.mtp_hc_head(w, cfg, X1)
-    return w.linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), "output.weight"), X1, \
+    return linear(rms_norm(z, w.vector("mtp.norm.weight"), cfg.norm_eps), w.weight("output.weight")), X1, \
         res.attn.captures["rope_kv"]
 
 
@@ -139,7 +133,7 @@ def dspark_logits(w: TrainableWeights, cfg: ModelConfig, plans: Sequence[LayerPl
         X = dspark_stage(w, cfg, ops, plan, Ring(main_kv(w, cfg, ops, plan, M, pos), pos), X, tok, frame)[1]
     z = hc_head(X, w.matrix("dspark.hc_head_fn.weight", w.act), w.vector("dspark.hc_head_scale.weight"),
                 w.vector("dspark.hc_head_base.weight"), eps, cfg.hc_eps)
-    base = w.linear(rms_norm(z, w.vector("dspark.norm.weight"), eps), "output.weight")
+    base = linear(rms_norm(z, w.vector("dspark.norm.weight"), eps), w.weight("output.weight"))
     return base.reshape(R, B, -1), z.reshape(R, B, -1)
 
 

@@ -40,6 +40,7 @@ from gpu_engine.draft import (
 )
 from gpu_engine.hc import hc_post, hc_pre
 from gpu_engine.indexer import SelectOp, indexer_weights, select_chunked, select_rows
+from gpu_engine.linear import Matrix, expert_linear, grouped_linear, linear
 from gpu_engine.moe import (
     MapOp,
     hash_select,
@@ -134,25 +135,36 @@ class BlockResult:
 
 # -- attention ---------------------------------------------------------------------------------------------------
 
-def q_path(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> tuple[Tensor, Tensor]:
+def q_path(x: Tensor, wq_a: Matrix, q_norm: Tensor, wq_b: Matrix, n_heads: int, eps: float) -> tuple[Tensor, Tensor]:
     """qr = RMSNorm_{q_norm}(W_qa x); q_h = RMSNorm((W_qb qr)_h) per head, unweighted, before RoPE.
-    x [n, D] -> qr [n, R_q], q [n, n_heads, hd]."""
-    qr = rms_norm(w.linear(x, p + "attn_q_a.weight"), w.vector(p + "attn_q_a_norm.weight"), cfg.norm_eps)
-    q = w.linear(qr, p + "attn_q_b.weight").reshape(x.shape[0], cfg.n_heads, cfg.head_dim)
-    return qr, rms_norm(q, None, cfg.norm_eps)
+    x [n, D], wq_a [R_q, D], q_norm [R_q], wq_b [n_heads·hd, R_q] -> qr [n, R_q], q [n, n_heads, hd]."""
+    qr = rms_norm(linear(x, wq_a), q_norm, eps)
+    q = linear(qr, wq_b).reshape(x.shape[0], n_heads, -1)
+    return qr, rms_norm(q, None, eps)
 
 
-def kv_latent(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> Tensor:
-    """kv = RMSNorm_{kv_norm}(W_kv x), before RoPE and the FP8 round trip.  x [n, D] -> [n, hd]."""
-    return rms_norm(w.linear(x, p + "attn_kv.weight"), w.vector(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
+def kv_latent(x: Tensor, wkv: Matrix, kv_norm: Tensor, eps: float) -> Tensor:
+    """kv = RMSNorm_{kv_norm}(W_kv x), before RoPE and the FP8 round trip.  x [n, D], wkv [hd, D] -> [n, hd]."""
+    return rms_norm(linear(x, wkv), kv_norm, eps)
+
+
+def layer_q_path(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> tuple[Tensor, Tensor]:
+    """`q_path` with layer prefix p's weights."""
+    return q_path(x, w.weight(p + "attn_q_a.weight"), w.vector(p + "attn_q_a_norm.weight"),
+                  w.weight(p + "attn_q_b.weight"), cfg.n_heads, cfg.norm_eps)
+
+
+def layer_kv_latent(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> Tensor:
+    """`kv_latent` with layer prefix p's weights."""
+    return kv_latent(x, w.weight(p + "attn_kv.weight"), w.vector(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
 
 
 def run_compressor(w: DeviceWeights, cfg: ModelConfig, cache: CompressorCache, prefix: str, x: Tensor,
                    start_pos: int, m: int, j: Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> Tensor:
     """κ = W_kv x, σ = W_gate x + ape[t mod m]; pool blocks j; RMSNorm.  -> rows [nb, d_c] before RoPE."""
     pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
-    kv = w.linear(x, prefix + "_kv.weight")
-    score = w.linear(x, prefix + "_gate.weight") + w.matrix(prefix + "_ape.weight", w.act)[pos % m]
+    kv = linear(x, w.weight(prefix + "_kv.weight"))
+    score = linear(x, w.weight(prefix + "_gate.weight")) + w.matrix(prefix + "_ape.weight", w.act)[pos % m]
     rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of, pool)
     return rms_norm(rows, w.vector(prefix + "_norm.weight"), cfg.norm_eps)
 
@@ -169,8 +181,9 @@ def indexer_selection(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerP
     if cap is not None:
         cap["index_rows"] = krows
     pos = torch.arange(start_pos, start_pos + n, device=x.device)
-    qi = ops.index_round(ops.rope(w.linear(qr, p + "indexer.attn_q_b.weight").reshape(n, hi, di), pos, plan.freqs))
-    weights = indexer_weights(w.linear(x, p + "indexer.proj.weight"), di)
+    qi = linear(qr, w.weight(p + "indexer.attn_q_b.weight")).reshape(n, hi, di)
+    qi = ops.index_round(ops.rope(qi, pos, plan.freqs))
+    weights = indexer_weights(linear(x, w.weight(p + "indexer.proj.weight")), di)
     n_vis = torch.clamp(n_vis, max=krows.shape[0])
     return select_chunked(qi, weights, krows, n_vis, cfg.index_topk, ops.select_rows, SCORE_BUDGET)
 
@@ -196,11 +209,18 @@ def compressed_keys(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPla
     return comp, n_vis, sel
 
 
-def grouped_output(w: DeviceWeights, cfg: ModelConfig, p: str, o: Tensor) -> Tensor:
-    """a = W_ob · (z_0 ⊕ … ⊕ z_{G-1}), z_g = W_oa[g] · (heads of group g).  o [n, nh, hd] -> [n, D]."""
+def grouped_output(o: Tensor, wo_a: Matrix, wo_b: Matrix, groups: int) -> Tensor:
+    """a = W_ob · (z_0 ⊕ … ⊕ z_{G-1}), z_g = W_oa[g-th R_o rows] · (heads of group g concatenated).
+    o [n, nh, hd] (after inverse RoPE), wo_a [G·R_o, nh·hd/G], wo_b [D, G·R_o] -> [n, D]."""
     n = o.shape[0]
-    z = w.grouped_linear(o.reshape(n, cfg.o_groups, cfg.o_group_width), p + "attn_output_a.weight")
-    return w.linear(z.reshape(n, -1), p + "attn_output_b.weight")
+    z = grouped_linear(o.reshape(n, groups, -1), wo_a)
+    return linear(z.reshape(n, -1), wo_b)
+
+
+def layer_grouped_output(w: DeviceWeights, cfg: ModelConfig, p: str, o: Tensor) -> Tensor:
+    """`grouped_output` with layer prefix p's weights."""
+    return grouped_output(o, w.weight(p + "attn_output_a.weight"), w.weight(p + "attn_output_b.weight"),
+                          cfg.o_groups)
 
 
 def keep_window(cache: LayerCache, raw: Tensor, window: int, next_pos: int) -> None:
@@ -215,14 +235,14 @@ def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cac
     """a = Attention(x) for n new positions start_pos.. through the layer's cache.  x [n, D] -> AttnResult."""
     n, p, cap = x.shape[0], plan.prefix, {}
     pos = torch.arange(start_pos, start_pos + n, device=x.device)
-    qr, q = q_path(w, cfg, p, x)
-    kv = kv_latent(w, cfg, p, x)
+    qr, q = layer_q_path(w, cfg, p, x)
+    kv = layer_kv_latent(w, cfg, p, x)
     q_rot, k = ops.rope(q, pos, plan.freqs), ops.kv_round(ops.rope(kv, pos, plan.freqs))
     comp, n_vis, sel = compressed_keys(w, cfg, ops, plan, cache, x, qr, start_pos, cap if capture else None)
     raw = torch.cat([cache.raw, k])
     o = ops.attend(q_rot, start_pos, raw, start_pos - cache.raw.shape[0], cfg.window_size, comp, n_vis, sel,
                w.vector(p + "attn_sinks.weight"), ops.attention, SCORE_BUDGET)
-    out = grouped_output(w, cfg, p, ops.rope(o, pos, plan.freqs, inverse=True))
+    out = layer_grouped_output(w, cfg, p, ops.rope(o, pos, plan.freqs, inverse=True))
     keep_window(cache, raw, cfg.window_size, start_pos + n)
     if capture:
         cap.update(q_path=q, kv_latent=kv, rope_q=q_rot, rope_kv=k, attn_heads=o)
@@ -236,7 +256,7 @@ def route(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, t
     """s = sqrt(softplus(G x)); ids = tid2eid[token] (hash layer), top-K of s + b, or the replayed ids;
     w = route_scale · s_ids / Σ s_ids.  x [n, D], tokens [n] -> Routing."""
     p, n, K = f"blk.{layer}.", x.shape[0], cfg.n_activated_experts
-    s = router_scores(w.linear(x, p + "ffn_gate_inp.weight"))
+    s = router_scores(linear(x, w.weight(p + "ffn_gate_inp.weight")))
     if cfg.is_hash_layer(layer):
         keys, ids = s, hash_select(w.table(p + "ffn_gate_tid2eid.weight"), tokens)
         margin = torch.full((n,), float("nan"), dtype=s.dtype, device=s.device)
@@ -254,13 +274,13 @@ def moe(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: 
     p, limit = f"blk.{layer}.", cfg.swiglu_limit[layer]
 
     def expert(e: int, xe: Tensor, we: Tensor) -> Tensor:
-        h = ops.swiglu(w.expert_linear(xe, p + "ffn_gate_exps.weight", e),
-                       w.expert_linear(xe, p + "ffn_up_exps.weight", e), limit)
-        return w.expert_linear(h, p + "ffn_down_exps.weight", e, weight=we)
+        h = ops.swiglu(expert_linear(xe, w.weight(p + "ffn_gate_exps.weight"), e),
+                       expert_linear(xe, w.weight(p + "ffn_up_exps.weight"), e), limit)
+        return expert_linear(h, w.weight(p + "ffn_down_exps.weight"), e, weight=we)
 
-    h = ops.swiglu(w.linear(x, p + "ffn_gate_shexp.weight"), w.linear(x, p + "ffn_up_shexp.weight"),
+    h = ops.swiglu(linear(x, w.weight(p + "ffn_gate_shexp.weight")), linear(x, w.weight(p + "ffn_up_shexp.weight")),
                    cfg.swiglu_limit_shexp[layer])
-    return routed_experts(x, r.ids, r.weights, expert, ops.expert_map), w.linear(h, p + "ffn_down_shexp.weight")
+    return routed_experts(x, r.ids, r.weights, expert, ops.expert_map), linear(h, w.weight(p + "ffn_down_shexp.weight"))
 
 
 # -- the block ---------------------------------------------------------------------------------------------------

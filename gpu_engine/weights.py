@@ -4,8 +4,9 @@
 of the file mapping); `.dense()` dequantizes the whole matrix, `.expert_linear(e, x)` applies one expert,
 `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
-`DeviceWeights` applies the matrices: `linear`, `grouped_linear` and `expert_linear` return products, never the
-dequantized matrix, so the reused buffers they dequantize into cannot outlive the product. Whole matrices are kept
+`DeviceWeights` hands out a matrix by name as a `gpu_engine.linear.Matrix` handle (`weight`); the free products of
+`gpu_engine.linear` (`linear`, `grouped_linear`, `expert_linear`) return products, never the dequantized matrix, so
+the reused buffers they dequantize into cannot outlive the product. Whole matrices are kept
 while the budget (`cache_mb`; 0 = none) has room, first come first kept: the engine walks the layers cyclically,
 where an evicting LRU smaller than the working set would never hit. Matrices not kept are dequantized into reused
 scratch buffers, one per tensor kind; routed experts (each selected expert once per call, grouped by expert) are
@@ -25,7 +26,7 @@ import itertools
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gpu_engine.cpu_kernels import TYPES as KERNEL_TYPES
 from gpu_engine.cpu_kernels import Kernels
 from gpu_engine.dequant import CHUNK_VALUES, DEQUANT, dequantize
+from gpu_engine.linear import MapOp, Matrix
 from parity.contract.errors import TensorError
 from parity.gguf.config import ModelConfig
 from parity.gguf.inventory import expected_tensors
@@ -45,7 +47,6 @@ SCRATCH_MAX_BYTES = 256 << 20  # larger matrices (e.g. a real-vocabulary output 
 # products with at most this many activation rows use the CPU kernels' row-at-a-time matvec (no dequantized matrix);
 # more rows: the matrix is decoded a block at a time and multiplied by torch (sgemm reuses each weight across rows)
 MATVEC_MAX_ROWS = 32
-MapOp = Callable[..., Iterator]  # map(fn, items) -> results in item order (builtin map, or a thread pool's map)
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -157,9 +158,10 @@ UNQUANTIZED = (Q.F32, Q.F16, Q.BF16)  # weight types whose matmuls never see rou
 
 
 class DeviceWeights:
-    """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor`, F32 vectors dense, I32 as int64.
-    Products take activations in `act` and multiply in `mm` (bfloat16 on the approximate path); `act_quant`, when
-    given, rounds the activations of every product whose weight is quantized (not F32/F16/BF16) first."""
+    """Every tensor of a deepseek4 GGUF on `device`: matrices as `QTensor` (handed to the products as `Matrix`
+    handles by `weight`), F32 vectors dense, I32 as int64. Products take activations in `act` and multiply in `mm`
+    (bfloat16 on the approximate path); `act_quant`, when given, rounds the activations of every product whose
+    weight is quantized (not F32/F16/BF16) first."""
 
     def __init__(self, path: str, device: torch.device, act: torch.dtype, mm: torch.dtype, cache_mb: int = 0,
                  act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: Kernels | None = None,
@@ -235,44 +237,14 @@ class DeviceWeights:
         A caller multiplying with it bypasses `act_quant`: the engine refuses act_quant for such a quantized weight."""
         return self._whole(name, dtype, scratch=False)
 
-    def _rounded(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x rounded by `act_quant` when weight `name` is quantized (unchanged otherwise), activation dtype."""
-        if self.act_quant is not None and self._qtensor(name).qtype not in UNQUANTIZED:
-            x = self.act_quant(x)
-        return x
-
-    def _operand(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x as the matmul operand for weight `name`: rounded by `act_quant` when the weight is quantized."""
-        return self._rounded(x, name).to(self.mm)
-
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """y = x Wᵀ.  x [n, in] (activation dtype) -> [n, out] (activation dtype)"""
-        qt, operand = self._qtensor(name), self._operand(x, name)
-        if qt.uses_matvec(operand):
-            return qt.matvec(qt.raw, operand, name, self.run, self.threads).to(self.act)
-        return (operand @ self._whole(name, self.mm, scratch=True).T).to(self.act)
-
-    def grouped_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """z_g = W[g] x_g per group, W [G·r, w] read as G blocks of r rows.  x [n, G, w] -> [n, G, r]"""
-        qt, operand = self._qtensor(name), self._operand(x, name)
-        _, groups, width = operand.shape
-        if qt.uses_matvec(operand):
-            raw = qt.raw.view(groups, -1, qt.raw.shape[1])
-            z = self.run(lambda g: qt.matvec(raw[g], operand[:, g], name), range(groups))
-            return torch.stack(list(z), dim=1).to(self.act)
-        w = self._whole(name, self.mm, scratch=True).reshape(groups, -1, width)
-        return torch.einsum("ngw,grw->ngr", operand, w).to(self.act)
-
-    def expert_linear(self, x: torch.Tensor, name: str, e: int, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """y = (x · weight) W_eᵀ for expert e of 3-D expert tensor `name`, dequantized block by block into one
-        reused buffer. The row weights scale x after its act_quant rounding (llama.cpp applies the routing weight
-        after its down matmul, so its rounded input is round(h), not round(w·h)).
-        x [n, in] (activation dtype), weight [n] or None -> [n, out] (activation dtype)"""
-        scratch = f"experts@{threading.get_ident()}"  # one buffer per thread: experts may run concurrently
-        x = self._rounded(x, name)
-        operand = (x if weight is None else x * weight[:, None]).to(self.mm)
-        y = self._qtensor(name).expert_linear(e, operand, lambda n: self._scratch(scratch, n))
-        return y.to(self.act)
+    def weight(self, name: str) -> Matrix:
+        """The handle of matrix `name` for the products (`gpu_engine.linear`): its raw blocks, rounded by
+        `act_quant` first when it is quantized (not F32/F16/BF16), multiplied in `mm`, returned in `act`."""
+        qt = self._qtensor(name)
+        round_input = self.act_quant if qt.qtype not in UNQUANTIZED else None
+        return Matrix(name, qt, round_input, self.act, self.mm, lambda: self._whole(name, self.mm, scratch=True),
+                      # one expert buffer per thread: experts may run concurrently
+                      lambda n: self._scratch(f"experts@{threading.get_ident()}", n), self.run, self.threads)
 
     def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
         """Selected rows of 2-D tensor `name` (embeddings).  idx [n] -> [n, in] (activation dtype)"""

@@ -62,9 +62,10 @@ Contract differences (same-named ops, input for the op-twin refactor of issue 26
   `sink_attention`.
 - mtp_input / dspark_main / confidence / markov_chain: the reference multiplies through `linear(x, W)` (row
   blocks, `Weight`); torch uses `x @ W.T`.
-- No pair in the table (torch needs a `DeviceWeights` and looks weights up by name): q_path, kv_latent,
-  grouped_output, route / moe, hc_pre_of, main_kv, dspark_stage, which take `(w, cfg, prefix, x)` in torch and
-  weight arrays in the reference.
+- No pair in the table (torch needs a `DeviceWeights` and looks weights up by name): route / moe, hc_pre_of,
+  main_kv, dspark_stage, which take `(w, cfg, prefix, x)` in torch and weight arrays in the reference. q_path,
+  kv_latent and grouped_output take weight handles (`gpu_engine.linear.Matrix`) like the reference's `Weight`s;
+  torch's grouped_output has no `workers` (a handle carries how its matvecs run).
 - Not twins but copies: `check_tap_carriers` and `check_taps` are the same NumPy functions in `reference_cpu.draft`
   and `gpu_engine.draft`.
 
@@ -88,8 +89,10 @@ from gpu_engine import compressor as tcomp
 from gpu_engine import draft as tdraft
 from gpu_engine import hc as thc
 from gpu_engine import indexer as tidx
+from gpu_engine import model as tmodel
 from gpu_engine import moe as tmoe
 from gpu_engine import ops as tops
+from gpu_engine.linear import dense_matrix
 from parity.compare.metrics import rel_l2
 from reference_cpu import attention as ratt
 from reference_cpu import compressor as rcomp
@@ -187,6 +190,11 @@ def _hc_in(rng: np.random.Generator) -> Inputs:
 def _hc_post_in(rng: np.random.Generator) -> Inputs:
     comb = rhc.sinkhorn(_n(rng, 5, H, H, scale=2.0), 20, EPS).astype(F32)
     return {"y": _n(rng, 5, D), "X": _n(rng, 5, H, D), "post": 2 * rng.random((5, H)).astype(F32), "comb": comb}
+
+
+def _q_in(rng: np.random.Generator) -> Inputs:
+    return {"x": _n(rng, 6, D), "wq_a": _n(rng, 24, D, scale=0.3), "q_norm": _n(rng, 24),
+            "wq_b": _n(rng, NH * HD, 24, scale=0.3)}
 
 
 def _attend_in(rng: np.random.Generator, csa: bool) -> Inputs:
@@ -413,6 +421,19 @@ TWINS: list[Twin] = [
                                "base": _n(r, H)},
          lambda X, fn, scale, base: rhc.hc_head(X, fn, float(scale[0]), base, EPS, EPS),
          lambda X, fn, scale, base: thc.hc_head(X, fn, scale, base, EPS, EPS), 2.96e-07, MM),
+    Twin("q_path", _q_in,
+         lambda x, wq_a, q_norm, wq_b: ratt.q_path(x, wq_a, q_norm, wq_b, NH, EPS),
+         lambda x, wq_a, q_norm, wq_b: tmodel.q_path(x, dense_matrix(wq_a), q_norm, dense_matrix(wq_b), NH, EPS),
+         2.66e-07, MM_BLOCKS + ", then two RMS norms"),
+    Twin("kv_latent", lambda r: {"x": _n(r, 6, D), "wkv": _n(r, HD, D, scale=0.3), "kv_norm": _n(r, HD)},
+         lambda x, wkv, kv_norm: ratt.kv_latent(x, wkv, kv_norm, EPS),
+         lambda x, wkv, kv_norm: tmodel.kv_latent(x, dense_matrix(wkv), kv_norm, EPS),
+         2.48e-07, MM_BLOCKS + ", then an RMS norm"),
+    Twin("grouped_output", lambda r: {"o": _n(r, 6, NH, HD), "wo_a": _n(r, 2 * 16, NH * HD // 2, scale=0.2),
+                                      "wo_b": _n(r, D, 2 * 16, scale=0.3)},
+         lambda o, wo_a, wo_b: ratt.grouped_output(o, wo_a, wo_b, 2, ONE),
+         lambda o, wo_a, wo_b: tmodel.grouped_output(o, dense_matrix(wo_a), dense_matrix(wo_b), 2),
+         3.97e-07, MM_BLOCKS + " (per group, then W_ob)"),
     Twin("sink_attention", lambda r: {"q": _n(r, 3, NH, HD), "keys": _n(r, 10, HD), "sink": _n(r, NH) + 1},
          lambda q, keys, sink: np.stack([ratt.sink_attention(qi, keys, sink, 1 / math.sqrt(HD)) for qi in q]),
          lambda q, keys, sink: tatt.sink_attention(q, keys, torch.ones(3, 10, dtype=torch.bool), sink, BIG),
