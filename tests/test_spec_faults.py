@@ -221,7 +221,7 @@ def test_dspark_tap_sum_cannot_act_in_spec(tiny_f32, dspark_file, dspark_referen
 # faults); the random MTP head, depth 2. The test re-derives which positions must carry the label from the rule
 # (spec §6.2) on the report's own drafts, reference drafts and verify rows.
 ACTING_MTP = {"mtp-trunk-hc-head": ([137, 148, 219, 275, 11, 42], 3, 0),
-              "mtp-hnorm-flat": ([25, 8, 251, 218, 243, 156], 12, 9)}
+              "mtp-hnorm-flat": ([18, 82, 144, 141, 34, 284], 8, 5)}
 
 
 def drift_positions(rep):
