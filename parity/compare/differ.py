@@ -23,7 +23,7 @@ import pandas as pd
 
 from parity.compare import metrics
 from parity.compare.jsonvalues import json_safe
-from parity.compare.rows import CheckpointRow, checkpoint_rows, summary_frame
+from parity.compare.rows import CheckpointRow, by_depth, checkpoint_rows, summary_frame
 from parity.contract.checkpoints import LOGITS, checkpoint_depths, checkpoint_layer, has_top, per_stream
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.weights import same_model
@@ -117,11 +117,12 @@ class DiffReport:
     flags_differ: dict[str, Any] = field(default_factory=dict)
     logits: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LOGIT_COLUMNS))
     departure: dict[str, Any] | None = None  # the largest rel-L2 jump between consecutive checkpoints (on drift)
-    rows: tuple[CheckpointRow, ...] = field(init=False, repr=False, compare=False)
+    rows: tuple[CheckpointRow, ...] = field(default=(), repr=False, compare=False)  # () = from table
 
     def __post_init__(self) -> None:
-        rows = checkpoint_rows(self.table, self.thresholds.rel_tol, self.thresholds.norm_tol)
-        object.__setattr__(self, "rows", rows)
+        if not self.rows:  # `diff_traces` passes the rows it computed once; other callers leave them to this
+            rows = checkpoint_rows(self.table, self.thresholds.rel_tol, self.thresholds.norm_tol)
+            object.__setattr__(self, "rows", rows)
 
     def __bool__(self) -> bool:
         return self.first_drift is None
@@ -173,11 +174,12 @@ def diff_traces(a: Trace, b: Trace, thresholds: Thresholds | None = None, force:
         table = _metrics_table(a, b, names, positions, th, a.n_layers)
         logits = _logit_metrics(a, b, positions, th)
         layers = layers_job.result()
+    rows = checkpoint_rows(table, th.rel_tol, th.norm_tol)
     return DiffReport(
         a=_side(a), b=_side(b), thresholds=th, warnings=problems, table=table,
         layers=layers, first_drift=(first := _first_drift(table, th) or _logits_drift(logits, th)),
-        departure=_departure(table) if first is not None else None,
-        logits=logits,
+        departure=_departure(rows) if first is not None else None,
+        logits=logits, rows=rows,
         flags_differ={k: [a.header.flags.get(k), b.header.flags.get(k)]
                       for k in sorted(set(a.header.flags) | set(b.header.flags))
                       if a.header.flags.get(k) != b.header.flags.get(k)},
@@ -349,24 +351,23 @@ JUMP_FLOOR = float(np.finfo(np.float32).eps)  # rel-L2 at or below float32's eps
 # from the epsilon, so a first non-zero rel-L2 after an exact checkpoint is not an infinite jump
 
 
-def _departure(table: pd.DataFrame) -> dict[str, Any] | None:
-    """Where B departs: the checkpoint with the largest jump of the worst rel-L2 (over positions) from the
+def _departure(rows: tuple[CheckpointRow, ...]) -> dict[str, Any] | None:
+    """Where B departs: the checkpoint row with the largest jump of the worst rel-L2 (over positions) from the
     checkpoint before it, in depth order. jump = max(r_k, eps) / max(r_(k-1), eps), eps = float32's epsilon; a
     non-finite r_k is an infinite jump (the first one wins ties). The first threshold crossing can come later: the
     drift grows after the departure until it crosses the threshold. None with fewer than two checkpoints."""
-    worst = table.assign(r=table["rel_l2"].astype(float).fillna(np.inf)).groupby("checkpoint", sort=False)
-    per = worst.agg(depth=("depth", "first"), layer=("layer", "first"), r=("r", "max"))
-    per = per.sort_values("depth", kind="stable").reset_index()
+    per = by_depth(rows)
     if len(per) < 2:
         return None
-    r = np.maximum(per["r"].to_numpy(), JUMP_FLOOR)
+    worst = np.array([np.inf if np.isnan(r.rel_l2) else r.rel_l2 for r in per])
+    r = np.maximum(worst, JUMP_FLOOR)
     with np.errstate(invalid="ignore"):
         jumps = np.where(np.isinf(r[1:]), np.inf, r[1:] / r[:-1])
     k = int(np.argmax(jumps)) + 1
-    row, prev = per.iloc[k], per.iloc[k - 1]
-    return {"checkpoint": row["checkpoint"], "layer": None if row["layer"] < 0 else int(row["layer"]),
-            "after": prev["checkpoint"], "rel_l2": json_safe(float(row["r"])),
-            "rel_l2_before": json_safe(float(prev["r"])), "jump": json_safe(float(jumps[k - 1]))}
+    row, prev = per[k], per[k - 1]
+    return {"checkpoint": row.checkpoint, "layer": None if row.layer < 0 else row.layer,
+            "after": prev.checkpoint, "rel_l2": json_safe(float(worst[k])),
+            "rel_l2_before": json_safe(float(worst[k - 1])), "jump": json_safe(float(jumps[k - 1]))}
 
 
 def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.compare.differ import DiffReport
+from parity.compare.rows import by_depth
 from parity.contract.checkpoints import draft_kind
 from parity.contract.files import save_figure
 
@@ -66,16 +67,16 @@ def drift_figure(report: DiffReport):
     t = report.table.sort_values(["depth", "pos"], kind="stable")
     th = report.thresholds
     by = t.groupby("depth", sort=True)
-    depth = np.array(sorted(t["depth"].unique()))
-    names = t.drop_duplicates("depth").set_index("depth")["checkpoint"].reindex(depth).tolist()
-    labels = [column_label(n) for n in names]
+    rows = by_depth(report.rows)  # one per checkpoint, each at its own depth
+    depth = np.array([r.depth for r in rows])
+    labels = [column_label(r.checkpoint) for r in rows]
     last = t[t["pos"] == t["pos"].max()].set_index("depth")["norm_ratio"].reindex(depth)
     fig = Figure(figsize=(13, 9.5), layout="constrained")
     gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.1])
     ax_n, ax_c, ax_h = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
     first = report.first_drift
-    at_first = t.loc[t["checkpoint"] == (first or {}).get("checkpoint"), "depth"]  # empty for a logits drift
-    first_depth = at_first.iloc[0] if len(at_first) else None
+    at_first = [r.depth for r in rows if r.checkpoint == (first or {}).get("checkpoint")]  # none for a logits drift
+    first_depth = at_first[0] if at_first else None
     small = 6 if len(depth) > 40 else 8
 
     ax_n.fill_between(depth, by["norm_ratio"].min().to_numpy(), by["norm_ratio"].max().to_numpy(), alpha=0.3,
@@ -84,7 +85,7 @@ def drift_figure(report: DiffReport):
     ax_n.axhspan(1 - th.norm_tol, 1 + th.norm_tol, color="tab:green", alpha=0.15, label=f"1 ± {th.norm_tol:g}")
     ax_n.set(title="RMS norm ratio B/A vs depth", xlabel="checkpoint (2a = blk.2.attn)", ylabel="rms(B) / rms(A)")
 
-    one_minus = np.maximum(1.0 - by["cosine"].min().to_numpy(), COS_FLOOR)
+    one_minus = np.maximum(1.0 - np.array([r.cosine for r in rows]), COS_FLOOR)
     ax_c.semilogy(depth, one_minus, "o-", ms=3, color="tab:purple", label="worst position")
     ax_c.axhline(max(1 - th.cos_tol, COS_FLOOR), color="tab:red", ls="--",
                  label=f"threshold: cos = 1 - {1 - th.cos_tol:.1e}")
