@@ -14,6 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_engine.linear import Matrix, linear
+
+
+def compressor_project(x: torch.Tensor, w_kv: Matrix, w_gate: Matrix, ape: torch.Tensor,
+                       pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """κ_t = W_kv x_t, σ_t = W_gate x_t + ape[t mod m]; ape biases the gate only.
+    x [n, D], w_kv / w_gate [c·d_c, D], ape [m, c·d_c], pos [n] -> κ [n, c·d_c], σ [n, c·d_c]."""
+    return linear(x, w_kv), linear(x, w_gate) + ape[pos % ape.shape[0]]
+
 
 @dataclass
 class CompressorCache:

@@ -12,12 +12,25 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_engine.linear import Matrix, linear
+
 SelectOp = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def indexer_weights(proj: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """ω = (W_Iw x) / √(d_I · n_heads), signed (never ReLU'd).  proj = W_Iw x [n, n_heads] -> [n, n_heads]."""
+def indexer_weights(x: torch.Tensor, w_proj: Matrix, head_dim: int) -> torch.Tensor:
+    """ω = (W_Iw x) / √(d_I · n_heads), signed (never ReLU'd).  x [n, D], w_proj [n_heads, D] -> [n, n_heads]."""
+    proj = linear(x, w_proj)
     return proj / math.sqrt(head_dim * proj.shape[1])
+
+
+def indexer_queries(qr: torch.Tensor, wq_b: Matrix, pos: torch.Tensor, freqs: torch.Tensor, n_heads: int,
+                    rope: Callable[..., torch.Tensor], index_round: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
+    """qI_h = round(RoPE((W_Iqb qr)_h, t)), no per-head norm; `index_round` is FP4SIM(Had(·)) with the simulation on
+    (the identity off), `rope` the RoPE op (both `Ops` slots).  qr [n, R_q], wq_b [n_heads·d_I, R_q], pos [n]
+    -> [n, n_heads, d_I]."""
+    q = linear(qr, wq_b).reshape(qr.shape[0], n_heads, -1)
+    return index_round(rope(q, pos, freqs))
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

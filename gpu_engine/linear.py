@@ -3,15 +3,16 @@
 A weight is a `Matrix` handle: the weight itself (a GGUF tensor's raw blocks, `gpu_engine.weights.QTensor`,
 dequantized per product; or a dense tensor), the rounding its input gets first (`round_input`: the engine's
 act_quant for a quantized weight, None for an exact product) and the dtypes of the product, all as data. The
-products are free functions of a handle: `linear`, `grouped_linear` (the block-diagonal output projection's
-groups) and `expert_linear` (one expert of a 3-D expert tensor). `DeviceWeights.weight(name)` hands out the
+products are free functions of a handle: `linear` and `grouped_linear` (the block-diagonal output projection's
+groups); `expert_of(W, e)` is the handle of one expert of an expert tensor [E, out, in], `exact(W)` W without its
+input rounding. `DeviceWeights.weight(name)` hands out the
 handles of a model file, `dense_matrix(t)` one over a plain tensor (exact, in t's dtype: tests, the drafter fit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +32,8 @@ class Matrix:
     round_input: applied to the input of every product first (None: exact); act / mm: the activation dtype a
     product returns and the dtype it multiplies in; whole(): the whole matrix in `mm` for one product (memory that
     may be reused by the next dequantization of the tensor's kind); scratch(n): a reusable float32 buffer of n values
-    for expert row blocks (None: fresh memory); run / threads: how a CPU-kernel matvec's row ranges are run."""
+    for expert row blocks (None: fresh memory); run / threads: how a CPU-kernel matvec's row ranges are run;
+    expert: which expert of an expert tensor the products use (`expert_of`)."""
 
     name: str
     w: Any   # QTensor | Tensor | tuple[Tensor, ...]
@@ -42,6 +44,7 @@ class Matrix:
     scratch: Callable[[int], Tensor | None]
     run: MapOp = map
     threads: int = 1
+    expert: int | None = None   # an expert tensor's handle for one expert (`expert_of`), else None
 
     @property
     def blocks(self) -> QTensor | None:
@@ -56,13 +59,28 @@ def dense_matrix(t: Tensor, name: str = "dense") -> Matrix:
     return Matrix(name, w, None, t.dtype, t.dtype, lambda: t, lambda n: None)
 
 
+def expert_of(W: Matrix, e: int) -> Matrix:
+    """The handle of expert e [out, in] of an expert tensor's handle W [E, out, in]."""
+    return replace(W, expert=e)
+
+
+def exact(W: Matrix) -> Matrix:
+    """W without its input rounding (an input already rounded, and then scaled, by the caller)."""
+    return replace(W, round_input=None)
+
+
 def _rounded(x: Tensor, W: Matrix) -> Tensor:
     return x if W.round_input is None else W.round_input(x)
 
 
 def linear(x: Tensor, W: Matrix) -> Tensor:
-    """y = x Wᵀ (no bias anywhere in V4), x rounded by W's round_input first.  x [n, in] -> [n, out] (W.act)."""
+    """y = x Wᵀ (no bias anywhere in V4), x rounded by W's round_input first.  x [n, in] -> [n, out] (W.act).
+    An expert's handle (`expert_of`): quantized experts are dequantized a block of rows at a time into W.scratch
+    (`QTensor.expert_linear`)."""
     operand, qt = _rounded(x, W).to(W.mm), W.blocks
+    if W.expert is not None:
+        y = operand @ W.w[W.expert].T if qt is None else qt.expert_linear(W.expert, operand, W.scratch)
+        return y.to(W.act)
     if qt is not None and qt.uses_matvec(operand):
         return qt.matvec(qt.raw, operand, W.name, W.run, W.threads).to(W.act)
     return (operand @ W.whole().T).to(W.act)
@@ -79,14 +97,3 @@ def grouped_linear(x: Tensor, W: Matrix) -> Tensor:
     w = W.whole().reshape(groups, -1, width)
     return torch.einsum("ngw,grw->ngr", operand, w).to(W.act)
 
-
-def expert_linear(x: Tensor, W: Matrix, e: int, weight: Tensor | None = None) -> Tensor:
-    """y = (x · weight) W_eᵀ for expert e of an expert tensor [E, out, in]. The row weights scale x after its
-    rounding (llama.cpp applies the routing weight after its down matmul, so its rounded input is round(h), not
-    round(w·h)); quantized experts are dequantized a block of rows at a time into W.scratch.
-    x [n, in], weight [n] or None -> [n, out] (W.act)"""
-    x = _rounded(x, W)
-    operand = (x if weight is None else x * weight[:, None]).to(W.mm)
-    qt = W.blocks
-    y = operand @ W.w[e].T if qt is None else qt.expert_linear(e, operand, W.scratch)
-    return y.to(W.act)

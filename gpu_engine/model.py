@@ -22,6 +22,7 @@ from gpu_engine.compressor import (
     PoolOp,
     SlotsOp,
     completed_blocks,
+    compressor_project,
     compressor_update,
     csa_slots,
     hca_slots,
@@ -39,10 +40,11 @@ from gpu_engine.draft import (
     ring_write,
 )
 from gpu_engine.hc import hc_post, hc_pre
-from gpu_engine.indexer import SelectOp, indexer_weights, select_chunked, select_rows
-from gpu_engine.linear import Matrix, expert_linear, grouped_linear, linear
+from gpu_engine.indexer import SelectOp, indexer_queries, indexer_weights, select_chunked, select_rows
+from gpu_engine.linear import Matrix, expert_of, grouped_linear, linear
 from gpu_engine.moe import (
     MapOp,
+    expert_ffn,
     hash_select,
     replayed_ids,
     routed_experts,
@@ -163,8 +165,8 @@ def run_compressor(w: DeviceWeights, cfg: ModelConfig, cache: CompressorCache, p
                    start_pos: int, m: int, j: Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> Tensor:
     """κ = W_kv x, σ = W_gate x + ape[t mod m]; pool blocks j; RMSNorm.  -> rows [nb, d_c] before RoPE."""
     pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
-    kv = linear(x, w.weight(prefix + "_kv.weight"))
-    score = linear(x, w.weight(prefix + "_gate.weight")) + w.matrix(prefix + "_ape.weight", w.act)[pos % m]
+    kv, score = compressor_project(x, w.weight(prefix + "_kv.weight"), w.weight(prefix + "_gate.weight"),
+                                   w.matrix(prefix + "_ape.weight", w.act), pos)
     rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of, pool)
     return rms_norm(rows, w.vector(prefix + "_norm.weight"), cfg.norm_eps)
 
@@ -181,9 +183,8 @@ def indexer_selection(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerP
     if cap is not None:
         cap["index_rows"] = krows
     pos = torch.arange(start_pos, start_pos + n, device=x.device)
-    qi = linear(qr, w.weight(p + "indexer.attn_q_b.weight")).reshape(n, hi, di)
-    qi = ops.index_round(ops.rope(qi, pos, plan.freqs))
-    weights = indexer_weights(linear(x, w.weight(p + "indexer.proj.weight")), di)
+    qi = indexer_queries(qr, w.weight(p + "indexer.attn_q_b.weight"), pos, plan.freqs, hi, ops.rope, ops.index_round)
+    weights = indexer_weights(x, w.weight(p + "indexer.proj.weight"), di)
     n_vis = torch.clamp(n_vis, max=krows.shape[0])
     return select_chunked(qi, weights, krows, n_vis, cfg.index_topk, ops.select_rows, SCORE_BUDGET)
 
@@ -251,58 +252,98 @@ def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cac
 
 # -- MoE FFN -----------------------------------------------------------------------------------------------------
 
-def route(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, tokens: Tensor, start_pos: int,
-          override: Callable[[int, int, int], np.ndarray] | None) -> Routing:
-    """s = sqrt(softplus(G x)); ids = tid2eid[token] (hash layer), top-K of s + b, or the replayed ids;
-    w = route_scale · s_ids / Σ s_ids.  x [n, D], tokens [n] -> Routing."""
-    p, n, K = f"blk.{layer}.", x.shape[0], cfg.n_activated_experts
-    s = router_scores(linear(x, w.weight(p + "ffn_gate_inp.weight")))
-    if cfg.is_hash_layer(layer):
-        keys, ids = s, hash_select(w.table(p + "ffn_gate_tid2eid.weight"), tokens)
-        margin = torch.full((n,), float("nan"), dtype=s.dtype, device=s.device)
+@dataclass(frozen=True)
+class FfnWeights:
+    """One layer's MoE FFN weights (`ffn_weights`): the router G [E, D], the selection bias b [E] (None on hash
+    layers) or the hash table tid2eid int64 [V, K] (None off them), the routed experts' W_gate, W_up [E, F, D] and
+    W_down [E, D, F], the shared expert's [F, D], [F, D], [D, F]."""
+
+    gate: Matrix
+    bias: Tensor | None
+    tid2eid: Tensor | None
+    experts: tuple[Matrix, Matrix, Matrix]
+    shared: tuple[Matrix, Matrix, Matrix]
+
+
+def ffn_weights(w: DeviceWeights, cfg: ModelConfig, layer: int) -> FfnWeights:
+    """Layer `layer`'s FFN weights by their tensor names."""
+    p, hashed = f"blk.{layer}.", cfg.is_hash_layer(layer)
+    return FfnWeights(w.weight(p + "ffn_gate_inp.weight"), None if hashed else w.vector(p + "exp_probs_b.bias"),
+                      w.table(p + "ffn_gate_tid2eid.weight") if hashed else None,
+                      (w.weight(p + "ffn_gate_exps.weight"), w.weight(p + "ffn_up_exps.weight"),
+                       w.weight(p + "ffn_down_exps.weight")),
+                      (w.weight(p + "ffn_gate_shexp.weight"), w.weight(p + "ffn_up_shexp.weight"),
+                       w.weight(p + "ffn_down_shexp.weight")))
+
+
+def route(x: Tensor, gate: Matrix, bias: Tensor | None, tid2eid: Tensor | None, tokens: Tensor, k: int,
+          route_scale: float, weight_scores: Callable[[Tensor, Tensor], Tensor], replay: Tensor | None) -> Routing:
+    """s = sqrt(softplus(G x)); ids = tid2eid[token] (hash layer: tid2eid given), top-k of s + b, or the replayed
+    ids; w = route_scale · s_ids / Σ s_ids (`weight_scores`: the `Ops` slot choosing s).
+    x [n, D], gate [E, D], bias [E] or None, tid2eid [V, k] or None, tokens [n], replay int64 [n, k] or None
+    -> Routing (the margin stays the router's own under replay)."""
+    s = router_scores(x, gate)
+    if tid2eid is not None:
+        keys, ids = s, hash_select(tid2eid, tokens)
+        margin = torch.full((x.shape[0],), float("nan"), dtype=s.dtype, device=s.device)
     else:
-        keys = s + w.vector(p + "exp_probs_b.bias")
-        ids, margin = select_topk(keys, K)
-    if override is not None:  # the margin stays the router's own
-        ids = replayed_ids(override(layer, start_pos, n), layer, start_pos, n, K, cfg.n_routed_experts, s.device)
-    return Routing(ids, routing_weights(ops.weight_scores(s, keys), ids, cfg.route_scale), margin)
+        keys = s + bias
+        ids, margin = select_topk(keys, k)
+    if replay is not None:
+        ids = replay
+    return Routing(ids, routing_weights(weight_scores(s, keys), ids, route_scale), margin)
 
 
-def moe(w: DeviceWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: Routing) -> tuple[Tensor, Tensor]:
+def layer_route(f: FfnWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, tokens: Tensor, start_pos: int,
+                override: Callable[[int, int, int], np.ndarray] | None) -> Routing:
+    """`route` on layer `layer` with its weights, replaying `override`'s ids when given."""
+    n, K = x.shape[0], cfg.n_activated_experts
+    replay = None if override is None else replayed_ids(override(layer, start_pos, n), layer, start_pos, n, K,
+                                                        cfg.n_routed_experts, x.device)
+    return route(x, f.gate, f.bias, f.tid2eid, tokens, K, cfg.route_scale, ops.weight_scores, replay)
+
+
+def moe(x: Tensor, r: Routing, experts: tuple[Matrix, Matrix, Matrix], shared: tuple[Matrix, Matrix, Matrix],
+        limit: float, shared_limit: float, swiglu: Callable[[Tensor, Tensor, float], Tensor],
+        run: MapOp = map) -> tuple[Tensor, Tensor]:
     """Routed R = Σ_k W_down[e_k](w_k · swiglu(W_gate[e_k] x, W_up[e_k] x)) and shared
-    S = W_down swiglu(W_gate x, W_up x) (its own clamp, no routing weight).  x [n, D] -> R, S [n, D]."""
-    p, limit = f"blk.{layer}.", cfg.swiglu_limit[layer]
+    S = W_down swiglu(W_gate x, W_up x) (its own clamp, no routing weight); the experts run over `run`.
+    x [n, D], experts (W_gate, W_up [E, F, D], W_down [E, D, F]), shared ([F, D], [F, D], [D, F]) -> R, S [n, D]."""
+    gate, up, down = experts
 
     def expert(e: int, xe: Tensor, we: Tensor) -> Tensor:
-        h = ops.swiglu(expert_linear(xe, w.weight(p + "ffn_gate_exps.weight"), e),
-                       expert_linear(xe, w.weight(p + "ffn_up_exps.weight"), e), limit)
-        return expert_linear(h, w.weight(p + "ffn_down_exps.weight"), e, weight=we)
+        return expert_ffn(xe, expert_of(gate, e), expert_of(up, e), expert_of(down, e), limit, we, swiglu)
 
-    h = ops.swiglu(linear(x, w.weight(p + "ffn_gate_shexp.weight")), linear(x, w.weight(p + "ffn_up_shexp.weight")),
-                   cfg.swiglu_limit_shexp[layer])
-    return routed_experts(x, r.ids, r.weights, expert, ops.expert_map), linear(h, w.weight(p + "ffn_down_shexp.weight"))
+    return routed_experts(x, r.ids, r.weights, expert, run), expert_ffn(x, *shared, shared_limit, None, swiglu)
+
+
+def layer_moe(f: FfnWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, r: Routing) -> tuple[Tensor, Tensor]:
+    """`moe` on layer `layer` with its weights, limits and the ops' swiglu and expert map."""
+    return moe(x, r, f.experts, f.shared, cfg.swiglu_limit[layer], cfg.swiglu_limit_shexp[layer], ops.swiglu,
+               ops.expert_map)
 
 
 # -- the block ---------------------------------------------------------------------------------------------------
 
-def hc_pre_of(w: DeviceWeights, cfg: ModelConfig, X: Tensor, prefix: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """HC_pre with the weights `prefix`fn / scale / base (prefix 'blk.l.hc_attn_' or 'blk.l.hc_ffn_')."""
-    return hc_pre(X, w.matrix(prefix + "fn.weight", w.act), w.vector(prefix + "scale.weight"),
-                  w.vector(prefix + "base.weight"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+def hc_weights(w: DeviceWeights, prefix: str) -> tuple[Tensor, Tensor, Tensor]:
+    """HC_pre's fn [(2+H)·H, H·D], scale [3], base [(2+H)·H] of `prefix` ('blk.l.hc_attn_' or 'blk.l.hc_ffn_')."""
+    return w.matrix(prefix + "fn.weight", w.act), w.vector(prefix + "scale.weight"), w.vector(prefix + "base.weight")
 
 
 def block_forward(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, X: Tensor,
                   tokens: Tensor, start_pos: int, override: Callable | None, capture: bool) -> BlockResult:
     """X' = layer(X) for n positions start_pos.. through the layer's cache.  X [n, H, D], tokens [n]."""
     p, eps = plan.prefix, cfg.norm_eps
-    u, pre_a, post_a, C_a = hc_pre_of(w, cfg, X, p + "hc_attn_")
+    hc = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    u, pre_a, post_a, C_a = hc_pre(X, *hc_weights(w, p + "hc_attn_"), *hc)
     x = rms_norm(u, w.vector(p + "attn_norm.weight"), eps)
     att = attention(w, cfg, ops, plan, cache, x, start_pos, capture)
     Y = ops.hc_post(att.out, X, post_a, C_a)
-    v, pre_f, post_f, C_f = hc_pre_of(w, cfg, Y, p + "hc_ffn_")
+    v, pre_f, post_f, C_f = hc_pre(Y, *hc_weights(w, p + "hc_ffn_"), *hc)
     xf = rms_norm(v, w.vector(p + "ffn_norm.weight"), eps)
-    r = route(w, cfg, ops, plan.layer, xf, tokens, start_pos, override)
-    routed, shared = moe(w, cfg, ops, plan.layer, xf, r)
+    f = ffn_weights(w, cfg, plan.layer)
+    r = layer_route(f, cfg, ops, plan.layer, xf, tokens, start_pos, override)
+    routed, shared = layer_moe(f, cfg, ops, plan.layer, xf, r)
     X_out = ops.hc_post(routed + shared, Y, post_f, C_f)
     if not torch.isfinite(X_out).all():
         raise ParityError(f"layer {plan.layer}: non-finite values in the carrier at positions {start_pos}.."

@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from gpu_engine.linear import Matrix, exact, linear
+from gpu_engine.ops import swiglu_clamped
 from parity.contract.engine import check_expert_ids
 from parity.contract.errors import ParityError
 
 
-def router_scores(logits: torch.Tensor) -> torch.Tensor:
-    """s = sqrt(softplus(G x)) > 0.  logits = G x [n, E] -> [n, E]."""
-    return torch.sqrt(torch.nn.functional.softplus(logits))
+def router_scores(x: torch.Tensor, gate: Matrix) -> torch.Tensor:
+    """s = sqrt(softplus(G x)) > 0.  x [n, D], gate [E, D] -> [n, E]."""
+    return torch.sqrt(torch.nn.functional.softplus(linear(x, gate)))
 
 
 def select_topk(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +77,27 @@ def tokens_by_expert(ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tor
     for e, c in zip(experts.tolist(), counts.tolist(), strict=True):
         yield e, tok[start : start + c], order[start : start + c]
         start += c
+
+
+def weighted_down_input(h: torch.Tensor, weight: torch.Tensor, w_down: Matrix) -> tuple[torch.Tensor, Matrix]:
+    """(w · h, W_down): the routing weight multiplies before the down projection. A rounding W_down rounds the
+    unweighted h (llama.cpp multiplies the routing weight after its down matmul): (w · round(h), W_down without
+    the rounding).  h [n, F], weight [n]."""
+    if w_down.round_input is not None:
+        return w_down.round_input(h) * weight[:, None], exact(w_down)
+    return h * weight[:, None], w_down
+
+
+def expert_ffn(x: torch.Tensor, w_gate: Matrix, w_up: Matrix, w_down: Matrix, limit: float,
+               weight: torch.Tensor | None = None,
+               swiglu: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = swiglu_clamped) -> torch.Tensor:
+    """y = W_down (w · swiglu_c(W_gate x, W_up x)); the routing weight multiplies before the down projection;
+    `swiglu` is the `Ops` slot.
+    x [n, D], w_gate / w_up [F, D], w_down [D, F], weight [n] or None (shared expert) -> [n, D]."""
+    h = swiglu(linear(x, w_gate), linear(x, w_up), limit)
+    if weight is not None:
+        h, w_down = weighted_down_input(h, weight, w_down)
+    return linear(h, w_down)
 
 
 ExpertOp = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -5,8 +5,8 @@ of the file mapping); `.dense()` dequantizes the whole matrix, `.expert_linear(e
 `.rows(idx)` selected rows (embeddings).
 Small F32 vectors (norms, sinks, HC scales) are read once as compute-dtype tensors.
 `DeviceWeights` hands out a matrix by name as a `gpu_engine.linear.Matrix` handle (`weight`); the free products of
-`gpu_engine.linear` (`linear`, `grouped_linear`, `expert_linear`) return products, never the dequantized matrix, so
-the reused buffers they dequantize into cannot outlive the product. Whole matrices are kept
+`gpu_engine.linear` (`linear`, `grouped_linear`; an expert's handle: `expert_of`) return products, never the
+dequantized matrix, so the reused buffers they dequantize into cannot outlive the product. Whole matrices are kept
 while the budget (`cache_mb`; 0 = none) has room, first come first kept: the engine walks the layers cyclically,
 where an evicting LRU smaller than the working set would never hit. Matrices not kept are dequantized into reused
 scratch buffers, one per tensor kind; routed experts (each selected expert once per call, grouped by expert) are

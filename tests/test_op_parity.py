@@ -44,13 +44,11 @@ Contract differences (same-named ops, input for the op-twin refactor of issue 26
   `csa_slots`. The states are named `CompressorState` (pend_* / prev_*) vs `CompressorCache` (start, kv, score).
   The row post-processing is an op in the reference (`main_row_post`, `index_row_post`); torch does it inline
   (`model.compressed_keys`, `indexer_selection`).
-- indexer_weights: the reference `(x, w_proj, head_dim)` does the matmul; torch `(proj, head_dim)` takes W x.
 - indexer_scores: the reference scores one query (q [nh, dI], w [nh]) -> [N]; torch scores a batch
   [n, nh, dI] -> [n, R].
 - select_rows: the reference `(q, w, rows, pos, ratio, topk, workers, tie_seed)` scores the rows and applies the
   visibility rule; torch `select_rows(scores, n_vis, top_k)` takes both, and `select_chunked(q, w, rows, n_vis,
   top_k, select, budget)` does the scoring. Torch has no `tie_seed`.
-- router_scores: the reference `(x, gate)` does the matmul; torch takes the logits.
 - routing weights: torch takes the scores through a separate op slot, `weight_scores(scores, keys)`
   (`unbiased_scores`); the reference passes the scores directly.
 - routed_experts: the reference `expert(e)` returns the weights (w_gate, w_up, w_down) and takes `limit` and
@@ -62,10 +60,18 @@ Contract differences (same-named ops, input for the op-twin refactor of issue 26
   `sink_attention`.
 - mtp_input / dspark_main / confidence / markov_chain: the reference multiplies through `linear(x, W)` (row
   blocks, `Weight`); torch uses `x @ W.T`.
-- No pair in the table (torch needs a `DeviceWeights` and looks weights up by name): route / moe, hc_pre_of,
-  main_kv, dspark_stage, which take `(w, cfg, prefix, x)` in torch and weight arrays in the reference. q_path,
-  kv_latent and grouped_output take weight handles (`gpu_engine.linear.Matrix`) like the reference's `Weight`s;
-  torch's grouped_output has no `workers` (a handle carries how its matvecs run).
+- Weights: torch ops take weight handles (`gpu_engine.linear.Matrix`, built over a tensor by `dense_matrix`) where
+  the reference takes a `Weight`; torch's grouped_output and routed experts have no `workers` (a handle carries
+  how its CPU matvecs run, `moe` a `run` map).
+- route / moe: the reference has no op of that name outside `reference_cpu.model` (which looks weights up in its
+  store); its rows compare torch `model.route` (tensors in: gate, bias or tid2eid, the replayed ids) with the
+  reference's router_scores + select_topk / hash_select + routing_weights, and torch `model.moe` with
+  routed_experts + expert_ffn. Torch's expert handles are [E, out, in] (`expert_of(W, e)` per expert).
+- indexer_queries: torch takes the RoPE op and the index rounding (`Ops` slots: faults replace them) where the
+  reference takes a `RopeTable` and an `fp4` flag.
+- No pair in the table: main_kv and dspark_stage take `(w, cfg, ops, plan, ...)`, composing the ops above with
+  a layer's weights looked up by name (as `block_forward` does, through `model.ffn_weights`, `hc_weights` and the
+  `layer_*` bindings).
 - Not twins but copies: `check_tap_carriers` and `check_taps` are the same NumPy functions in `reference_cpu.draft`
   and `gpu_engine.draft`.
 
@@ -294,6 +300,55 @@ def _t_experts(x, ids, weights, wg, wu, wd):
     return tmoe.routed_experts(x, ids, weights, expert)
 
 
+def _route_in(rng: np.random.Generator) -> Inputs:
+    return {"x": _n(rng, 6, D), "gate": _n(rng, 16, D, scale=2.0), "bias": _n(rng, 16, scale=0.3),
+            "tid2eid": _ints(rng, 0, 16, 50, 4), "tokens": _ints(rng, 0, 50, 6)}
+
+
+def _r_route(x, gate, bias, tid2eid, tokens):
+    s = rmoe.router_scores(x, gate)
+    ids, margin = rmoe.select_topk(s + bias, 4)
+    return ids, rmoe.routing_weights(s, ids, 1.5), margin
+
+
+def _t_route(weight_scores: Callable = tmoe.unbiased_scores) -> Callable[..., Any]:
+    def run(x, gate, bias, tid2eid, tokens):
+        r = tmodel.route(x, dense_matrix(gate), bias, None, tokens, 4, 1.5, weight_scores, None)
+        return r.ids, r.weights, r.margin
+    return run
+
+
+def _r_route_hash(x, gate, bias, tid2eid, tokens):   # the margin (nan on hash layers) is checked in the test below
+    ids = rmoe.hash_select(tid2eid, tokens)
+    return ids, rmoe.routing_weights(rmoe.router_scores(x, gate), ids, 1.5)
+
+
+def _t_route_hash(x, gate, bias, tid2eid, tokens):
+    r = tmodel.route(x, dense_matrix(gate), None, tid2eid, tokens, 4, 1.5, tmoe.unbiased_scores, None)
+    assert bool(torch.isnan(r.margin).all())
+    return r.ids, r.weights
+
+
+def _t_expert_ffn(swiglu: Callable = tops.swiglu_clamped) -> Callable[..., Any]:
+    def run(x, ids, weights, wg, wu, wd):
+        w0, w1 = (tuple(dense_matrix(t[e]) for t in (wg, wu, wd)) for e in (0, 1))
+        return tmoe.expert_ffn(x, *w0, 1.5, None, swiglu), tmoe.expert_ffn(x, *w1, 1.5, weights[:, 0], swiglu)
+    return run
+
+
+def _r_moe(x, ids, weights, wg, wu, wd):   # expert 0's weights also serve as the shared expert (limit 2.0)
+    return (rmoe.routed_experts(x, ids, weights, lambda e: (wg[e], wu[e], wd[e]), 1.5, ONE),
+            rmoe.expert_ffn(x, wg[0], wu[0], wd[0], 2.0))
+
+
+def _t_moe(swiglu: Callable = tops.swiglu_clamped) -> Callable[..., Any]:
+    def run(x, ids, weights, wg, wu, wd):
+        r = tmodel.Routing(ids, weights, torch.zeros(len(ids)))
+        shared = tuple(dense_matrix(t[0]) for t in (wg, wu, wd))
+        return tmodel.moe(x, r, tuple(dense_matrix(t) for t in (wg, wu, wd)), shared, 1.5, 2.0, swiglu)
+    return run
+
+
 def _routing_in(rng: np.random.Generator) -> Inputs:
     scores = rng.random((6, 16)).astype(F32) + 0.1
     return {"scores": scores, "bias": _n(rng, 16), "ids": np.argsort(-scores, axis=1)[:, :4].astype(np.int64)}
@@ -448,7 +503,18 @@ TWINS: list[Twin] = [
          _t_compress("csa"), 1.01e-07, SLOTS),
     Twin("indexer_weights", lambda r: {"x": _n(r, 6, D), "w_proj": _n(r, NH, D)},
          lambda x, w_proj: ridx.indexer_weights(x, w_proj, 16),
-         lambda x, w_proj: tidx.indexer_weights(x @ w_proj.T, 16), 3.58e-07, MM),
+         lambda x, w_proj: tidx.indexer_weights(x, dense_matrix(w_proj), 16), 3.58e-07, MM),
+    Twin("indexer_queries (FP4 off)", lambda r: {"qr": _n(r, 6, 24), "wq_b": _n(r, NH * 16, 24, scale=0.3),
+                                                 "pos": _ints(r, 0, 70000, 6)},
+         lambda qr, wq_b, pos: ridx.indexer_queries(qr, wq_b, pos, _r_table(YARN), NH, False),
+         lambda qr, wq_b, pos: tidx.indexer_queries(qr, dense_matrix(wq_b), pos, _t_freqs(YARN), NH, tops.apply_rope,
+                                                    tops.identity), 1.52e-07, MM_BLOCKS + "; " + COS_SIN),
+    Twin("compressor_project", lambda r: {"x": _n(r, 6, D), "w_kv": _n(r, 32, D, scale=0.3),
+                                          "w_gate": _n(r, 32, D, scale=0.3), "ape": _n(r, 4, 32),
+                                          "pos": _ints(r, 0, 100, 6)},
+         rcomp.compressor_project,
+         lambda x, w_kv, w_gate, ape, pos: tcomp.compressor_project(x, dense_matrix(w_kv), dense_matrix(w_gate), ape,
+                                                                    pos), 1.66e-07, MM_BLOCKS),
     Twin("indexer_scores", lambda r: {"q": _n(r, 5, NH, 16), "w": _n(r, 5, NH), "rows": _n(r, 7, 16)},
          lambda q, w, rows: np.stack([ridx.indexer_scores(qi, wi, rows) for qi, wi in zip(q, w, strict=True)]),
          tidx.indexer_scores, 2.4e-07, "float32 q·k: BLAS vs torch.einsum summation order"),
@@ -457,7 +523,15 @@ TWINS: list[Twin] = [
     Twin("select_rows (float scores)", lambda r: _select_in(r, False),
          _r_select, _t_select(), 0.0, "discrete outputs"),
     Twin("router_scores", lambda r: {"x": _n(r, 6, D), "gate": _n(r, 16, D, scale=2.0)},
-         rmoe.router_scores, lambda x, gate: tmoe.router_scores(x @ gate.T), 1.31e-07, MM),
+         rmoe.router_scores, lambda x, gate: tmoe.router_scores(x, dense_matrix(gate)), 1.31e-07, MM),
+    Twin("route (biased top-k)", _route_in, _r_route, _t_route(), 7.02e-07,
+         MM + ", sqrt(softplus); the margin (a difference of two keys) has the largest relative error"),
+    Twin("route (hash layer)", _route_in, _r_route_hash, _t_route_hash, 1.9e-07, MM + ", sqrt(softplus)"),
+    Twin("expert_ffn (shared, weighted)", _experts_in,
+         lambda x, ids, weights, wg, wu, wd: (rmoe.expert_ffn(x, wg[0], wu[0], wd[0], 1.5),
+                                              rmoe.expert_ffn(x, wg[1], wu[1], wd[1], 1.5, weights[:, 0])),
+         _t_expert_ffn(), 2.82e-07, MM_BLOCKS + ", silu"),
+    Twin("moe (routed + shared)", _experts_in, _r_moe, _t_moe(), 3.05e-07, MM_BLOCKS + ", silu"),
     Twin("select_topk", lambda r: {"keys": np.concatenate([_n(r, 4, 16), _ints(r, 0, 4, 4, 16).astype(F32)])},
          lambda keys: rmoe.select_topk(keys, 4), lambda keys: tmoe.select_topk(keys, 4),
          0, "a stable sort of the same keys; the margin is one float32 subtraction"),
@@ -513,6 +587,9 @@ FAULTS: list[tuple[str, str, Callable[..., Any]]] = [
      _t_compress("hca", blocks=tcomp.completed_blocks_multi_token)),
     ("select_rows (integer scores, ties)", "indexer-ties-highest", _t_select(tidx.select_rows_ties_highest)),
     ("routing_weights", "router-bias-in-weights", _t_routing(tmoe.biased_keys)),
+    ("route (biased top-k)", "router-bias-in-weights", _t_route(tmoe.biased_keys)),
+    ("expert_ffn (shared, weighted)", "swiglu-symmetric-clamp", _t_expert_ffn(tops.swiglu_symmetric_clamp)),
+    ("moe (routed + shared)", "swiglu-symmetric-clamp", _t_moe(tops.swiglu_symmetric_clamp)),
     ("mtp_pairs (prev, same)", "mtp-pairing-same",
      lambda c, tok: (*tdraft.mtp_pairs_same(c, tok, "prev"), *tdraft.mtp_pairs(c, tok, "same"))),
     ("mtp_input", "mtp-hnorm-flat", lambda **a: tdraft.mtp_input_hnorm_flat(**a, eps=EPS)),

@@ -14,7 +14,7 @@ from gpu_engine import model as model_mod
 from gpu_engine.attention import sink_attention
 from gpu_engine.engine import TorchEngine
 from gpu_engine.indexer import select_rows, select_rows_ties_highest
-from gpu_engine.linear import expert_linear
+from gpu_engine.linear import expert_of, linear
 from gpu_engine.ops import apply_rope, e2m1_round, e4m3_round, fp8_sim_nope, hadamard_matrix, rope_frequencies
 from parity.compare import metrics
 from parity.contract.checkpoints import checkpoint_names
@@ -244,7 +244,7 @@ def test_dequant_cache_changes_speed_only(tiny_realmix):
 
 
 @pytest.mark.parametrize("name", ["blk.3.ffn_gate_exps.weight", "blk.3.ffn_down_exps.weight"])
-def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monkeypatch, name):
+def test_expert_product_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monkeypatch, name):
     """Experts applied a few rows at a time (pieces of 3 x 256 values, last one partial) through one reused buffer
     equal x Wᵀ with W from the independent NumPy/gguf dequantization (parity.gguf.weights)."""
     import gpu_engine.weights as wmod
@@ -256,7 +256,7 @@ def test_expert_linear_in_row_blocks_matches_the_whole_matrix(tiny_realmix, monk
     src = Weights(str(tiny_realmix))
     for e in (0, 5, 0):  # the buffer is overwritten between experts
         want = x @ torch.from_numpy(src.expert(name, e)).T
-        got = expert_linear(x, w.weight(name), e)
+        got = linear(x, expert_of(w.weight(name), e))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert not torch.equal(got, x @ torch.from_numpy(src.expert(name, 7 - e)).T)
 
