@@ -208,3 +208,42 @@ def test_ray_cluster_at_an_address_equals_worker_processes(tmp_path, tiny_realmi
     finally:
         decoy.kill()
         decoy.wait()
+
+
+def test_report_is_typed_and_frozen_and_the_cli_prints_it_not_the_files(plugins, tmp_path, tiny_f32):
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+    from parity.validate.result import ValidateReport
+
+    r = run(tmp_path, tiny_f32, "vfake:act_quant=q8_0", n=2, decode=1)
+    assert isinstance(r, ValidateReport) and r.passed is r["passed"] is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.passed = False  # type: ignore[misc]
+    with pytest.raises(KeyError):
+        r["timing"]                                   # timing.json's, not a report.json key
+    stored = json.loads((tmp_path / "out" / REPORT).read_text())
+    assert r.to_dict() == stored                      # to_dict() is report.json, key for key
+    timing = json.loads((tmp_path / "out" / "timing.json").read_text())
+    assert r.timing.to_dict() == timing and timing["tasks"] == 4 and timing["executor"] == "in-process"
+    # the CLI prints from the returned report: files removed after they are written do not change its output
+    import parity.validate.driver as driver
+
+    def then_remove(report, out):
+        real(report, out)
+        for f in ("report.json", "report.md", "timing.json"):
+            (out / f).unlink()
+    real = driver.write_files
+    mp = pytest.MonkeyPatch()
+    mp.setattr(driver, "write_files", then_remove)
+    try:
+        res = CliRunner().invoke(cli, ["validate", "-m", str(tiny_f32), "--exact", "vfake", "--approx",
+                                       "vfake:act_quant=q8_0", "--boundary", "--n", "2", "--decode", "1",
+                                       "--pins", "2", "--json", "-o", str(tmp_path / "cli")])
+    finally:
+        mp.undo()
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout)
+    assert printed == stored and not (tmp_path / "cli" / REPORT).exists()

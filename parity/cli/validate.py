@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +85,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     from parity import api
     from parity.validate.executors import LOCAL_RAY_CPUS
     from parity.validate.prompts import CORPUS
+    from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_markdown, to_json_text
 
     if resume:
         extra = [p for p in ctx.params if p not in RESUMABLE
@@ -116,13 +116,12 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
 
         validate_page(html_path, report, out)
     if as_json:
-        click.echo((out / "report.json").read_text(), nl=False)
+        click.echo(to_json_text(report), nl=False)
     else:
-        click.echo((out / "report.md").read_text(), nl=False)
-        wall = json.loads((out / "timing.json").read_text())["wall_s_this_session"]
-        click.echo(f"wrote {out / 'report.json'}, {out / 'report.md'}, {out / 'validate.png'}; {wall:.1f} s "
+        click.echo(render_markdown(report), nl=False)
+        click.echo(f"wrote {out / REPORT}, {out / MARKDOWN}, {out / FIGURE}; {report.timing.wall_s_this_session:.1f} s "
                    f"(timing.json)")
-    if not report["passed"]:
+    if not report.passed:
         raise SystemExit(1)
 
 

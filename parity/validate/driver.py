@@ -4,7 +4,6 @@ machine and the executor)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
@@ -14,19 +13,19 @@ from pathlib import Path
 
 from parity.contract.engine import engine_class
 from parity.contract.errors import ParityError
-from parity.contract.files import atomic_write_bytes
 from parity.gguf.weights import Weights
 from parity.validate import executors, stats
 from parity.validate.budget import check_names, parse_budget
 from parity.validate.prompts import Prompt, build_prompts
-from parity.validate.report import plot_report, render_markdown
+from parity.validate.report import REPORT as REPORT  # re-exported: the file name callers read the report from
+from parity.validate.report import write_files
+from parity.validate.result import Timing, ValidateReport
 from parity.validate.spec import approx_keys, explicit_exact, parse_spec
-from parity.validate.store import ResultWriter, StoreError, dumps, read_config, read_results, start
+from parity.validate.store import ResultWriter, StoreError, read_config, read_results, start
 from parity.validate.summary import metric_names, summarize
 from parity.validate.worker import MAIN, PIN, Job, Task
 
 FORMAT, VERSION = "v4parity-validate", 1
-REPORT, MARKDOWN, FIGURE, TIMING = "report.json", "report.md", "validate.png", "timing.json"
 TIMES = ("seconds", "cpu_seconds")  # per-record timings: timing.json only, never report.json
 
 
@@ -89,8 +88,9 @@ def _sources(prompts: list[Prompt]) -> str:
 
 
 def run_validation(out: str | os.PathLike, config: dict | None, executor: Executor,
-                   on_progress: Callable[[Tick], None] | None = None) -> dict:
-    """Run (config given) or resume (config None: read from `out`) a validation; returns the report."""
+                   on_progress: Callable[[Tick], None] | None = None) -> ValidateReport:
+    """Run (config given) or resume (config None: read from `out`) a validation; writes report.json, report.md,
+    validate.png and timing.json into `out` (`parity.validate.report.write_files`) and returns the report."""
     out = Path(out)
     cfg = read_config(out) if config is None else config
     job, prompts, identity = _preflight(cfg)
@@ -131,24 +131,33 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
     finally:
         writer.close()
     wall = time.perf_counter() - t0
+    timing = _timing(executor, wall, records, len(todo), len(tasks))
+    report = build_report(cfg, job, prompts, identity, records, timing)
+    write_files(report, out)
+    return report
+
+
+def _timing(executor: Executor, wall: float, records: list[dict], todo: int, tasks: int) -> Timing:
+    """This session's wall time and task count, and the engine seconds of every stored record."""
+    main = [r for r in records if r["kind"] == MAIN]
+    return Timing(executor.describe(), wall, todo, tasks, sum(r["seconds"] for r in records),
+                  sum(r["cpu_seconds"] for r in records), sum(r["seconds"] for r in main) / len(main),
+                  sum(r["cpu_seconds"] for r in main) / len(main))
+
+
+def build_report(cfg: dict, job: Job, prompts: list[Prompt], identity: dict, records: list[dict],
+                 timing: Timing) -> ValidateReport:
+    """The report of a run from its configuration and every stored record (main and pin tasks)."""
     main = [r for r in records if r["kind"] == MAIN]
     pins = [r for r in records if r["kind"] == PIN]
     bounds = parse_budget(cfg["budget"], cfg["budget_source"]) if cfg["budget"] is not None else None
     summary = summarize(main, pins, cfg["seed"], job.explicit.text() if job.explicit else None, bounds)
-    report = {"format": FORMAT, "version": VERSION, "model": identity, "exact": job.exact.text(),
-              "approx": job.approx.text(), "n": len(prompts), "prompt_sources": _sources(prompts),
-              "decode": cfg["decode"], "steps": cfg["decode"] + 1, "seed": cfg["seed"], "top_k": cfg["top_k"],
-              "tie_margin": cfg["tie_margin"], "drift_tol": cfg["drift_tol"], "bootstrap": stats.BOOTSTRAP,
-              "alpha": stats.ALPHA, "beta": stats.BETA, **summary,
-              "records": [{k: v for k, v in r.items() if k not in TIMES}
-                          for r in sorted(main, key=lambda r: r["index"])]}
-    atomic_write_bytes(out / REPORT, (json.dumps(json.loads(dumps(report)), indent=1, sort_keys=True) + "\n").encode())
-    atomic_write_bytes(out / MARKDOWN, render_markdown(report).encode())
-    plot_report(report, out / FIGURE)
-    timing = {"executor": executor.describe(), "wall_s_this_session": wall, "tasks_this_session": len(todo),
-              "tasks": len(tasks), "engine_wall_s_all_tasks": sum(r["seconds"] for r in records),
-              "engine_cpu_s_all_tasks": sum(r["cpu_seconds"] for r in records),
-              "engine_wall_s_per_prompt": sum(r["seconds"] for r in main) / len(main),
-              "engine_cpu_s_per_prompt": sum(r["cpu_seconds"] for r in main) / len(main)}
-    atomic_write_bytes(out / TIMING, (json.dumps(timing, indent=2) + "\n").encode())
-    return report
+    return ValidateReport(
+        format=FORMAT, version=VERSION, model=identity, exact=job.exact.text(), approx=job.approx.text(),
+        n=len(prompts), prompt_sources=_sources(prompts), decode=cfg["decode"], steps=cfg["decode"] + 1,
+        seed=cfg["seed"], top_k=cfg["top_k"], tie_margin=cfg["tie_margin"], drift_tol=cfg["drift_tol"],
+        bootstrap=stats.BOOTSTRAP, alpha=stats.ALPHA, beta=stats.BETA, aggregates=summary["aggregates"],
+        divergence=summary["divergence"], pins=summary["pins"], budget=summary["budget"], passed=summary["passed"],
+        findings=summary["findings"],
+        records=[{k: v for k, v in r.items() if k not in TIMES} for r in sorted(main, key=lambda r: r["index"])],
+        timing=timing)

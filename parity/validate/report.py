@@ -1,10 +1,17 @@
-"""Printers of a validation report: Markdown (`report.md`) and the figure (`validate.png`)."""
+"""Printers of a `ValidateReport`: JSON (`report.json`), Markdown (`report.md`), the figure (`validate.png`), the
+timing (`timing.json`), and `write_files`, which writes all four into a run directory. No computation here."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from parity.contract.files import atomic_write_bytes
+from parity.validate.result import ValidateReport
+from parity.validate.store import dumps
 from parity.validate.summary import LAYER_STATS, MEAN_METRICS, POOLED
+
+REPORT, MARKDOWN, FIGURE, TIMING = "report.json", "report.md", "validate.png", "timing.json"
 
 DESCRIPTIONS = {
     "divergence_rate": "prompts whose greedy top-1 differs at some step",
@@ -27,11 +34,11 @@ def _g(x: float | None) -> str:
 NO_BUDGET = "pins only - no budget given, metrics not judged"  # what a PASS without --budget rests on
 
 
-def verdict_words(report: dict) -> str:
+def verdict_words(report: ValidateReport) -> str:
     """PASS / FAIL in words: a PASS without a budget says that only the pins were judged."""
-    if not report["passed"]:
+    if not report.passed:
         return "FAIL"
-    return "PASS" if report["budget"] else f"PASS ({NO_BUDGET})"
+    return "PASS" if report.budget else f"PASS ({NO_BUDGET})"
 
 
 def counts_words(counts: dict, none: str = "none") -> str:
@@ -39,17 +46,18 @@ def counts_words(counts: dict, none: str = "none") -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or none
 
 
-def render_markdown(report: dict) -> str:
-    agg = report["aggregates"]
-    budget = {b["metric"]: b for b in report["budget"] or []}
-    pins = report["pins"]
-    lines = [f"# v4parity validate: `{report['approx']}` vs `{report['exact']}`", "",
-             f"Model `{report['model']['file']}`, n = {report['n']} prompts ({report['prompt_sources']}), "
-             f"{report['decode']} decode steps ({report['steps']} greedy steps per prompt), seed {report['seed']}, "
-             f"top-k {report['top_k']}. CIs: percentile bootstrap over prompts, {report['bootstrap']} resamples; "
-             f"MDE at alpha = {report['alpha']}, beta = {report['beta']}.", "",
+def render_markdown(report: ValidateReport) -> str:
+    """report.md: settings, verdict, findings, the metric table with CIs and budget, per-layer rel-L2, pins."""
+    agg = report.aggregates
+    budget = {b["metric"]: b for b in report.budget or []}
+    pins = report.pins
+    lines = [f"# v4parity validate: `{report.approx}` vs `{report.exact}`", "",
+             f"Model `{report.model['file']}`, n = {report.n} prompts ({report.prompt_sources}), "
+             f"{report.decode} decode steps ({report.steps} greedy steps per prompt), seed {report.seed}, "
+             f"top-k {report.top_k}. CIs: percentile bootstrap over prompts, {report.bootstrap} resamples; "
+             f"MDE at alpha = {report.alpha}, beta = {report.beta}.", "",
              f"**{verdict_words(report)}**", ""]
-    lines += [f"- {f}" for f in report["findings"]] + ([""] if report["findings"] else [])
+    lines += [f"- {f}" for f in report.findings] + ([""] if report.findings else [])
     lines += ["| metric | value | 95% CI | MDE | budget | |", "|---|---:|---|---:|---|---|"]
     for name in (*MEAN_METRICS, *POOLED):
         a = agg[name]
@@ -64,7 +72,7 @@ def render_markdown(report: dict) -> str:
         row = [agg[f"rel_l2.blk.{l}.{s}"] for s in LAYER_STATS]
         ci = row[0]["ci"]
         lines.append(f"| blk.{l} | " + " | ".join(_g(r["value"]) for r in row) + f" | [{_g(ci[0])}, {_g(ci[1])}] |")
-    div = report["divergence"]
+    div = report.divergence
     ex, an = pins["exactness"], pins["announce"]
     median = "" if div["first_step_median"] is None else f", median first divergent step {div['first_step_median']:g}"
     lines += ["", f"First divergent step classes: {counts_words(div['classes'])}{median}.", "",
@@ -72,20 +80,21 @@ def render_markdown(report: dict) -> str:
               + (f", and `{ex['explicit_spec']}`" if ex["explicit_spec"] else "") + f"): "
               f"{'pass' if ex['passed'] else 'FAIL'}.",
               f"Announce pin (declared {', '.join(f'{k}={v}' for k, v in an['declared'].items()) or 'nothing'}; "
-              f"numerics differ on {an['numerics_differ_on']}/{report['n']} prompts; named on stderr: "
+              f"numerics differ on {an['numerics_differ_on']}/{report.n} prompts; named on stderr: "
               f"{'yes' if an['stderr_announced'] else 'no'}): "
               f"{'pass' if an['passed'] else 'FAIL'}."]
     lines += [f"Note: {n}" for n in an["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def plot_report(report: dict, path: Path) -> Path:
+def plot_report(report: ValidateReport, path: Path) -> Path:
+    """validate.png: per-step divergence and KL, the first-divergence histogram, per-layer rel-L2."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    div, agg = report["divergence"], report["aggregates"]
+    div, agg = report.divergence, report.aggregates
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps = range(len(div["per_step_divergence_rate"]))
     ax = axes[0]
@@ -110,8 +119,21 @@ def plot_report(report: dict, path: Path) -> Path:
     axes[2].set_xlabel("layer")
     axes[2].set_ylabel("carrier rel-L2, last prompt position")
     axes[2].legend()
-    fig.suptitle(f"{report['approx']} vs {report['exact']} (n = {report['n']})")
+    fig.suptitle(f"{report.approx} vs {report.exact} (n = {report.n})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def to_json_text(report: ValidateReport) -> str:
+    """report.json as written and as `validate --json` prints it: sorted keys, indent 1, strict JSON."""
+    return json.dumps(json.loads(dumps(report.to_dict())), indent=1, sort_keys=True) + "\n"
+
+
+def write_files(report: ValidateReport, out: Path) -> None:
+    """report.json, report.md, validate.png and timing.json into the run directory `out` (each atomically)."""
+    atomic_write_bytes(out / REPORT, to_json_text(report).encode())
+    atomic_write_bytes(out / MARKDOWN, render_markdown(report).encode())
+    plot_report(report, out / FIGURE)
+    atomic_write_bytes(out / TIMING, (json.dumps(report.timing.to_dict(), indent=2) + "\n").encode())
