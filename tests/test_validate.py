@@ -301,3 +301,25 @@ def test_indexer_boundary_prompts_cross_the_top_k_in_a_real_engine(tiny_realmix)
         res = run_sequence(eng, prompts[name].tokens)
         seen[name] = int(res[-1].diags[csa].n_comp_visible[-1])
     assert seen == {"indexer4-1": cfg.index_topk, "indexer4+0": cfg.index_topk + 1}
+
+
+def test_validate_report_json_spelling_is_json_safe_under_to_dict():
+    """One JSON spelling (issue 26.3): `to_dict()` on the typed report, non-finite values as the strings
+    "inf" / "nan" (`parity.compare.jsonvalues.json_safe`), never the non-JSON Infinity/NaN tokens."""
+    import dataclasses
+
+    from parity.validate.report import to_json_text
+    from parity.validate.result import Timing, ValidateReport
+
+    timing = Timing("in-process", 1.0, 1, 1, 1.0, 1.0, 1.0, 1.0)
+    agg = {"kl_max": {"value": np.float64(np.inf), "ci": (np.float64(np.nan), 1.0), "mde": None, "n": 1}}
+    r = ValidateReport(format="v4parity-validate", version=1, model={"file": "m.gguf"}, exact="a", approx="b", n=1,
+                       prompt_sources="text 1", decode=0, steps=1, seed=0, top_k=20, tie_margin=0.1, drift_tol=0.1,
+                       bootstrap=2000, alpha=0.05, beta=0.2, aggregates=agg, divergence={}, pins={}, budget=None,
+                       passed=True, findings=[], records=[], timing=timing)
+    d = r.to_dict()
+    assert d["aggregates"]["kl_max"] == {"value": "inf", "ci": ["nan", 1.0], "mde": None, "n": 1}
+    assert "timing" not in d and set(d) == {f.name for f in dataclasses.fields(r)} - {"timing"}
+    text = to_json_text(r)
+    assert json.loads(text) == d and "Infinity" not in text and "NaN" not in text
+    assert r == dataclasses.replace(r, timing=Timing("Ray (local, 2 CPUs)", 9.0, 0, 1, 1.0, 1.0, 1.0, 1.0))
