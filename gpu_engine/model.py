@@ -3,8 +3,11 @@
     u, pre, post, C = HC_pre(X);  a = Attention(attn_norm(u));  Y  = HC_post(a, X, post, C)
     v, pre', post', C' = HC_pre(Y);  f = MoE(ffn_norm(v), tokens);  X' = HC_post(f, Y, post', C')
 
-Every step takes its inputs explicitly: the weights (`DeviceWeights`: matrices and the products with them), the
-config, the layer's `LayerPlan` and cache, and `Ops`, the op each step runs. `Ops()` is the model; a fault is an
+The ops (`q_path`, `kv_latent`, `grouped_output`, `route`, `moe`) take tensors and weight handles
+(`gpu_engine.linear.Matrix`) like their `reference_cpu` twins. The layer steps take their inputs explicitly: the
+weights (`DeviceWeights`, which hands out handles by name), the config, the layer's `LayerPlan` and cache, and
+`Ops`, the op each step runs; the `layer_*` bindings, `ffn_weights` and `hc_weights` are where a layer's tensor
+names are. `Ops()` is the model; a fault is an
 alternative op put in its place (`faults.compose`), the QAT round trips are ops the engine puts in when enabled.
 """
 

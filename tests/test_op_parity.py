@@ -14,8 +14,8 @@ string gives that number. `FAULTS` are the engine's fault ops (`gpu_engine.fault
 torch op. `test_fault_is_caught` asserts that each one misses its twin's tolerance on every seed, which shows
 the checker can fail.
 
-Contract differences (same-named ops, input for the op-twin refactor of issue 26 point 4; engines unchanged)
--------------------------------------------------------------------------------------------------------------
+Contract differences (same-named ops whose contracts still differ; issue 26 point 4)
+------------------------------------------------------------------------------------
 - rms_norm: reference has `rms_norm(x, w, eps)` and `rms_norm_unweighted(x, eps)`; torch has one
   `rms_norm(x, weight | None, eps)`.
 - rope_frequencies: reference takes a `RopeSpec` and returns float32 [r/2]; torch takes the seven scalars and
