@@ -91,3 +91,9 @@ def test_diff_gate_and_envelope_agree_on_a_real_drift():
         gate.report.first_drift = None
     with pytest.raises(dataclasses.FrozenInstanceError):
         gate.passed = True
+
+
+def test_rows_of_an_interleaved_unsorted_table_group_by_checkpoint_in_first_appearance_order():
+    r = _report([("blk.1", 9, 2e-4, 1.0, True), ("blk.0", 4, 1e-4, 1.0, True), ("blk.1", 3, 2e-4, 1.0, True),
+                 ("blk.0", 1, 3e-4, 1.0, True)])
+    assert [(x.checkpoint, x.positions, x.rel_l2_pos) for x in r.rows] == [("blk.1", 2, 3), ("blk.0", 2, 1)]

@@ -38,7 +38,7 @@ def verdict_line(r: DiffReport) -> str:
     th = r.thresholds
     if r.first_drift is None:
         kind = "bit-exact" if r.exact else f"within rel-L2 <= {th.rel_tol:g} and RMS ratio 1 +- {th.norm_tol:g}"
-        return f"all {r.table['checkpoint'].nunique()} checkpoints agree ({kind})"
+        return f"all {len(r.rows)} checkpoints agree ({kind})"
     f = r.first_drift
     where = f"layer {f['layer']}" if f["layer"] is not None else f["checkpoint"]
     return (f"first drifting checkpoint: {f['checkpoint']} ({where}) from position {f['first_pos']}: {f['reason']} "

@@ -68,43 +68,65 @@ def _argworst(key: np.ndarray) -> int:
 
 
 def _nanmax(x: np.ndarray) -> float:
-    """The largest value that is not NaN; NaN when there is none (no warning)."""
-    kept = x[~np.isnan(x)]
+    """The largest value that is not NaN; NaN when there is none (no warning; pandas' `max`)."""
+    kept = x[~np.isnan(x.astype(np.float64))]
     return float(kept.max()) if len(kept) else float("nan")
 
 
-def _row(name: str, g: pd.DataFrame, rel_tol: float, norm_tol: float) -> CheckpointRow:
-    """The row of checkpoint `name` from its positions `g` (sorted by position)."""
-    pos = g["pos"].to_numpy()
-    rel, norm = g["rel_l2"].to_numpy(np.float64), g["norm_ratio"].to_numpy(np.float64)
+def _nanmin(x: np.ndarray) -> float:
+    """The smallest value that is not NaN; NaN when there is none (pandas' `min`)."""
+    kept = x[~np.isnan(x.astype(np.float64))]
+    return float(kept.min()) if len(kept) else float("nan")
+
+
+_COLUMNS = ("pos", "rel_l2", "norm_ratio", "finite", "sqnr_db", "argmax_a", "argmax_b", "cosine", "max_abs",
+            "stream_ratio_min", "stream_ratio_max", "drift", "exact", "depth", "layer", "method")
+
+
+def _row(name: str, g: dict[str, np.ndarray], rel_tol: float, norm_tol: float) -> CheckpointRow:
+    """The row of checkpoint `name` from its positions' columns `g` (sorted by position)."""
+    pos, rel, norm, finite = g["pos"], g["rel_l2"].astype(np.float64), g["norm_ratio"].astype(np.float64), g["finite"]
     dev = np.abs(norm - 1.0)
     i_rel, i_norm = _argworst(rel), _argworst(dev)
-    finite = g["finite"].to_numpy(bool)
     failing = [] if finite.all() else ["non-finite"]
     failing += [] if rel[i_rel] <= rel_tol else ["rel-L2"]
     failing += [] if dev[i_norm] <= norm_tol else ["norm ratio"]
     first = failing[0] if failing else ""
     i = {"non-finite": int(np.argmin(finite)), "rel-L2": i_rel, "norm ratio": i_norm, "": i_rel}[first]
-    sqnr = g["sqnr_db"].to_numpy(np.float64)
-    a, b = g["argmax_a"].to_numpy(), g["argmax_b"].to_numpy()
+    sqnr, a, b = g["sqnr_db"].astype(np.float64), g["argmax_a"], g["argmax_b"]
     return CheckpointRow(
-        checkpoint=name, method=str(g["method"].iloc[0]), pos=int(pos[i]), failing=first,
+        checkpoint=name, method=str(g["method"][0]), pos=int(pos[i]), failing=first,
         rel_l2=float(rel[i_rel]), rel_l2_pos=int(pos[i_rel]), norm_ratio=float(norm[i_norm]),
-        norm_ratio_pos=int(pos[i_norm]), cosine=float(g["cosine"].min()), sqnr_db=float(sqnr[i]),
-        max_abs=float(g["max_abs"].max()), stream_min=float(g["stream_ratio_min"].min()),
-        stream_max=float(g["stream_ratio_max"].max()), positions=len(g), drifting=int(g["drift"].sum()),
-        exact=bool(g["exact"].all()), depth=float(g["depth"].iloc[0]), layer=int(g["layer"].iloc[0]),
+        norm_ratio_pos=int(pos[i_norm]), cosine=_nanmin(g["cosine"]), sqnr_db=float(sqnr[i]),
+        max_abs=_nanmax(g["max_abs"]), stream_min=_nanmin(g["stream_ratio_min"]),
+        stream_max=_nanmax(g["stream_ratio_max"]), positions=len(pos), drifting=int(g["drift"].sum()),
+        exact=bool(g["exact"].all()), depth=float(g["depth"][0]), layer=int(g["layer"][0]),
         worst_norm_ratio=float(norm[i_rel]), worst_sqnr_db=float(sqnr[i_rel]), finite=bool(finite.all()),
         rel_l2_nanmax=_nanmax(rel), norm_dev_nanmax=_nanmax(dev),
-        top1_flips=tuple((int(p), int(x), int(y)) for p, x, y in zip(pos, a, b, strict=True) if x != y))
+        top1_flips=tuple((int(pos[j]), int(a[j]), int(b[j])) for j in np.flatnonzero(a != b)))
 
 
 def checkpoint_rows(table: pd.DataFrame, rel_tol: float, norm_tol: float) -> tuple[CheckpointRow, ...]:
     """One row per checkpoint of a diff's (checkpoint, position) table, in the table's checkpoint order (the
     traces' header order), each judged by `rel_tol` / `norm_tol` (the diff's thresholds)."""
-    t = table.sort_values(["pos"], kind="stable")
-    groups = dict(tuple(t.groupby("checkpoint", sort=False)))
-    return tuple(_row(str(name), groups[name], rel_tol, norm_tol) for name in table["checkpoint"].unique())
+    codes, names = _codes(table["checkpoint"].to_numpy())
+    order = np.lexsort((table["pos"].to_numpy(), codes))   # by checkpoint (first appearance), then position
+    cols = {c: table[c].to_numpy()[order] for c in _COLUMNS}
+    bounds = np.flatnonzero(np.diff(codes[order])) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]])
+    return tuple(_row(str(name), {c: v[s:e] for c, v in cols.items()}, rel_tol, norm_tol)
+                 for name, s, e in zip(names, starts, ends, strict=True))
+
+
+def _codes(names: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """(per-row code, names in order of first appearance); a checkpoint-major table (the differ's) by its runs,
+    which is cheaper than hashing every row's name."""
+    starts = np.flatnonzero(np.concatenate([[True], names[1:] != names[:-1]])) if len(names) else np.array([], int)
+    first = names[starts].tolist()
+    if len(set(first)) == len(first):
+        return np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(names)))), first
+    codes, uniques = pd.factorize(names)
+    return codes, list(uniques)
 
 
 def by_depth(rows: tuple[CheckpointRow, ...]) -> list[CheckpointRow]:
