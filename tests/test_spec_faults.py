@@ -266,9 +266,9 @@ def fitted_dspark(tiny_f32, tmp_path_factory):
 
 def test_unconditioned_markov_chain_drifts_at_slot_1_once_slot_0_is_accepted(tiny_f32, fitted_dspark):
     path, ref = fitted_dspark
-    clean = drafted(torch_engine(tiny_f32, path), ref, "dspark", steps=6)
+    clean = drafted(torch_engine(tiny_f32, path), ref, "dspark", steps=4)
     assert clean.drafter_divergence is None and not clean.defects and clean.rounds[0].accepted >= 1
-    rep = drafted(torch_engine(tiny_f32, path, "dspark-markov-unconditioned"), ref, "dspark", steps=6)
+    rep = drafted(torch_engine(tiny_f32, path, "dspark-markov-unconditioned"), ref, "dspark", steps=4)
     got = assert_drift_named(rep, "dspark.bias", next(n for n, _ in drift_positions(rep)))
     # slot 0's bias is W2 W1[anchor] with or without the fault: it never changes, only slots after an accepted d_1
     assert all(r.drafts[0] == a.reference_drafts[0] for r, a in zip(rep.rounds, rep.attribution, strict=True))
