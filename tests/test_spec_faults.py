@@ -252,7 +252,7 @@ def test_a_small_mtp_fault_changes_a_verified_draft_on_another_prompt(tiny_f32, 
 
 @pytest.fixture(scope="module")
 def fitted_dspark(tiny_f32, tmp_path_factory):
-    """A DSpark drafter fitted on PROMPT's greedy continuation (20 Adam steps, 8 tokens: ~5-15 s under load): its
+    """A DSpark drafter fitted on PROMPT's greedy continuation (20 Adam steps, 8 tokens: 8-18 s at load 8-19): its
     slot 0 is accepted, so slot 1, the first the Markov chain conditions on a draft, gets verified. The random
     drafter's slot 0 is almost never accepted (1 of 149 rounds over 10 prompts x 16 steps, and there the fault left
     slot 1 as it was), so its changed slot >= 1 drafts stay NOT-VERIFIED."""
@@ -269,7 +269,7 @@ def test_unconditioned_markov_chain_drifts_at_slot_1_once_slot_0_is_accepted(tin
     clean = drafted(torch_engine(tiny_f32, path), ref, "dspark", steps=4)
     assert clean.drafter_divergence is None and not clean.defects and clean.rounds[0].accepted >= 1
     rep = drafted(torch_engine(tiny_f32, path, "dspark-markov-unconditioned"), ref, "dspark", steps=4)
-    got = assert_drift_named(rep, "dspark.bias", next(n for n, _ in drift_positions(rep)))
+    got = assert_drift_named(rep, "dspark.bias", 0)     # measured: d_1 accepted, d_2 changed in round 0
     # slot 0's bias is W2 W1[anchor] with or without the fault: it never changes, only slots after an accepted d_1
     assert all(r.drafts[0] == a.reference_drafts[0] for r, a in zip(rep.rounds, rep.attribution, strict=True))
     assert all(i >= 1 and rep.rounds[n].accepted >= i for n, i in got)
