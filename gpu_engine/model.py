@@ -4,10 +4,10 @@
     v, pre', post', C' = HC_pre(Y);  f = MoE(ffn_norm(v), tokens);  X' = HC_post(f, Y, post', C')
 
 The ops (`q_path`, `kv_latent`, `grouped_output`, `route`, `moe`) take tensors and weight handles
-(`gpu_engine.linear.Matrix`) like their `reference_cpu` twins. The layer steps take their inputs explicitly: the
-weights (`DeviceWeights`, which hands out handles by name), the config, the layer's `LayerPlan` and cache, and
-`Ops`, the op each step runs; the `layer_*` bindings, `ffn_weights` and `hc_weights` are where a layer's tensor
-names are. `Ops()` is the model; a fault is an
+(`gpu_engine.linear.Matrix`) like their `reference_cpu` twins. The steps take their inputs explicitly: the layer's
+weights by role (`gpu_engine.layer_weights`, the one place that knows the tensor names; `block_forward` reads them
+from the `DeviceWeights` it is given), the config, the layer's `LayerPlan` and cache, and `Ops`, the op each step
+runs. `Ops()` is the model; a fault is an
 alternative op put in its place (`faults.compose`), the QAT round trips are ops the engine puts in when enabled.
 """
 
@@ -44,6 +44,7 @@ from gpu_engine.draft import (
 )
 from gpu_engine.hc import hc_post, hc_pre
 from gpu_engine.indexer import SelectOp, indexer_queries, indexer_weights, select_chunked, select_rows
+from gpu_engine.layer_weights import AttnWeights, CompressorWeights, FfnWeights, layer_weights
 from gpu_engine.linear import Matrix, expert_of, grouped_linear, linear
 from gpu_engine.moe import (
     MapOp,
@@ -153,46 +154,33 @@ def kv_latent(x: Tensor, wkv: Matrix, kv_norm: Tensor, eps: float) -> Tensor:
     return rms_norm(linear(x, wkv), kv_norm, eps)
 
 
-def layer_q_path(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> tuple[Tensor, Tensor]:
-    """`q_path` with layer prefix p's weights."""
-    return q_path(x, w.weight(p + "attn_q_a.weight"), w.vector(p + "attn_q_a_norm.weight"),
-                  w.weight(p + "attn_q_b.weight"), cfg.n_heads, cfg.norm_eps)
-
-
-def layer_kv_latent(w: DeviceWeights, cfg: ModelConfig, p: str, x: Tensor) -> Tensor:
-    """`kv_latent` with layer prefix p's weights."""
-    return kv_latent(x, w.weight(p + "attn_kv.weight"), w.vector(p + "attn_kv_a_norm.weight"), cfg.norm_eps)
-
-
-def run_compressor(w: DeviceWeights, cfg: ModelConfig, cache: CompressorCache, prefix: str, x: Tensor,
-                   start_pos: int, m: int, j: Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> Tensor:
+def run_compressor(c: CompressorWeights, cfg: ModelConfig, cache: CompressorCache, x: Tensor, start_pos: int,
+                   m: int, j: Tensor, slots_of: SlotsOp, pool: PoolOp = pool_blocks) -> Tensor:
     """κ = W_kv x, σ = W_gate x + ape[t mod m]; pool blocks j; RMSNorm.  -> rows [nb, d_c] before RoPE."""
     pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
-    kv, score = compressor_project(x, w.weight(prefix + "_kv.weight"), w.weight(prefix + "_gate.weight"),
-                                   w.matrix(prefix + "_ape.weight", w.act), pos)
+    kv, score = compressor_project(x, c.kv, c.gate, c.ape, pos)
     rows = compressor_update(cache, kv, score, start_pos, m, j, slots_of, pool)
-    return rms_norm(rows, w.vector(prefix + "_norm.weight"), cfg.norm_eps)
+    return rms_norm(rows, c.norm, cfg.norm_eps)
 
 
-def indexer_selection(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+def indexer_selection(a: AttnWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
                       qr: Tensor, start_pos: int, n_vis: Tensor, cap: dict | None) -> Tensor:
     """Indexer rows kI_j = FP4SIM(Had(RoPE(norm(c̃_j), 4j))), queries qI likewise, then top-k of
     Σ_h ω_h ReLU(qI_h · kI_j).  -> int [n, top_k] row ids ascending, -1 padded."""
-    p, n, hi, di = plan.prefix, x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+    n = x.shape[0]
     j = ops.completed_blocks(start_pos, n, 4, x.device)
-    rows = run_compressor(w, cfg, cache.index, p + "indexer_compressor", x, start_pos, 4, j, ops.csa_slots,
-                          ops.pool)
+    rows = run_compressor(a.index_compressor, cfg, cache.index, x, start_pos, 4, j, ops.csa_slots, ops.pool)
     cache.index.rows = krows = torch.cat([cache.index.rows, ops.index_round(ops.rope(rows, j * 4, plan.freqs))])
     if cap is not None:
         cap["index_rows"] = krows
     pos = torch.arange(start_pos, start_pos + n, device=x.device)
-    qi = indexer_queries(qr, w.weight(p + "indexer.attn_q_b.weight"), pos, plan.freqs, hi, ops.rope, ops.index_round)
-    weights = indexer_weights(x, w.weight(p + "indexer.proj.weight"), di)
+    qi = indexer_queries(qr, a.index_q_b, pos, plan.freqs, cfg.index_n_heads, ops.rope, ops.index_round)
+    weights = indexer_weights(x, a.index_proj, cfg.index_head_dim)
     n_vis = torch.clamp(n_vis, max=krows.shape[0])
     return select_chunked(qi, weights, krows, n_vis, cfg.index_topk, ops.select_rows, SCORE_BUDGET)
 
 
-def compressed_keys(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+def compressed_keys(a: AttnWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
                     qr: Tensor, start_pos: int, cap: dict | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """Emit the rows the call completes (c_j = FP8SIM_nope(RoPE(norm(c̃_j), j·m))) and the indexer selection.
     -> all main rows [R, hd], visible counts int [n], selection int [n, top_k] (None off CSA layers)."""
@@ -202,12 +190,11 @@ def compressed_keys(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPla
                                                                                      device=dev), None
     j = ops.completed_blocks(start_pos, n, m, dev)
     slots_of = ops.csa_slots if m == 4 else hca_slots
-    rows = run_compressor(w, cfg, cache.main, plan.prefix + "attn_compressor", x, start_pos, m, j, slots_of,
-                          ops.pool)
+    rows = run_compressor(a.compressor, cfg, cache.main, x, start_pos, m, j, slots_of, ops.pool)
     cache.main.rows = comp = torch.cat([cache.main.rows, ops.kv_round(ops.rope(rows, j * m, plan.freqs))])
     pos = torch.arange(start_pos, start_pos + n, device=dev)
     n_vis = torch.clamp(ops.n_visible(pos, m), max=comp.shape[0])
-    sel = indexer_selection(w, cfg, ops, plan, cache, x, qr, start_pos, n_vis, cap) if m == 4 else None
+    sel = indexer_selection(a, cfg, ops, plan, cache, x, qr, start_pos, n_vis, cap) if m == 4 else None
     if cap is not None:
         cap["comp_rows"] = comp
     return comp, n_vis, sel
@@ -221,12 +208,6 @@ def grouped_output(o: Tensor, wo_a: Matrix, wo_b: Matrix, groups: int) -> Tensor
     return linear(z.reshape(n, -1), wo_b)
 
 
-def layer_grouped_output(w: DeviceWeights, cfg: ModelConfig, p: str, o: Tensor) -> Tensor:
-    """`grouped_output` with layer prefix p's weights."""
-    return grouped_output(o, w.weight(p + "attn_output_a.weight"), w.weight(p + "attn_output_b.weight"),
-                          cfg.o_groups)
-
-
 def keep_window(cache: LayerCache, raw: Tensor, window: int, next_pos: int) -> None:
     """The raw cache keeps the last window - 1 rows (with the next token: exactly `window` raw keys)."""
     keep = window - 1
@@ -234,19 +215,19 @@ def keep_window(cache: LayerCache, raw: Tensor, window: int, next_pos: int) -> N
     cache.pos = next_pos
 
 
-def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
+def attention(a: AttnWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, x: Tensor,
               start_pos: int, capture: bool) -> AttnResult:
     """a = Attention(x) for n new positions start_pos.. through the layer's cache.  x [n, D] -> AttnResult."""
-    n, p, cap = x.shape[0], plan.prefix, {}
+    n, cap = x.shape[0], {}
     pos = torch.arange(start_pos, start_pos + n, device=x.device)
-    qr, q = layer_q_path(w, cfg, p, x)
-    kv = layer_kv_latent(w, cfg, p, x)
+    qr, q = q_path(x, a.wq_a, a.q_norm, a.wq_b, cfg.n_heads, cfg.norm_eps)
+    kv = kv_latent(x, a.wkv, a.kv_norm, cfg.norm_eps)
     q_rot, k = ops.rope(q, pos, plan.freqs), ops.kv_round(ops.rope(kv, pos, plan.freqs))
-    comp, n_vis, sel = compressed_keys(w, cfg, ops, plan, cache, x, qr, start_pos, cap if capture else None)
+    comp, n_vis, sel = compressed_keys(a, cfg, ops, plan, cache, x, qr, start_pos, cap if capture else None)
     raw = torch.cat([cache.raw, k])
     o = ops.attend(q_rot, start_pos, raw, start_pos - cache.raw.shape[0], cfg.window_size, comp, n_vis, sel,
-               w.vector(p + "attn_sinks.weight"), ops.attention, SCORE_BUDGET)
-    out = layer_grouped_output(w, cfg, p, ops.rope(o, pos, plan.freqs, inverse=True))
+               a.sinks, ops.attention, SCORE_BUDGET)
+    out = grouped_output(ops.rope(o, pos, plan.freqs, inverse=True), a.wo_a, a.wo_b, cfg.o_groups)
     keep_window(cache, raw, cfg.window_size, start_pos + n)
     if capture:
         cap.update(q_path=q, kv_latent=kv, rope_q=q_rot, rope_kv=k, attn_heads=o)
@@ -254,30 +235,6 @@ def attention(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cac
 
 
 # -- MoE FFN -----------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FfnWeights:
-    """One layer's MoE FFN weights (`ffn_weights`): the router G [E, D], the selection bias b [E] (None on hash
-    layers) or the hash table tid2eid int64 [V, K] (None off them), the routed experts' W_gate, W_up [E, F, D] and
-    W_down [E, D, F], the shared expert's [F, D], [F, D], [D, F]."""
-
-    gate: Matrix
-    bias: Tensor | None
-    tid2eid: Tensor | None
-    experts: tuple[Matrix, Matrix, Matrix]
-    shared: tuple[Matrix, Matrix, Matrix]
-
-
-def ffn_weights(w: DeviceWeights, cfg: ModelConfig, layer: int) -> FfnWeights:
-    """Layer `layer`'s FFN weights by their tensor names."""
-    p, hashed = f"blk.{layer}.", cfg.is_hash_layer(layer)
-    return FfnWeights(w.weight(p + "ffn_gate_inp.weight"), None if hashed else w.vector(p + "exp_probs_b.bias"),
-                      w.table(p + "ffn_gate_tid2eid.weight") if hashed else None,
-                      (w.weight(p + "ffn_gate_exps.weight"), w.weight(p + "ffn_up_exps.weight"),
-                       w.weight(p + "ffn_down_exps.weight")),
-                      (w.weight(p + "ffn_gate_shexp.weight"), w.weight(p + "ffn_up_shexp.weight"),
-                       w.weight(p + "ffn_down_shexp.weight")))
-
 
 def route(x: Tensor, gate: Matrix, bias: Tensor | None, tid2eid: Tensor | None, tokens: Tensor, k: int,
           route_scale: float, weight_scores: Callable[[Tensor, Tensor], Tensor], replay: Tensor | None) -> Routing:
@@ -328,25 +285,20 @@ def layer_moe(f: FfnWeights, cfg: ModelConfig, ops: Ops, layer: int, x: Tensor, 
 
 # -- the block ---------------------------------------------------------------------------------------------------
 
-def hc_weights(w: DeviceWeights, prefix: str) -> tuple[Tensor, Tensor, Tensor]:
-    """HC_pre's fn [(2+H)·H, H·D], scale [3], base [(2+H)·H] of `prefix` ('blk.l.hc_attn_' or 'blk.l.hc_ffn_')."""
-    return w.matrix(prefix + "fn.weight", w.act), w.vector(prefix + "scale.weight"), w.vector(prefix + "base.weight")
-
-
 def block_forward(w: DeviceWeights, cfg: ModelConfig, ops: Ops, plan: LayerPlan, cache: LayerCache, X: Tensor,
                   tokens: Tensor, start_pos: int, override: Callable | None, capture: bool) -> BlockResult:
-    """X' = layer(X) for n positions start_pos.. through the layer's cache.  X [n, H, D], tokens [n]."""
-    p, eps = plan.prefix, cfg.norm_eps
+    """X' = layer(X) for n positions start_pos.. through the layer's cache, with the layer's weights
+    (`layer_weights`).  X [n, H, D], tokens [n]."""
+    lw, eps = layer_weights(w, cfg, plan.layer, plan.ratio), cfg.norm_eps
     hc = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    u, pre_a, post_a, C_a = hc_pre(X, *hc_weights(w, p + "hc_attn_"), *hc)
-    x = rms_norm(u, w.vector(p + "attn_norm.weight"), eps)
-    att = attention(w, cfg, ops, plan, cache, x, start_pos, capture)
+    u, pre_a, post_a, C_a = hc_pre(X, lw.hc_attn.fn, lw.hc_attn.scale, lw.hc_attn.base, *hc)
+    x = rms_norm(u, lw.attn_norm, eps)
+    att = attention(lw.attn, cfg, ops, plan, cache, x, start_pos, capture)
     Y = ops.hc_post(att.out, X, post_a, C_a)
-    v, pre_f, post_f, C_f = hc_pre(Y, *hc_weights(w, p + "hc_ffn_"), *hc)
-    xf = rms_norm(v, w.vector(p + "ffn_norm.weight"), eps)
-    f = ffn_weights(w, cfg, plan.layer)
-    r = layer_route(f, cfg, ops, plan.layer, xf, tokens, start_pos, override)
-    routed, shared = layer_moe(f, cfg, ops, plan.layer, xf, r)
+    v, pre_f, post_f, C_f = hc_pre(Y, lw.hc_ffn.fn, lw.hc_ffn.scale, lw.hc_ffn.base, *hc)
+    xf = rms_norm(v, lw.ffn_norm, eps)
+    r = layer_route(lw.ffn, cfg, ops, plan.layer, xf, tokens, start_pos, override)
+    routed, shared = layer_moe(lw.ffn, cfg, ops, plan.layer, xf, r)
     X_out = ops.hc_post(routed + shared, Y, post_f, C_f)
     if not torch.isfinite(X_out).all():
         raise ParityError(f"layer {plan.layer}: non-finite values in the carrier at positions {start_pos}.."

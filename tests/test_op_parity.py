@@ -70,8 +70,7 @@ Contract differences (same-named ops whose contracts still differ; issue 26 poin
 - indexer_queries: torch takes the RoPE op and the index rounding (`Ops` slots: faults replace them) where the
   reference takes a `RopeTable` and an `fp4` flag.
 - No pair in the table: main_kv and dspark_stage take `(w, cfg, ops, plan, ...)`, composing the ops above with
-  a layer's weights looked up by name (as `block_forward` does, through `model.ffn_weights`, `hc_weights` and the
-  `layer_*` bindings).
+  a layer's weights read by `gpu_engine.layer_weights` (as `block_forward` does).
 - Not twins but copies: `check_tap_carriers` and `check_taps` are the same NumPy functions in `reference_cpu.draft`
   and `gpu_engine.draft`.
 
