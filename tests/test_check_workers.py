@@ -1,10 +1,13 @@
 """`check --workers N` / `check --ray local` (issue 27 point 3): the per-layer runs (teacher-forced pass, round-off
 twins, hypotheses, fault trials) on worker processes or Ray tasks give the serial report byte for byte.
 
-The JSON documents are compared as bytes with the two wall-clock fields (`seconds`, `envelope.seconds`) set to
-0: everything else — verdict, causes and their evidence, every table value to the last bit, notes (including the
-count of silenced engine announcements) — must be the serial run's. Candidates: a clean torch trace and one with
+The JSON documents are compared as bytes with the wall-clock field `seconds` set to 0: everything else —
+verdict, causes and their evidence, every table value to the last bit, notes (including the count of silenced
+engine announcements) — must be the serial run's. Candidates: a clean torch trace and one with
 `comb-not-transposed@3` (a fault at one chosen layer, tests/test_inject_layers.py), every position, full vectors.
+To stay small the comparisons call `parity.bisect.check.check` (what `api.check` calls) with 5 round-off twins
+instead of 19 and a defect library of three torch faults; the options' way from the command line to it is checked
+separately.
 """
 
 from __future__ import annotations
@@ -18,21 +21,28 @@ from click.testing import CliRunner
 from requires import require
 
 from parity import api
+from parity.bisect.check import check
 from parity.bisect.check_report import to_json
+from parity.bisect.envelope import load_envelope
+from parity.bisect.parallel import EngineLoader
 from parity.bisect.search import builtin_prompt
 from parity.cli import cli
 from parity.contract.engine import RunOptions, load_engine
+from parity.contract.errors import ParityError
+from parity.contract.workpool import WorkPool
+from parity.gguf.weights import Weights
 from parity.tracing.runner import run_sequence
 
 ENV_F32 = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
 DECODE = 2
 PROMPT = 20   # tokens of the built-in prompt: past the tiny model's window and compressed blocks, yet quick
+TWINS = 5
+LIBRARY = ("sink-dropped", "comb-not-transposed", "rope-split-halves")
 
 
 def _bytes(doc: dict) -> bytes:
     doc = json.loads(json.dumps(doc))
     doc["seconds"] = 0
-    doc["envelope"]["seconds"] = 0
     return json.dumps(doc, indent=1).encode()
 
 
@@ -46,30 +56,35 @@ def candidates(tiny_f32, tmp_path_factory):
         path = tmp_path_factory.mktemp("workers") / f"{name}.trace"
         api.save_trace(api.trace("torch", tiny_f32, prompt, positions="all", full="all", decode=DECODE,
                                  forced=forced, options=RunOptions(inject=inject)), path)
-        out[name] = path
+        out[name] = api.load_trace(path)
     return out
+
+
+def _judge(model, trace, pool: WorkPool) -> bytes:
+    with pool:
+        report = check(trace, EngineLoader("reference", str(model)),
+                       load_envelope(ENV_F32, "float32"), config=Weights(model).config,
+                       fault_engines=[("torch", EngineLoader("torch", str(model)), LIBRARY)], n_twins=TWINS,
+                       pool=pool)
+    return _bytes(to_json(report))
 
 
 @pytest.fixture(scope="module")
 def serial(tiny_f32, candidates):
-    return {name: to_json(api.check(api.load_trace(p), tiny_f32, envelope=ENV_F32))
-            for name, p in candidates.items()}
+    return {name: _judge(tiny_f32, t, WorkPool()) for name, t in candidates.items()}
 
 
 def test_serial_verdicts(serial):
     """The two candidates the comparisons below are about: a clean run and a DEFECT at layer 3, named."""
-    assert serial["clean"]["verdict"] in ("MATCH", "NOISE")
-    faulty = serial["faulty"]
+    assert json.loads(serial["clean"])["verdict"] in ("MATCH", "NOISE")
+    faulty = json.loads(serial["faulty"])
     assert faulty["verdict"] == "DEFECT" and faulty["culprit"]["layer"] == 3
     assert [(c["name"], c["layer"]) for c in faulty["causes"] if c["kind"] == "defect"] == [("comb-not-transposed", 3)]
 
 
 def test_two_worker_processes_give_the_serial_json(tiny_f32, candidates, serial):
-    for name, path in candidates.items():
-        r = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(path), "--envelope",
-                                     str(ENV_F32), "--json", "--workers", "2"])
-        assert r.exit_code == (1 if name == "faulty" else 0), r.output
-        assert _bytes(json.loads(r.stdout)) == _bytes(serial[name]), name
+    for name, t in candidates.items():
+        assert _judge(tiny_f32, t, WorkPool(2)) == serial[name], name
 
 
 def test_local_ray_gives_the_serial_json(tiny_f32, candidates, serial, monkeypatch):
@@ -81,17 +96,33 @@ def test_local_ray_gives_the_serial_json(tiny_f32, candidates, serial, monkeypat
 
     assert _start_ray("local", 2) is ray and ray.is_initialized()
     try:
-        for name, path in candidates.items():
-            report = api.check(api.load_trace(path), tiny_f32, envelope=ENV_F32, workers=2, ray="local")
+        for name, t in candidates.items():
+            assert _judge(tiny_f32, t, WorkPool(2, "local")) == serial[name], name
             assert ray.is_initialized()
-            assert _bytes(to_json(report)) == _bytes(serial[name]), name
     finally:
         ray.shutdown()
 
 
-def test_workers_with_a_ray_address_is_refused(tiny_f32, candidates):
-    r = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", str(candidates["clean"]),
-                                 "--workers", "2", "--ray", "127.0.0.1:9"])
+@pytest.mark.parametrize("command", ["check", "bisect"])
+@pytest.mark.parametrize("flags, pool", [(["--workers", "2"], (2, None)), (["--ray"], (2, "local")),
+                                         (["--ray", "--workers", "3"], (3, "local")),
+                                         (["--ray", "10.0.0.1:6379"], (1, "10.0.0.1:6379"))])
+def test_the_options_reach_the_api(tiny_f32, monkeypatch, command, flags, pool):
+    seen = {}
+
+    def stub(*_a, **kw):
+        seen.update(workers=kw["workers"], ray=kw["ray"])
+        raise ParityError("stub")
+
+    monkeypatch.setattr(api, command, stub)
+    args = ["-m", str(tiny_f32), *(["--candidate", "x.trace"] if command == "check" else [])]
+    CliRunner().invoke(cli, [command, *args, *flags])
+    assert (seen["workers"], seen["ray"]) == pool
+
+
+def test_workers_with_a_ray_address_is_refused(tiny_f32):
+    r = CliRunner().invoke(cli, ["check", "-m", str(tiny_f32), "--candidate", "x.trace", "--workers", "2",
+                                 "--ray", "127.0.0.1:9"])
     assert r.exit_code == 2 and "--workers sets the CPUs of a local Ray instance" in r.output
 
 
