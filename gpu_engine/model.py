@@ -108,10 +108,6 @@ class LayerPlan:
     ratio: int
     freqs: Tensor
 
-    @property
-    def prefix(self) -> str:
-        return f"blk.{self.layer}."
-
 
 @dataclass
 class AttnResult:
