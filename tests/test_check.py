@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from reference_prompt import prompt_and_forced
 from requires import require
 from test_bisect_engines import SUBOP
 
@@ -24,7 +25,6 @@ from parity.bisect import inputs
 from parity.bisect.check import check
 from parity.bisect.check_report import to_text
 from parity.bisect.inputs import CheckPreflightError, find_envelope
-from parity.bisect.search import builtin_prompt
 from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, engine_faults, load_engine
@@ -42,10 +42,7 @@ BENIGN = {"tie", "fp8-code-flip", "fp4-code-flip", "amplified-drift", "routing-f
 
 @pytest.fixture(scope="module")
 def setup(tiny_f32):
-    ref = load_engine("reference", str(tiny_f32), RunOptions())
-    prompt = builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    forced = [int(t) for t in np.concatenate([c.tokens for c in run_sequence(ref, prompt, DECODE)])[len(prompt):]]
-    return prompt, forced
+    return prompt_and_forced(tiny_f32, DECODE)
 
 
 def _torch_trace(model, prompt, forced, path, **options):

@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from reference_prompt import prompt_and_forced
 
 from parity import api
-from parity.bisect.search import builtin_prompt
 from parity.cli import cli
 from parity.contract.engine import RunOptions, load_engine
-from parity.tracing.runner import run_sequence
 
 ENV_F32 = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
 DECODE = 4
@@ -21,10 +20,7 @@ DECODE = 4
 
 @pytest.fixture(scope="module")
 def prompt(tiny_f32):
-    ref = load_engine("reference", str(tiny_f32), RunOptions())
-    p = builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    forced = [int(t) for t in np.concatenate([c.tokens for c in run_sequence(ref, p, DECODE)])[len(p):]]
-    return p, forced
+    return prompt_and_forced(tiny_f32, DECODE)
 
 
 def _trace(engine, model, prompt, path: Path) -> Path:

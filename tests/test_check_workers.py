@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
+from reference_prompt import prompt_and_forced
 from requires import require
 
 from parity import api
@@ -25,13 +25,11 @@ from parity.bisect.check import check
 from parity.bisect.check_report import to_json
 from parity.bisect.envelope import load_envelope
 from parity.bisect.parallel import EngineLoader
-from parity.bisect.search import builtin_prompt
 from parity.cli import cli
-from parity.contract.engine import RunOptions, load_engine
+from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.workpool import WorkPool
 from parity.gguf.weights import Weights
-from parity.tracing.runner import run_sequence
 
 ENV_F32 = Path(__file__).resolve().parent.parent / "traces" / "tiny-f32.envelope.json"
 DECODE = 2
@@ -48,9 +46,7 @@ def _bytes(doc: dict) -> bytes:
 
 @pytest.fixture(scope="module")
 def candidates(tiny_f32, tmp_path_factory):
-    ref = load_engine("reference", str(tiny_f32), RunOptions())
-    prompt = builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)[:PROMPT]
-    forced = [int(t) for t in np.concatenate([c.tokens for c in run_sequence(ref, prompt, DECODE)])[len(prompt):]]
+    prompt, forced = prompt_and_forced(tiny_f32, DECODE, PROMPT)
     out = {}
     for name, inject in (("clean", ()), ("faulty", ("comb-not-transposed@3",))):
         path = tmp_path_factory.mktemp("workers") / f"{name}.trace"

@@ -36,8 +36,9 @@ def device_option(help: str = "torch engine device (auto: CUDA when present).") 
 
 def inject_option(help: str = "") -> Callable:
     text = help or ("Inject a known porting bug (repeatable). Free text: the engine lists its faults "
-                    "(torch: docs/torch-engine.md) and refuses unknown names.")
-    return click.option("--inject", multiple=True, metavar="FAULT", help=text)
+                    "(torch: docs/torch-engine.md) and refuses unknown names. FAULT@LAYERS (torch; e.g. "
+                    "comb-not-transposed@3, @1,4, @2-5): a per-layer fault in those layers only.")
+    return click.option("--inject", multiple=True, metavar="FAULT[@LAYERS]", help=text)
 
 
 def numerics_options(fn: Callable) -> Callable:
