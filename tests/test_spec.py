@@ -312,6 +312,9 @@ def test_cli_json_keys_and_exit_codes(tiny_f32, drafts):
     assert res.exit_code == 1, res.output
     div = json.loads(res.stdout)["first_divergence"]
     assert div["class"] == "WRONG" and div["spec_induced"] is False and div["step"] == 0
+    res = cli(*common, "--script", "accept-all", "--engine", "torch", "--inject", "sink-dropped")   # the text report
+    assert res.exit_code == 1 and res.stdout.startswith("WRONG at step 0 (position 5)"), res.output
+    assert max(map(len, res.stdout.splitlines())) <= 100, res.stdout   # wrapped at 100 columns (the rule of output)
     for bad in ([*common, "--script", "accept-all", "--draft", drafts["mtp"]], [*common, "--script", "reject-at:0"],
                 [*common, "--draft", drafts["mtp"], "--gate", "first-below:0.5"],
                 [*base, "--draft", drafts["mtp"], "--no-fp4-indexer"]):   # FP8 sim on, the envelope measured off

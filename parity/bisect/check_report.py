@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
-from parity.compare.textcells import md_cell
+from parity.compare.textcells import md_cell, table_lines
 from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
@@ -92,13 +92,6 @@ def wrap(line: str, indent: str, width: int = TEXT_WIDTH) -> list[str]:
     """One logical line as lines of at most `width` columns (words kept whole; a word longer than a line, e.g. a
     path, is cut), continuation lines indented by `indent`."""
     return textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
-
-
-def table_lines(rows: list[list[str]], indent: str = "  ", width: int = TEXT_WIDTH) -> list[str]:
-    """Aligned columns, two spaces apart, or one where two would pass `width`; trailing blanks stripped."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    gap = "  " if len(indent) + sum(widths) + 2 * (len(widths) - 1) <= width else " "
-    return [(indent + gap.join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip() for r in rows]
 
 
 def to_text(report: CheckReport) -> str:

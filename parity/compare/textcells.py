@@ -14,6 +14,13 @@ def fit_line(line: str, width: int = 100) -> str:
     return textwrap.fill(line, width, subsequent_indent=lead + "  ", break_long_words=False, break_on_hyphens=False)
 
 
+def table_lines(rows: list[list[str]], indent: str = "  ", width: int = 100) -> list[str]:
+    """Aligned columns, two spaces apart, or one where two would pass `width`; trailing blanks stripped."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    gap = "  " if len(indent) + sum(widths) + 2 * (len(widths) - 1) <= width else " "
+    return [(indent + gap.join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip() for r in rows]
+
+
 def md_cell(text: str) -> str:
     """`text` safe in a Markdown table cell: `|` escaped (an unescaped one splits the cell), newlines as spaces."""
     return text.replace("|", "\\|").replace("\n", " ")

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
+from parity.compare.textcells import fit_line, table_lines
 from parity.spec.accept import DEFECT_LABELS
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ def headline(report: SpecReport) -> str:
 def summary_lines(report: SpecReport) -> list[str]:
     o, c = report.options, report.cost
     labels = ", ".join(f"{k} {v}" for k, v in report.labels.items() if v)
+    max_draft = "none" if o["max_draft"] is None else o["max_draft"]
     return [f"engine {o['engine']}, drafter {o['drafter']} (depth/B {o['depth']}, gate {o['gate']}, max-draft "
-            f"{o['max_draft']}), {len(report.spec_tokens)} steps, {c['rounds']} rounds",
+            f"{max_draft}), {len(report.spec_tokens)} steps, {c['rounds']} rounds",
             f"labels: {labels or 'none (no drafts)'}",
             "committed tokens on their own prefix (teacher-forced): "
             + ", ".join(f"{k} {v}" for k, v in report.committed_counts.items())
@@ -77,11 +79,17 @@ COLUMNS = ["round", "start_pos", "drafts", "verify", "reference", "accepted", "r
 
 
 def to_text(report: SpecReport) -> str:
-    lines = [headline(report), *("  " + x for x in summary_lines(report))]
-    rows = [COLUMNS, *(round_cells(i, report) for i in range(len(report.rounds)))]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    """The plain-text report: prose lines wrapped at 100 columns, the round table's columns one space apart when two
+    would pass 100 (a table of long drafts can still pass it: its rows are never wrapped)."""
+    lines = [fit_line(headline(report)), *(fit_line("  " + x) for x in summary_lines(report))]
+    lines += table_lines([COLUMNS, *(text_cells(round_cells(i, report)) for i in range(len(report.rounds)))])
     return "\n".join(lines)
+
+
+def text_cells(cells: list[str]) -> list[str]:
+    """A round's cells for the text table: the token lists (drafts, verify, reference) comma-joined, so that one
+    space between columns still tells them apart."""
+    return [*cells[:2], *(c.replace(" ", ",") for c in cells[2:5]), *cells[5:]]
 
 
 def to_markdown(report: SpecReport) -> str:
