@@ -1,5 +1,5 @@
 """The Python API mirroring the CLI: `trace`, `follow`, `load_trace`, `save_trace`, `diff`, `gate`, `export`, `plot`,
-`envelope`, `bisect`, `check`, `judge_envelope` (among others).
+`envelope`, `bisect`, `check` (among others).
 
 Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult, BisectReport, CheckReport); the CLI
 commands only parse options, call one of these and print. Importing this module does not import
@@ -21,7 +21,8 @@ from parity.contract.engine import Engine, RunOptions, load_engine
 from parity.contract.errors import TraceError
 from parity.tracing.drafts import draft_header, draft_names, draft_records, tapped_layers, trunk_identity
 from parity.tracing.io import read_trace, write_trace
-from parity.tracing.recorder import Recorder, resolve_full, resolve_positions
+from parity.tracing.plan import RunPlan, TokenSource, follow_plan, refuse_with_follow, resolve_tokens, run_plan
+from parity.tracing.recorder import Recorder, resolve_full
 from parity.tracing.records import Trace, TraceHeader
 from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
 from parity.tracing.subops import RECORD_NAMES, SubopRecorder
@@ -51,53 +52,32 @@ def model_identity(model: str | os.PathLike) -> dict[str, Any]:
 
 
 def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int], *,
-          positions: str | Sequence[int] = "last",
+          positions: str | Sequence[int] | None = None,
           full: str | Sequence[str] | None = None, decode: int = 0, chunk: int | None = None, top_k: int = 20,
           options: RunOptions | None = None, forced: Sequence[int] | None = None,
           on_chunk: Callable[[ChunkResult], None] | None = None, subops: bool = False,
           draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev") -> Trace:
     """Run `engine` (a registered name or an Engine instance) on `tokens` (+ `decode` greedy steps) and record.
 
-    positions: 'last' | 'all' | list of positions of the whole run; full: 'all' | list of checkpoints
-    (and 'logits') whose full vectors go to the side file; `forced`: the decode tokens to feed instead of
-    the engine's own argmax (teacher forcing, e.g. another trace's generated tokens); `on_chunk` sees
+    positions: 'last' | 'all' | list of positions of the whole run (default: `parity.tracing.plan.default_positions`,
+    as the CLI's: the last position, with decode the prompt's last and every decode position); full: 'all' | list
+    of checkpoints (and 'logits') whose full vectors go to the side file; `forced`: the decode tokens to feed instead
+    of the engine's own argmax (teacher forcing, e.g. another trace's generated tokens); `on_chunk` sees
     every chunk result as it comes (progress bars, logit dumps); `subops`: also record every layer's sub-op
     outputs (`parity.tracing.subops`, for op-level checks; needs positions 'all'); `draft`: a drafter GGUF whose
     head runs on the run's trunk carriers and fills the draft checkpoints (`parity.tracing.drafts`; MTP chained to
     `mtp_depth` with `mtp_pairing`) — an Engine instance records them when it was opened with a drafter.
     """
-    options = options or RunOptions()
-    if isinstance(engine, str):
-        eng = load_engine(engine, str(model), options, draft=None if draft is None else str(draft))
-    elif draft is not None:
-        raise TraceError("draft=FILE opens a named engine with its drafter; an Engine instance brings its own")
-    else:
-        eng = engine
-    drafted = getattr(eng, "drafter", None) is not None
-    dh = draft_header(eng, mtp_pairing, mtp_depth) if drafted else {}
+    eng = _traced_engine(engine, model, options or RunOptions(), draft)
+    plan = run_plan(tokens, decode, forced=forced, chunk=chunk, positions=positions, vocab=eng.config.vocab_size)
+    dh = draft_header(eng, mtp_pairing, mtp_depth) if getattr(eng, "drafter", None) is not None else {}
     dnames = draft_names(dh) if dh else []
-    tokens = [int(t) for t in tokens]
-    if not tokens:
-        raise TraceError("no tokens to trace")
-    vocab = eng.config.vocab_size
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
-        raise TraceError(f"token id(s) {bad[:5]} out of range [0, {vocab}) for this model")
-    if decode < 0:
-        raise TraceError(f"decode must be >= 0, got {decode}")
-    n_total = len(tokens) + decode
-    pos = resolve_positions(positions, n_total)
-    empty = [n for n in dnames if not draft_positions(n, pos, dh.get("pairing"))]
-    if empty:
-        raise TraceError(f"no traced position holds {empty[0]} (MTP prev pairs and DSpark rounds start at position 1; "
-                         f"docs/trace-format.md), positions {pos}")
+    pos = list(plan.positions)
+    _check_traceable(plan, dh, dnames, subops)
     full_names = resolve_full(full, eng.config.n_layers, dnames)
     names = [*trace_checkpoints(eng.config.n_layers), *dnames]
     rec = Recorder(names, pos, full_names, top_k, eng.config.hc_mult)
     taps = {l: [] for l in (tapped_layers(eng, dh) if dh else [])}
-    if subops and pos != list(range(n_total)):
-        raise TraceError(f"sub-op records need every position (op-level forcing runs each op on all of them): "
-                         f"trace with --positions all, not {len(pos)} of {n_total} positions")
     sub = SubopRecorder(pos) if subops else None
 
     def each(r: ChunkResult) -> None:
@@ -109,10 +89,8 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
         if on_chunk:
             on_chunk(r)
 
-    if forced is not None and len(forced) != decode:
-        raise TraceError(f"{len(forced)} forced decode tokens for {decode} decode steps")
-    results = run_sequence(eng, tokens, decode_steps=decode, chunk=chunk, forced=forced, capture=subops,
-                           on_chunk=each)
+    results = run_sequence(eng, list(plan.tokens), decode_steps=plan.decode, chunk=plan.chunk, forced=plan.forced,
+                           capture=subops, on_chunk=each)
     all_tokens = np.concatenate([r.tokens for r in results]).tolist()
     if dh:
         carriers = {l: np.concatenate(rows) for l, rows in taps.items()}
@@ -122,25 +100,72 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
             rec.add_draft(name, at, np.asarray(all_tokens)[at], got[name])
     header = TraceHeader(
         engine=eng.name, engine_version=eng.version, model=trunk_identity(eng.identity), dtype=eng.options.dtype,
-        n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(tokens),
-        chunks=[len(r.tokens) for r in results], decode=decode, positions=pos,
+        n_hc=eng.config.hc_mult, dim=eng.config.dim, top_k=top_k, tokens=all_tokens, n_prompt=len(plan.tokens),
+        chunks=[len(r.tokens) for r in results], decode=plan.decode, positions=pos,
         checkpoints=names, full=full_names,
         flags=eng.options.flags(), subops=list(RECORD_NAMES) if subops else [], draft=dh,
     )
     return Trace(header, **rec.tables(), vectors=rec.vectors(), subops=sub.arrays() if sub else None)
 
 
+def _traced_engine(engine: str | Engine, model: str | os.PathLike, options: RunOptions,
+                   draft: str | os.PathLike | None) -> Engine:
+    """`engine` loaded by name (with its drafter `draft`), or the Engine instance given (which brings its own)."""
+    if not isinstance(engine, str):
+        if draft is not None:
+            raise TraceError("draft=FILE opens a named engine with its drafter; an Engine instance brings its own")
+        return engine
+    return load_engine(engine, str(model), options, draft=None if draft is None else str(draft))
+
+
+def _check_traceable(plan: RunPlan, dh: dict, dnames: Sequence[str], subops: bool) -> None:
+    """The plan's positions hold every draft checkpoint `dnames` (of the drafter header `dh`), and all of them
+    when sub-ops are recorded."""
+    pos = list(plan.positions)
+    empty = [n for n in dnames if not draft_positions(n, pos, dh.get("pairing"))]
+    if empty:
+        raise TraceError(f"no traced position holds {empty[0]} (MTP prev pairs and DSpark rounds start at position 1; "
+                         f"docs/trace-format.md), positions {pos}")
+    n_total = len(plan.tokens) + plan.decode
+    if subops and pos != list(range(n_total)):
+        raise TraceError(f"sub-op records need every position (op-level forcing runs each op on all of them): "
+                         f"trace with --positions all, not {len(pos)} of {n_total} positions")
+
+
+def plan_run(model: str | os.PathLike, source: TokenSource | None = None, *, follow: TraceLike | None = None,
+             decode: int | None = None, chunk: int | None = None, positions: str | Sequence[int] | None = None,
+             default_decode: int = 0, builtin: bool = False, check_range: bool = True,
+             note: Callable[[str], None] | None = None) -> RunPlan:
+    """The frozen plan of a command's run: with `follow` (a trace or its path) the followed run, and then no token
+    source, `decode`, `chunk` or `positions` may be given (refused by flag name); else the tokens of `source`
+    (exactly one of its sources; with `builtin`, none means the built-in prompt of `parity.bisect.search`),
+    `decode` (None: `default_decode`) and `positions` (None: `parity.tracing.plan.default_positions`), ids checked
+    against the model's vocabulary when `check_range`. `note` hears a tokenizer disagreement on a prompt.
+    Raises PlanError (a usage error) on contradicting or missing options."""
+    source = source or TokenSource()
+    if follow is not None:
+        flags = {"--decode": decode, "--chunk": chunk, "--positions": positions}
+        refuse_with_follow([*source.given(), *(f for f, v in flags.items() if v is not None)])
+        return follow_plan((follow if isinstance(follow, Trace) else read_trace(follow, False)).header)
+    ids = resolve_tokens(model, source, note, required=not builtin)
+    vocab = None
+    if ids is None or check_range:
+        from parity.gguf.weights import Weights
+
+        config = Weights(model).config
+        vocab = config.vocab_size if check_range else None
+        if ids is None:
+            from parity.bisect.search import builtin_prompt
+
+            ids = builtin_prompt(config.vocab_size, config.bos_token_id)
+    return run_plan(ids, default_decode if decode is None else decode, chunk=chunk, positions=positions, vocab=vocab)
+
+
 def follow(path_or_trace: TraceLike) -> dict[str, Any]:
     """Keyword arguments that make a new run token-identical to an existing trace: same prompt, same
-    decode length, decode tokens forced to the trace's generated ones, same positions and chunk size."""
-    h = _as_trace(path_or_trace).header
-    prefill = h.chunks[: len(h.chunks) - h.decode]
-    chunk = None if len(prefill) == 1 else prefill[0]
-    if chunk_schedule(h.n_prompt, chunk) != prefill:
-        raise TraceError(f"cannot replay the prefill chunks {prefill}: a run prefills in one chunk or in equal "
-                         f"pieces of --chunk (the last one shorter)")
-    return {"tokens": h.tokens[: h.n_prompt], "decode": h.decode, "forced": h.tokens[h.n_prompt:],
-            "positions": h.positions, "chunk": chunk}
+    decode length, decode tokens forced to the trace's generated ones, same positions and chunk size
+    (`parity.tracing.plan.follow_plan`)."""
+    return follow_plan(_as_trace(path_or_trace).header).kwargs()
 
 
 # Golden traces of the built-in tiny models: a 15-token prompt + 6 greedy decode steps, so the trace covers
@@ -385,15 +410,6 @@ def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False)
         raise ParityError(f"--inject {unknown[0]!r}: engine {engine!r} has no such fault ({offers})")
 
 
-def judge_envelope(report: Any, envelope: str | os.PathLike) -> Any:
-    """NOISE vs DRIFT for a DiffReport (or a GateResult's report) by a stored envelope: the file must have been
-    measured on trace A's model (size + header hash) and hold a section for trace B's dtype."""
-    from parity.bisect.envelope import judge_diff, load_envelope
-
-    env = load_envelope(envelope, report.b["dtype"], report.a["model"])
-    return judge_diff(report.rows, env)
-
-
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
           fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None,
@@ -595,11 +611,11 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     """Run every engine in `engines` on `tokens` (+ `decode` steps: the first engine's greedy tokens, fed to the
     others) with the same chunks and QAT simulations, and cluster them per checkpoint -> Arbitration.
     An engine spelled `NAME+FAULT[+FAULT...]` runs with those faults injected (labelled as spelled).
-    Two engines agree where their largest per-position rel-L2 is <= `rel_tol`, or, with an `envelope` file,
-    <= k * floor + eps of that checkpoint (logits: k * logit_rel + eps). `check_each`: each engine's run is also
-    recorded as a trace (every position, full vectors) and judged by `check` against `model` (with `envelope`
-    when given) -> `Arbitration.checks`, label -> CheckReport, and the clusters are then those verdicts'
-    (`parity.compare.arbitration.judged_by_checks`: one judgement, never the tolerance's)."""
+    Two engines agree where their largest per-position rel-L2 is <= `rel_tol`. `check_each`: each engine's run is
+    also recorded as a trace (every position, full vectors) and judged by `check` against `model` (with `envelope`
+    when given; an `envelope` without `check_each` is refused: no judgement by K x floor) -> `Arbitration.checks`,
+    label -> CheckReport, and the clusters are then those verdicts' (`parity.compare.arbitration.judged_by_checks`:
+    one judgement, never the tolerance's)."""
     from parity.compare.arbitration import arbitrate_runs, judged_by_checks
     from parity.contract.errors import ParityError
 
@@ -609,16 +625,10 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     spelled = {label: (label.split("+")[0], tuple(label.split("+")[1:])) for label in engines}
     for name, faults in spelled.values():
         _check_injectable(name, faults)
+    if envelope is not None and not check_each:
+        raise ParityError("an envelope is only the one each `check` uses: pass check_each=True (the engines are "
+                          "never judged by K x the envelope's floor)")
     say = progress or (lambda _m: None)
-    if envelope is not None:
-        from parity.bisect.envelope import load_envelope
-
-        env = load_envelope(envelope, "float32", model_identity(model))
-        def tolerance(name: str) -> float:
-            return env.k * (env.logit_rel if name == "logits" else env.floor(name)) + env.eps
-    else:
-        def tolerance(name: str) -> float:
-            return rel_tol
     tokens = [int(t) for t in tokens]
     runs: dict[str, list[ChunkResult]] = {}
     traces: dict[str, Trace] = {}
@@ -634,7 +644,7 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
             runs[label] = run_sequence(eng, tokens, decode, chunk=chunk, forced=forced)
         if forced is None:
             forced = [int(t) for t in np.concatenate([r.tokens for r in runs[label]])[len(tokens):]]
-    report = arbitrate_runs(runs, len(tokens), tolerance)
+    report = arbitrate_runs(runs, len(tokens), lambda _name: rel_tol)
     checks = {}
     for label, t in traces.items():
         say(f"arbitrate: check {label}")

@@ -15,8 +15,9 @@ floor and listed in `excluded`; a quantity every pair left is floored at the qui
 measures the candidate's own precision, which the float32 null cannot, and always counts. A stored envelope is
 checked against its own null when loaded (`contradictions`): a floor above that limit and above the pairs the
 float32 null does not cover is refused with the reason, as is a file measured before the null (version 1).
-Judging flips is `check`'s job (on the candidate's own prompt); the envelope is the engine-free screen of
-`diff` / `gate` / `arbitrate`.
+Judging a run is `check`'s job (the round-off null on the candidate's own prompt); the envelope gives `check` its
+free-running profile and `bisect` its localisation screen. `diff` / `gate` / `arbitrate` take an `--envelope` only
+for the `check` they run (`--check-model` / `--check`): no command judges a run by K x floor on its own.
 K = 10: on 30 random clean prompts (tiny f32, real-mix, mxfp4; docs/bisect.md) the err/floor ratio of the
 prompts that stayed inside the envelope was 1.2-11 (median 1.4), while every injected fault sits > 1e3 floors
 out. EPS = 1e-6 (~16 float32 ulps) covers quantities whose floor measures 0.
@@ -35,7 +36,6 @@ import numpy as np
 
 from parity.bisect.null import N_TWINS
 from parity.compare.metrics import max_abs, rel_l2
-from parity.compare.rows import CheckpointRow
 from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
@@ -382,50 +382,3 @@ def load_envelope(path: str | os.PathLike, dtype: str, model_identity: dict | No
                           "would hide real errors; regenerate it with `v4parity envelope`")
     return env
 
-
-# ---------------------------------------------------------------- judging a diff (`diff` / `gate --envelope`)
-
-@dataclass(frozen=True)
-class EnvelopeCheck:
-    """One checkpoint of a diff judged by the envelope, at its worst position."""
-
-    checkpoint: str
-    position: int
-    rel_l2: float
-    floor: float
-    excess: float
-    verdict: str       # DRIFT (outside the envelope) | NOISE (inside it, beyond the diff's thresholds) | OK
-
-
-@dataclass(frozen=True)
-class EnvelopeJudgement:
-    rows: tuple[EnvelopeCheck, ...]
-    dtype: str
-
-    @property
-    def passed(self) -> bool:
-        return not any(r.verdict == "DRIFT" for r in self.rows)
-
-    def lines(self) -> list[str]:
-        """One line per checkpoint that is not OK, then the verdict."""
-        out = [f"{r.verdict} {r.checkpoint} (position {r.position}): rel-L2 {r.rel_l2:.3g}, envelope floor "
-               f"{r.floor:.3g}, excess {r.excess:.3g}" for r in self.rows if r.verdict != "OK"]
-        drift = [r.checkpoint for r in self.rows if r.verdict == "DRIFT"]
-        noise = [r.checkpoint for r in self.rows if r.verdict == "NOISE"]
-        out.append(f"envelope ({self.dtype}): " + (f"DRIFT beyond the noise envelope from {drift[0]}" if drift else
-                   f"NOISE only ({len(noise)} checkpoint(s) beyond the thresholds, inside the envelope)" if noise
-                   else "every checkpoint within the thresholds"))
-        return out
-
-
-def judge_diff(rows: Sequence[CheckpointRow], env: Envelope) -> EnvelopeJudgement:
-    """Judge a diff's checkpoint rows (`DiffReport.rows`) by the envelope, each at its worst rel-L2 position: DRIFT
-    where rel_l2 > k * floor + eps (non-finite included), else NOISE where a position is beyond the diff's fixed
-    thresholds (`drifting`), else OK. Logits are judged by the diff alone."""
-    out = []
-    for r in rows:
-        floor = env.floor(r.checkpoint)
-        excess = float(env.excess(r.rel_l2, floor)) if np.isfinite(r.rel_l2) else float("inf")
-        verdict = "DRIFT" if excess > 1 else "NOISE" if r.drifting else "OK"
-        out.append(EnvelopeCheck(r.checkpoint, r.rel_l2_pos, r.rel_l2, floor, excess, verdict))
-    return EnvelopeJudgement(tuple(out), env.dtype)

@@ -23,7 +23,8 @@ from parity.cli.common import echo_json, json_errors, json_option, model_option
 @click.option("--rel-tol", default=1e-4, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Two engines agree at a checkpoint when their largest per-position rel-L2 is <= this.")
 @click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Use the stored noise envelope (float32 section) instead: agree within k * floor + eps.")
+              help="The noise envelope each --check uses (default: the stored one, else measured). Needs --check: "
+                   "engines are never judged by K x the envelope's floor.")
 @click.option("--check", "check_each", is_flag=True,
               help="Also judge each engine's run with `check` against the model (the round-off null on this prompt); "
                    "the exit status then follows the verdicts: 1 if any engine is DEFECT.")
@@ -43,6 +44,9 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     from parity.cli.trace import resolve_tokens
     from parity.compare.arbitration import summary_lines
 
+    if envelope_path is not None and not check_each:
+        raise click.UsageError("--envelope needs --check: each engine's run is then judged by `check` (the round-off "
+                               "null on this prompt), never by K x the envelope's floor")
     ids = resolve_tokens(model, tokens, tokens_file, None, None)
     names = list(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
     if len(names) < 2:

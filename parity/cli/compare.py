@@ -17,8 +17,9 @@ force_opt = click.option("--force", is_flag=True,
 rel_opt = click.option("--rel-tol", type=float, default=None, help="rel-L2 drift threshold [default: 1e-3].")
 norm_opt = click.option("--norm-tol", type=float, default=None, help="|RMS ratio - 1| threshold [default: 1e-3].")
 envelope_opt = click.option("--envelope", "envelope_path", type=click.Path(exists=True, dir_okay=False), default=None,
-                             help="Judge by this noise envelope (measured on A's model): NOISE inside it, DRIFT "
-                                  "outside; the exit status follows the envelope.")
+                             help="The noise envelope the --check-model verdict uses (default: the stored one for "
+                                  "the model, else measured). Needs --check-model: the verdict is check's round-off "
+                                  "null on B's own prompt, never K x the envelope's floor.")
 check_opt = click.option("--check-model", "check_model", type=click.Path(exists=True, dir_okay=False), default=None,
                          help="Judge B (the candidate) by `v4parity check` against this model's reference: the "
                               "round-off null on B's own prompt, the verdict `check` gives; the exit status "
@@ -75,12 +76,13 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
     \b
     Exit codes: 0 all checkpoints agree, 1 a checkpoint drifts (0 with --no-fail),
                 2 preflight refusal (token ids, model, checkpoint sets or positions differ) or bad input.
-    With --envelope / --check-model the exit status follows that judgement instead.
+    With --check-model the exit status follows `check`'s verdict instead (--envelope: the envelope it uses).
     Example: v4parity diff ref.trace torch.trace --markdown diff.md
     Example: v4parity diff ref.trace torch.trace --check-model tiny-f32.gguf
     """
     from parity.compare.printers import check_hint, print_report, to_markdown, worst_rows
 
+    _envelope_needs_model(envelope_path, check_model)
     report = _diff(a, b, force, rel_tol, norm_tol, as_json)
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
@@ -88,19 +90,15 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
         from parity.compare.html import write_report
 
         write_report(html_path, report)
-    judged = _judge(report, envelope_path)
     checked = _check(b, check_model, envelope_path)
     if as_json:
-        echo_json({**report.to_dict(), "worst": worst_rows(report)}
-                  | ({"envelope": _judged_dict(judged)} if judged else {}) | _check_dict(checked))
+        echo_json({**report.to_dict(), "worst": worst_rows(report)} | _check_dict(checked))
     elif markdown_path != "-":
         print_report(report, wide=wide)
-        for line in judged.lines() if judged else ():
-            click.echo(line)
         _echo_check(checked)
-        if not report and judged is None and checked is None:
+        if not report and checked is None:
             click.echo(fit_line(check_hint(report, b)))
-    passed = (checked.verdict != "DEFECT" if checked is not None else judged.passed if judged else bool(report))
+    passed = checked.verdict != "DEFECT" if checked is not None else bool(report)
     if not passed and not no_fail:
         raise SystemExit(1)
 
@@ -189,6 +187,7 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
     from parity.compare import gate as g
     from parity.compare.differ import PreflightError
 
+    _envelope_needs_model(envelope_path, check_model)
     try:
         result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
                             names=(golden, candidate))
@@ -204,15 +203,11 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
         atomic_write_text(junit, g.junit_xml(result))
     if markdown_path:
         write_text(markdown_path, md)
-    judged = _judge(result.report, envelope_path)
     if as_json:
-        echo_json(result.to_dict() | ({"envelope": _judged_dict(judged)} if judged else {}) | _check_dict(checked))
+        echo_json(result.to_dict() | _check_dict(checked))
     elif markdown_path != "-":
         click.echo(md)
-        for line in judged.lines() if judged else ():
-            click.echo(line)
-    passed = result.passed if checked is not None else judged.passed if judged else result.passed
-    raise SystemExit(0 if passed else 1)
+    raise SystemExit(0 if result.passed else 1)
 
 
 def _check(candidate, model, envelope_path):
@@ -239,17 +234,13 @@ def _echo_check(report) -> None:
         click.echo(f"check (decides the exit status): {headline(report)}")
 
 
-def _judge(report, envelope_path):
-    """The envelope's NOISE / DRIFT judgement of a diff, or None without --envelope."""
-    from parity.api import judge_envelope
-
-    return judge_envelope(report, envelope_path) if envelope_path else None
-
-
-def _judged_dict(judged) -> dict:
-    from dataclasses import asdict
-
-    return {"passed": judged.passed, "dtype": judged.dtype, "checkpoints": [asdict(r) for r in judged.rows]}
+def _envelope_needs_model(envelope_path, check_model) -> None:
+    """--envelope only chooses the envelope of --check-model's `check`: alone it would judge by K x floor, a second
+    judgement that can disagree with `check` about the same run (docs/check.md, "One judgement")."""
+    if envelope_path is not None and check_model is None:
+        raise click.UsageError("--envelope needs --check-model MODEL: the verdict is `check`'s round-off null on B's "
+                               "own prompt (the envelope only gives its free-running profile), never K x the "
+                               "envelope's floor")
 
 
 @click.command()

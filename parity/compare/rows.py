@@ -2,7 +2,7 @@
 
 Every per-checkpoint view of a diff reads these rows: `DiffReport.summary` and its JSON `checkpoints`, the
 printers' tables and JSON `worst`, the HTML table, `gate`'s cases (re-judged by each checkpoint's own tolerance,
-`CheckpointRow.failing_at`) and the envelope judgement (`parity.bisect.envelope.judge_diff`). Per checkpoint each
+`CheckpointRow.failing_at`). Per checkpoint each
 metric keeps its OWN worst value over the compared positions (NaN counting as the worst): the largest rel-L2, the
 RMS ratio farthest from 1, the smallest cosine. `pos` is the worst position of the metric that fails (non-finite
 values first, then rel-L2, then the RMS ratio), else rel-L2's worst.
