@@ -176,6 +176,10 @@ class TorchEngine:
                           if self.fault_layers else self.ops for l in range(cfg.n_layers)]
         self._announce()
 
+    def cache_stats(self) -> dict[str, int]:
+        """Capability `CacheStats`: the kept dequantized matrices and scratch buffers (`DeviceWeights.cache_stats`)."""
+        return self.w.cache_stats()
+
     def _check_hash_tables(self) -> None:
         """Every hash layer's tid2eid entry names an expert in [0, n_routed_experts) (checked once, at load)."""
         for l in range(self.cfg.n_layers):

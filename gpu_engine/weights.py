@@ -18,6 +18,11 @@ every type the torch dequantizers know (`cpu_kernels.TYPES`); a tensor of a type
 load.
 `matrix` returns a whole matrix the caller may keep (the cached one, or fresh memory). All hold exact dequantized
 values.
+Memory bound (`DeviceWeights.memory_bound`): nothing is dequantized at load (the raw blocks are the mapped file
+on the CPU); dequantized weights held at any time are at most the kept matrices (<= cache_mb), one scratch buffer
+per tensor kind (<= the kind's largest matrix, each <= SCRATCH_MAX_BYTES), one expert row block per thread, and the
+fresh copy of one matrix larger than SCRATCH_MAX_BYTES while its product runs (e.g. the output head in a prefill of
+more than MATVEC_MAX_ROWS rows). `cache_stats` counts what was kept, reused and dequantized.
 """
 
 from __future__ import annotations
@@ -171,6 +176,7 @@ class DeviceWeights:
         self.kernels = kernels if device.type == "cpu" else None
         self.act_quant = act_quant
         self.cache_bytes, self._cache, self._cached = cache_mb << 20, {}, 0
+        self._hits = self._misses = self._not_kept = 0
         self._scratch_bufs: dict[str, torch.Tensor] = {}
         self.config: ModelConfig = self.source.config
         self.device, self.act, self.mm = device, act, mm
@@ -223,14 +229,48 @@ class DeviceWeights:
         qt, key = self._qtensor(name), (name, dtype)
         hit = self._cache.get(key)
         if hit is not None:
+            self._hits += 1
             return hit
+        self._misses += 1
         n = math.prod(qt.shape)
         size = n * torch.empty(0, dtype=dtype).element_size()
         if self._cached + size <= self.cache_bytes:
             self._cache[key] = out = qt.dense(dtype)
             self._cached += size
             return out
+        self._not_kept += 1
         return qt.dense(dtype, self._scratch(name, n) if scratch else None)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The kept matrices (entries, bytes, budget), hits (a kept matrix reused), misses (dequantized), not_kept
+        (dequantized into scratch or fresh memory: the budget was full), evictions (always 0: nothing kept leaves),
+        scratch_bytes (the scratch buffers allocated so far)."""
+        return {"entries": len(self._cache), "bytes": self._cached, "budget": self.cache_bytes, "hits": self._hits,
+                "misses": self._misses, "not_kept": self._not_kept, "evictions": 0,
+                "scratch_bytes": sum(b.numel() * b.element_size() for b in self._scratch_bufs.values())}
+
+    def memory_bound(self) -> dict[str, int]:
+        """Upper bounds, in bytes, of the dequantized weights this object can hold at once (module docstring):
+        kept (cache_mb), scratch (per 2-D tensor kind its largest matrix, if <= SCRATCH_MAX_BYTES, as float32),
+        expert_blocks (one row block of the widest expert tensor, on the CPU about CHUNK_VALUES values, per expert
+        thread and the calling thread), fresh (the largest matrix over SCRATCH_MAX_BYTES in float32, 0 if none), and
+        their total. The bfloat16 path adds a transient bfloat16 copy of the matrix in use."""
+        kinds: dict[str, int] = {}
+        widest, fresh = 0, 0
+        for name, qt in self.q.items():
+            n = math.prod(qt.shape)
+            if len(qt.shape) == 3:
+                n_in = qt.shape[-1]
+                rows = max(1, min(qt.shape[1], CHUNK_VALUES // n_in)) if self.device.type == "cpu" else qt.shape[1]
+                widest = max(widest, rows * n_in)
+            elif n * 4 > SCRATCH_MAX_BYTES:
+                fresh = max(fresh, n * 4)
+            else:
+                key = name.split(".", 2)[-1] if name.startswith("blk.") else name
+                kinds[key] = max(kinds.get(key, 0), n * 4)
+        bound = {"kept": self.cache_bytes, "scratch": sum(kinds.values()),
+                 "expert_blocks": widest * 4 * (self.threads + 1), "fresh": fresh}
+        return bound | {"total": sum(bound.values())}
 
     def matrix(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Whole matrix `name` dequantized to dtype, memory the caller may keep.  -> numpy shape of the tensor

@@ -1,9 +1,11 @@
 """Weight access for the reference: lazy dequantization through ONE function, a bounded LRU cache.
 
 Every byte -> float conversion goes through `reference_cpu.dequant.dequantize` (vectorized, bit-identical to
-gguf.quants: tests/test_dequant.py). Dense tensors and routed-expert slices are cached under one byte budget
-(`cache_gb`); the least recently used entry is evicted first and an entry larger than the whole budget is used
-without being cached, so memory never grows without bound. Embedding rows are dequantized per token.
+gguf.quants: tests/test_dequant.py). Dense tensors, routed-expert slices and Q8_1 mins are cached under one byte
+budget (`cache_gb`), grouped by layer (`layer_of`: `blk.N`, or `non-layer` for the output head's tensors): a
+layer's arrays leave together, the least recently used layer first, and a layer whose arrays alone need more than
+the budget is a TensorError naming the layer and the budget (nothing is used uncached), so the cached arrays never
+exceed the budget. Embedding rows are dequantized per token and not cached.
 """
 
 from __future__ import annotations
@@ -21,41 +23,78 @@ from reference_cpu.dequant import dequantize
 from reference_cpu.linear import Matrix, MinTerm
 from reference_cpu.numerics import block_mins, has_min_term, input_rounding, q8_1_roundtrip, q8_1_sum_residual
 
+NON_LAYER = "non-layer"  # the group of tensors outside the blocks (output head, output HC)
 
-class LRUCache:
-    """Arrays by key under a byte budget; least recently used first out."""
+
+def layer_of(key: object) -> str:
+    """The eviction group of a cache key: `blk.N` for a block tensor, NON_LAYER otherwise. Keys are a tensor name,
+    (name, expert), ("mins", name) or ("mins", name, expert)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    name = parts[1] if parts[0] == "mins" else parts[0]
+    if not isinstance(name, str):
+        raise TypeError(f"weight cache key {key!r} names no tensor")
+    if name.startswith("blk."):
+        return ".".join(name.split(".", 2)[:2])
+    return NON_LAYER
+
+
+class LayerCache:
+    """Arrays by key under a byte budget, evicted by layer: least recently used layer first, all its arrays at once.
+    A layer that alone needs more than the budget raises TensorError (no uncached fallback)."""
 
     def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise TensorError(f"weight cache budget must be > 0 bytes, got {budget_bytes}")
         self.budget = budget_bytes
-        self.items: OrderedDict[object, np.ndarray] = OrderedDict()
-        self.nbytes = 0
-        self.hits = self.misses = self.evictions = 0
+        self.layers: OrderedDict[str, dict[object, np.ndarray]] = OrderedDict()  # least recently used first
+        self.layer_bytes: dict[str, int] = {}
+        self.nbytes = self.peak = 0
+        self.hits = self.misses = self.evictions = self.layer_evictions = 0
         self.lock = threading.Lock()  # bookkeeping only; `make` runs unlocked so experts dequantize in parallel
 
     def get(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
+        layer = layer_of(key)
         with self.lock:
-            if key in self.items:
+            held = self.layers.get(layer)
+            if held is not None and key in held:
                 self.hits += 1
-                self.items.move_to_end(key)
-                return self.items[key]
+                self.layers.move_to_end(layer)
+                return held[key]
             self.misses += 1
         value = make()
-        if value.nbytes > self.budget:
-            return value
         with self.lock:
-            if key in self.items:
-                return self.items[key]
-            while self.nbytes + value.nbytes > self.budget:
-                _, old = self.items.popitem(last=False)
-                self.nbytes -= old.nbytes
-                self.evictions += 1
-            self.items[key] = value
+            held = self.layers.get(layer, {})
+            if key in held:
+                self.layers.move_to_end(layer)
+                return held[key]
+            need = self.layer_bytes.get(layer, 0) + value.nbytes
+            if need > self.budget:
+                raise TensorError(f"reference weight cache: layer {layer} needs at least {need / 2**30:.3f} GiB "
+                                  f"of dequantized weights, more than the budget cache_gb = "
+                                  f"{self.budget / 2**30:.3f} GiB; raise cache_gb (RunOptions.cache_gb)")
+            self.layers[layer] = held
+            self.layers.move_to_end(layer)
+            while self.nbytes + value.nbytes > self.budget:  # never reaches `layer` itself: need <= budget
+                self._evict_oldest()
+            held[key] = value
+            self.layer_bytes[layer] = need
             self.nbytes += value.nbytes
+            self.peak = max(self.peak, self.nbytes)
         return value
 
+    def _evict_oldest(self) -> None:
+        old, arrays = self.layers.popitem(last=False)
+        self.nbytes -= self.layer_bytes.pop(old, 0)
+        self.evictions += len(arrays)
+        self.layer_evictions += 1
+
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self.items), "bytes": self.nbytes, "budget": self.budget, "hits": self.hits,
-                "misses": self.misses, "evictions": self.evictions}
+        """entries and bytes held, budget, peak bytes held, hits, misses, arrays evicted (evictions) and layers
+        evicted (layer_evictions), layers held."""
+        with self.lock:
+            return {"entries": sum(map(len, self.layers.values())), "bytes": self.nbytes, "budget": self.budget,
+                    "peak_bytes": self.peak, "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                    "layer_evictions": self.layer_evictions, "layers": len(self.layers)}
 
 
 def q8_1_min_term(mins: np.ndarray, perturb: Callable[[np.ndarray], np.ndarray] | None) -> MinTerm:
@@ -81,7 +120,7 @@ class WeightStore:
             raise TensorError(f"cache_gb must be > 0, got {cache_gb}")
         self.weights = weights
         self.dtype = np.dtype(dtype)
-        self.cache = LRUCache(int(cache_gb * 2**30))
+        self.cache = LayerCache(int(cache_gb * 2**30))
         self.act_quant = act_quant
         self.input_jitter: Callable[[np.ndarray, str, int], np.ndarray] | None = None
 
