@@ -108,6 +108,51 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
     return Trace(header, **rec.tables(), vectors=rec.vectors(), subops=sub.arrays() if sub else None)
 
 
+def trace_to_file(engine: str, model: str | os.PathLike, plan: RunPlan, output: str | os.PathLike, *,
+                  options: RunOptions | None = None, full: str | Sequence[str] | None = None, top_k: int = 20,
+                  subops: bool = False, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
+                  mtp_pairing: str = "prev", dump_logprobs: tuple[str | os.PathLike, int] | None = None,
+                  counter: Callable[[str, int, int | None], None] | None = None) -> dict[str, Any]:
+    """`v4parity trace`: run `engine` on `plan` (`plan_run`), write the trace to `output` and, with
+    `dump_logprobs` = (path, ctx), a ds4 --dump-logprobs JSON recording that ctx (ds4 semantics: step 0 = the last
+    prompt row, step i = the row after feeding step i-1's token); `counter(stage, done, total)` counts the chunks.
+    Returns {wrote, checkpoint_records, positions, tokens, n_prompt, decode[, logprobs: {wrote, steps, top_k, ctx}]}."""
+    count = counter or (lambda _s, _d, _t: None)
+    n_prompt, rows, done = len(plan.tokens), [], [0]
+    total = n_chunks(n_prompt, plan.decode, plan.chunk)
+    stage = f"trace {engine}: {n_prompt} tokens + {plan.decode} decode"
+
+    def on_chunk(r: ChunkResult) -> None:
+        if dump_logprobs is not None:
+            rows.extend(r.logits[max(0, n_prompt - 1 - r.start_pos):])
+        done[0] += 1
+        count(stage, done[0], total)
+
+    count(stage, 0, total)
+    t = trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, subops=subops, draft=draft,
+              mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, **plan.kwargs())
+    if dump_logprobs is not None:  # an older dump never stays beside the new trace (a killed run leaves none)
+        Path(dump_logprobs[0]).unlink(missing_ok=True)
+    path = save_trace(t, output)
+    report = {"wrote": str(path), "checkpoint_records": len(t.ckpt), "positions": t.header.positions,
+              "tokens": len(t.header.tokens), "n_prompt": t.header.n_prompt, "decode": t.header.decode}
+    if dump_logprobs is not None:
+        report["logprobs"] = _dump_logprobs(*dump_logprobs, model, rows, t.header.n_prompt, top_k)
+    return report
+
+
+def _dump_logprobs(path: str | os.PathLike, ctx: int, model: str | os.PathLike, rows: list, n_prompt: int,
+                   top_k: int) -> dict[str, Any]:
+    """Write the logit rows as a ds4 --dump-logprobs JSON -> {wrote, steps, top_k, ctx}."""
+    from parity.gguf.tokenizer import load_tokenizer
+    from parity.logprobs.io import ds4_argmax, write_ds4_dump
+
+    logits = np.stack(rows).astype(np.float32)
+    write_ds4_dump(path, logits=logits, selected=[ds4_argmax(r) for r in logits], prompt_tokens=n_prompt,
+                   ctx=ctx, top_k=top_k, vocab_tokens=load_tokenizer(model).tokens)
+    return {"wrote": str(path), "steps": len(logits), "top_k": top_k, "ctx": ctx}
+
+
 def _traced_engine(engine: str | Engine, model: str | os.PathLike, options: RunOptions,
                    draft: str | os.PathLike | None) -> Engine:
     """`engine` loaded by name (with its drafter `draft`), or the Engine instance given (which brings its own)."""

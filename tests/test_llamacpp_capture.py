@@ -17,7 +17,8 @@ IMPORT_FLAGS = ("imported", "import_dropped", "import_unmapped")
 
 
 def test_capture_round_trips_to_the_engine_trace(tiny_f32, tmp_path):
-    run = ["--model", str(tiny_f32), "--tokens", TOKENS, "--decode", "3", "--chunk", "4", "--lcp-threads", "1"]
+    run = ["--model", str(tiny_f32), "--tokens", TOKENS, "--decode", "3", "--chunk", "4", "--engine-arg",
+           "lcp_threads=1"]
     r = CliRunner().invoke(cli, ["capture", "llamacpp", *run, "-o", str(tmp_path / "cap.npz")])
     assert r.exit_code == 0, r.output
     assert "13 tokens (10 prompt + 3 decode)" in r.output and "lcp_threads=1" in r.output
@@ -38,7 +39,8 @@ def test_capture_round_trips_to_the_engine_trace(tiny_f32, tmp_path):
     assert all(np.array_equal(a.vectors[k], b.vectors[k]) for k in a.vectors)
 
 
-def test_lcp_options_need_the_llamacpp_engine(tiny_f32, tmp_path):
+def test_llamacpp_engine_args_are_refused_by_another_engine(tiny_f32, tmp_path):
     r = CliRunner().invoke(cli, ["trace", "--engine", "reference", "--model", str(tiny_f32), "--tokens", "0,5",
-                                 "--lcp-threads", "2", "-o", str(tmp_path / "x.trace")])
-    assert r.exit_code == 2 and "set how llama.cpp runs; engine is reference" in r.output
+                                 "--engine-arg", "lcp_threads=2", "-o", str(tmp_path / "x.trace")])
+    assert r.exit_code != 0 and "unknown engine argument 'lcp_threads=2'" in str(r.exception)
+    assert not (tmp_path / "x.trace").exists()

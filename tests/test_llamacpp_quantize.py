@@ -149,7 +149,8 @@ def test_engine_lines_name_what_is_missing(llamacpp_quantized):
 def test_capture_llamacpp_runs_on_the_quantized_file(llamacpp_quantized, file_type, tmp_path):
     path = llamacpp_quantized(file_type)
     cap = tmp_path / "cap.npz"
-    r = run("capture", "llamacpp", "-m", path, "--tokens", TOKENS, "--decode", 2, "--lcp-threads", 1, "-o", cap)
+    r = run("capture", "llamacpp", "-m", path, "--tokens", TOKENS, "--decode", 2, "--engine-arg", "lcp_threads=1",
+            "-o", cap)
     assert "10 tokens (8 prompt + 2 decode)" in r.output
     with np.load(cap) as z:
         logits = z["result_output"]

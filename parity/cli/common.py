@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,31 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         return Path(prompt_file).read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise click.BadParameter(f"{prompt_file} is not UTF-8 (byte {e.start})") from None
+
+
+def engine_arg_option() -> Callable:
+    """--engine-arg NAME=VALUE (repeatable): an engine's own settings (`RunOptions.engine_args`), validated by it."""
+    return click.option("--engine-arg", "engine_arg", multiple=True, metavar="NAME=VALUE",
+                        help="An engine-specific setting (repeatable), validated by the engine; e.g. torch: "
+                             "cpu_kernels=torch (torch ops instead of the compiled CPU kernels); llamacpp: "
+                             "lcp_threads=N, lcp_flash_attn=on|off, lcp_ctx=N, lcp_ubatch=N, lcp_rs_seq=N "
+                             "(docs/peers.md).")
+
+
+def warn(message: str) -> None:
+    """A note for the user on stderr (yellow on a terminal)."""
+    click.secho(message, fg="yellow", err=True)
+
+
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """A run plan the options contradict (`parity.tracing.plan.PlanError`) is a usage error: exit status 2."""
+    from parity.tracing.plan import PlanError
+
+    try:
+        yield
+    except PlanError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def json_option(help: str = "Print the result as JSON on stdout (errors too: {\"error\": ..., \"exit_code\": ...}).",

@@ -6,62 +6,41 @@ from pathlib import Path
 
 import click
 
-from parity.cli.capture import lcp_options, lcp_run_options
 from parity.cli.common import (
     check_draft_options,
     device_option,
     draft_options,
     dtype_option,
     echo_json,
+    engine_arg_option,
     inject_option,
     json_errors,
     json_option,
     model_option,
     numerics_options,
-    read_prompt,
     tokenizer_option,
+    usage_errors,
+    warn,
 )
 
 
 def read_token_list(text: str, source: str) -> list[int]:
-    """'1,2,3' or whitespace/comma separated ids -> list of ints (clear error on anything else)."""
-    parts = [p for p in text.replace(",", " ").split() if p]
-    try:
-        ids = [int(p) for p in parts]
-    except ValueError:
-        raise click.BadParameter(f"{source}: token ids must be integers, got {text[:60]!r}") from None
-    if not ids:
-        raise click.BadParameter(f"{source}: no token ids")
-    return ids
+    """`parity.tracing.plan.read_token_list` with its error as a usage error (for cli/bisect_run.py)."""
+    from parity.tracing.plan import read_token_list as read
+
+    with usage_errors():
+        return read(text, source)
 
 
 def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prompt: str | None,
                    prompt_file: str | None, tokenizer: str = "model") -> list[int]:
-    """Exactly one of the four token sources -> ids (prompts go through `tokenizer`'s chat layout; when the
-    model's and ds4's tokenizers disagree on the prompt, one line on stderr says so)."""
-    given = [x is not None for x in (tokens, tokens_file, prompt, prompt_file)]
-    if sum(given) != 1:
-        raise click.UsageError("give exactly one of --tokens, --tokens-file, --prompt, --prompt-file")
-    if tokens is not None:
-        return read_token_list(tokens, "--tokens")
-    if tokens_file is not None:
-        return read_token_list(Path(tokens_file).read_text(), tokens_file)
-    from parity.gguf.tokenizer import chat_ids, load_tokenizer, mode_difference
+    """Exactly one of the four token sources -> ids (`parity.tracing.plan.resolve_tokens`, its errors as usage
+    errors, a tokenizer note on stderr; for cli/arbitrate.py until it calls `api.plan_run`)."""
+    from parity.tracing.plan import TokenSource
+    from parity.tracing.plan import resolve_tokens as resolve
 
-    # raw bytes as ds4 reads them: no newline translation, always UTF-8
-    text = read_prompt(prompt, prompt_file)
-    tok = load_tokenizer(model)
-    ids = {mode: chat_ids(tok, text, mode=mode) for mode in ("model", "ds4")}
-    note = mode_difference(tok, ids["model"], ids["ds4"])
-    if note:
-        click.secho(f"note: {note}", fg="yellow", err=True)
-    return ids[tokenizer]
-
-
-def default_positions(n_prompt: int, decode: int) -> str | list[int]:
-    """--positions when not given: the last position without decode; with decode, the prompt's last position
-    and every decode position (so 'which decode step' is never lost)."""
-    return "last" if decode == 0 else list(range(n_prompt - 1, n_prompt + decode))
+    with usage_errors():
+        return resolve(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), warn)
 
 
 TRACE_FORMATS = (".trace", ".npz")
@@ -92,8 +71,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
                    "--positions all; engines that capture sub-ops: reference, torch, llamacpp.")
 @draft_options("also record the draft checkpoints (mtp.* / dspark.*, docs/trace-format.md) of its head run on this "
                "run's trunk carriers")
-@click.option("--decode", default=0, show_default=True, type=click.IntRange(0),
-              help="Greedy decode steps (not with --follow).")
+@click.option("--decode", default=None, type=click.IntRange(0),
+              help="Greedy decode steps (not with --follow).  [default: 0]")
 @click.option("--chunk", default=None, type=click.IntRange(1),
               help="Prefill chunk size (default: one chunk; not with --follow).")
 @click.option("--no-fp8-kv", is_flag=True, help="Turn off the FP8 KV simulation (on in the model definition).")
@@ -102,10 +81,7 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @device_option()
 @inject_option()
 @numerics_options
-@lcp_options
-@click.option("--engine-arg", "engine_arg", multiple=True, metavar="NAME=VALUE",
-              help="An engine-specific setting (repeatable), validated by the engine; e.g. torch: "
-                   "cpu_kernels=torch (torch ops instead of the compiled CPU kernels).")
+@engine_arg_option()
 @click.option("--top-k", default=20, show_default=True, type=click.IntRange(1, 100), help="Top logits per position.")
 @click.option("--dump-logprobs", type=click.Path(dir_okay=False), help="Also write a ds4 --dump-logprobs JSON.")
 @click.option("--dump-ctx", type=click.IntRange(1), default=None,
@@ -117,9 +93,8 @@ def _trace_path(output: str, option: str = "-o/--output") -> str:
 @json_errors
 def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, follow, positions, full, subops, draft,
           mtp_depth, mtp_pairing, decode, chunk,
-          no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, lcp_kv, lcp_flash_attn,
-          lcp_threads, engine_arg, top_k, dump_logprobs, dump_ctx,
-          output, as_json) -> None:
+          no_fp8_kv, no_fp4_indexer, dtype, device, inject, act_quant, kv_cache, rope_angles, engine_arg, top_k,
+          dump_logprobs, dump_ctx, output, as_json) -> None:
     """Run an engine on a prompt and record every checkpoint (stats + fingerprints) to a trace.
 
     Progress goes to stderr: a bar with ETA on a terminal, `stage done/total elapsed` lines otherwise.
@@ -132,6 +107,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     from parity import api
     from parity.cli.progress import Progress
     from parity.contract.engine import RunOptions
+    from parity.tracing.plan import TokenSource
 
     output = _trace_path(output)
     check_draft_options(draft)
@@ -139,67 +115,24 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
         raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
     if (dump_logprobs is None) != (dump_ctx is None):
         raise click.UsageError("--dump-logprobs and --dump-ctx go together (the dump records its run's ctx)")
-    if follow:
-        if any(x is not None for x in (tokens, tokens_file, prompt, prompt_file)):
-            raise click.UsageError("--follow takes the tokens from the followed trace; drop --tokens/--prompt")
-        ctx = click.get_current_context()
-        given = [f"--{n}" for n in ("positions", "decode", "chunk")
-                 if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            raise click.UsageError(f"--follow replays the followed trace's positions, decode steps and chunking; "
-                                   f"drop {', '.join(given)}")
-        run = api.follow(follow)
-    else:
-        ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file, tokenizer)
-        run = {"tokens": ids, "decode": decode, "forced": None, "chunk": chunk,
-               "positions": positions if positions is not None else default_positions(len(ids), decode)}
-    ids, decode = run["tokens"], run["decode"]
-    lcp = lcp_run_options(engine, lcp_kv, lcp_flash_attn, lcp_threads)
+    with usage_errors():  # the token range is checked against the engine's vocabulary by api.trace
+        plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), follow=follow,
+                            decode=decode, chunk=chunk, positions=positions, check_range=False, note=warn)
     options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
                          inject=tuple(inject), act_quant=act_quant, kv_cache=kv_cache, rope_angles=rope_angles,
-                         **{**lcp, "engine_args": (*lcp.get("engine_args", ()), *engine_arg)})
-    rows = []
-    total = api.n_chunks(len(ids), decode, run["chunk"])
-    stage = f"trace {engine}: {len(ids)} tokens + {decode} decode"
-    with Progress() as progress:
-        done = [0]
-
-        def on_chunk(r) -> None:
-            if dump_logprobs:
-                rows.extend(r.logits[max(0, len(ids) - 1 - r.start_pos):])
-            done[0] += 1
-            progress(stage, done[0], total)
-
-        progress(stage, 0, total)
-        t = api.trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, subops=subops,
-                      draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, **run)
-    if dump_logprobs:  # an older dump never stays beside the new trace (a run killed before the dump leaves none)
-        Path(dump_logprobs).unlink(missing_ok=True)
-    path = api.save_trace(t, output)
-    report = {"wrote": str(path), "checkpoint_records": len(t.ckpt), "positions": t.header.positions,
-              "tokens": len(t.header.tokens), "n_prompt": t.header.n_prompt, "decode": t.header.decode}
-    if dump_logprobs:
-        report["logprobs"] = _dump_logprobs(dump_logprobs, model, rows, t.header.n_prompt, top_k, dump_ctx)
+                         engine_args=tuple(engine_arg))
+    with Progress() as bar:
+        report = api.trace_to_file(engine, model, plan, output, options=options, full=full, top_k=top_k,
+                                   subops=subops, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing,
+                                   dump_logprobs=None if dump_logprobs is None else (dump_logprobs, dump_ctx),
+                                   counter=bar)
     if as_json:
         echo_json(report)
         return
-    click.echo(f"wrote {path} ({len(t.ckpt)} checkpoint records, {len(t.header.positions)} position(s), "
-               f"tokens {len(t.header.tokens)})")
+    click.echo(f"wrote {report['wrote']} ({report['checkpoint_records']} checkpoint records, "
+               f"{len(report['positions'])} position(s), tokens {report['tokens']})")
     if dump_logprobs:
         click.echo(f"wrote {dump_logprobs} ({report['logprobs']['steps']} step(s), top {top_k})")
-
-
-def _dump_logprobs(path: str, model: str, rows: list, n_prompt: int, top_k: int, ctx: int) -> dict:
-    """ds4 semantics: step 0 = last prompt row, step i = the row after feeding step i-1's token."""
-    import numpy as np
-
-    from parity.gguf.tokenizer import load_tokenizer
-    from parity.logprobs.io import ds4_argmax, write_ds4_dump
-
-    logits = np.stack(rows).astype(np.float32)
-    write_ds4_dump(path, logits=logits, selected=[ds4_argmax(r) for r in logits], prompt_tokens=n_prompt,
-                   ctx=ctx, top_k=top_k, vocab_tokens=load_tokenizer(model).tokens)
-    return {"wrote": path, "steps": len(logits), "top_k": top_k, "ctx": ctx}
 
 
 @click.command(name="import")
