@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import md_cell, table_lines
+from parity.compare.verdict import CauseKind, Judged, Verdict
 from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def _where(report: CheckReport) -> str:
 def _benign_summary(report: CheckReport) -> str:
     groups: dict[tuple[str, str | None], list[int | None]] = {}
     for c in report.causes:
-        if c.kind == "benign":
+        if c.kind == CauseKind.BENIGN:
             groups.setdefault((c.name, c.subop), []).append(c.layer)
 
     def at(layers: list[int | None]) -> str:
@@ -58,16 +59,16 @@ def _benign_summary(report: CheckReport) -> str:
 
 def headline(report: CheckReport) -> str:
     """The verdict in words a person reads (first output line)."""
-    local = {"op-level": "every op on the candidate's own inputs is within its round-off twins",
-             "layer-level": "every layer on the candidate's own inputs is within its round-off twins",
-             "free-running": "free-running only (no teacher-forced verdict)"}[report.judged]
-    if report.verdict == "MATCH":
+    local = {Judged.OP_LEVEL: "every op on the candidate's own inputs is within its round-off twins",
+             Judged.LAYER_LEVEL: "every layer on the candidate's own inputs is within its round-off twins",
+             Judged.FREE_RUNNING: "free-running only (no teacher-forced verdict)"}[Judged(report.judged)]
+    if report.verdict == Verdict.MATCH:
         worst = max((r for r in report.table if r.free_excess is not None), key=lambda r: r.free_excess)
         return (f"MATCH [{report.judged}]: {local}, and every checkpoint is inside the noise envelope (largest "
                 f"excess {worst.free_excess:.2g} at {worst.checkpoint})")
-    if report.verdict == "NOISE":
+    if report.verdict == Verdict.NOISE:
         return f"NOISE [{report.judged}]: every departure is explained as benign: {_benign_summary(report)}"
-    d = next(c for c in report.causes if c.kind == "defect")
+    d = next(c for c in report.causes if c.kind == CauseKind.DEFECT)
     what = f"matches known fault {d.name}" if d.name != "unexplained" else "unexplained by every known fault"
     return f"DEFECT at {_where(report)}: {what} ({d.evidence}) [{report.judged}]"
 

@@ -1,7 +1,16 @@
-"""The tie-aware verdict of one greedy step, shared by the bisector and the logprob comparison.
+"""The harness's verdict vocabulary, in one place: every verdict and status a report holds is a member of an enum
+here (str-valued, so JSON and text keep the spelling they always had), and the records decisions are made on.
 
-Given the reference's and the candidate's top entries at one step (token id, score; scores are
-logits or logprobs, descending), the step is:
+* `Verdict`: a run's verdict (MATCH / NOISE / DEFECT), `check`'s spelling; `Verdict.bisect_word` is `bisect`'s
+  ('no defect' / 'noise' / 'defect');
+* sub-statuses: `SubopStatus` (a sub-op in a drill-down), `RowStatus` (a checkpoint row of `check`), `CauseKind`
+  (a cause of `check`), `Judged` (what `check`'s local verdict rests on), `StepVerdict` (one greedy step);
+* `QuantFlip`: an isolated QAT code flip as numbers (format, capture, count, first position), so "is it a code
+  flip, of which format" is read from fields, never from prose; `flip_words` is its printer.
+
+The tie-aware verdict of one greedy step, shared by the bisector and the logprob comparison: given the
+reference's and the candidate's top entries at one step (token id, score; scores are logits or logprobs,
+descending), the step is:
 * MATCH    - same top-1 token, and the top-1 scores agree within `drift_tol`;
 * DRIFT    - same top-1 token, but the top-1 scores differ by more than `drift_tol`;
 * TIE-FLIP - different top-1 token, and the reference itself could not separate the two: the
@@ -13,11 +22,108 @@ logits or logprobs, descending), the step is:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from enum import Enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 
 
-class StepVerdict(str, Enum):
+class Verdict(StrEnum):
+    """A run's verdict: MATCH (nothing outside the round-off null / envelope), NOISE (departures, every one
+    explained as benign), DEFECT (a departure no benign hypothesis explains)."""
+
+    MATCH = "MATCH"
+    NOISE = "NOISE"
+    DEFECT = "DEFECT"
+
+    @property
+    def bisect_word(self) -> str:
+        """`bisect`'s spelling of this verdict (its report and JSON): 'no defect', 'noise', 'defect'."""
+        return _BISECT_WORDS[self]
+
+    @classmethod
+    def of_bisect_word(cls, word: str) -> Verdict:
+        """The verdict `bisect` spells `word`; a word it never writes is an error naming it."""
+        for v, w in _BISECT_WORDS.items():
+            if w == word:
+                return v
+        raise ValueError(f"not a bisect verdict: {word!r} (one of {', '.join(map(repr, _BISECT_WORDS.values()))})")
+
+    @classmethod
+    def of_causes(cls, kinds: Iterable[CauseKind]) -> Verdict:
+        """DEFECT when some cause is a defect, NOISE when there are causes (all benign), else MATCH."""
+        kinds = list(kinds)
+        return cls.DEFECT if CauseKind.DEFECT in kinds else cls.NOISE if kinds else cls.MATCH
+
+
+_BISECT_WORDS = {Verdict.MATCH: "no defect", Verdict.NOISE: "noise", Verdict.DEFECT: "defect"}
+
+
+class CauseKind(StrEnum):
+    """What a cause of `check` is: benign numerics (NOISE) or a defect."""
+
+    BENIGN = "benign"
+    DEFECT = "defect"
+
+
+class Judged(StrEnum):
+    """What `check`'s local verdict rests on."""
+
+    OP_LEVEL = "op-level"         # every sub-op on the candidate's own dumped inputs
+    LAYER_LEVEL = "layer-level"   # each layer on the candidate's own carrier
+    FREE_RUNNING = "free-running"  # no teacher-forced verdict
+
+
+class RowStatus(StrEnum):
+    """One checkpoint row of `check`'s table."""
+
+    OK = "ok"                    # inside the envelope (and, where judged, inside the round-off null)
+    OUTSIDE = "outside"          # free-running outside the envelope, locally inside: inherited
+    LOCAL = "local"              # the layer departs on the candidate's own inputs
+    STRUCTURAL = "structural"    # a discrete difference no round-off twin makes
+    NOT_JUDGED = "not judged"    # the candidate recorded no full vectors here
+
+
+class SubopStatus(StrEnum):
+    """One sub-op of a drill-down: within round-off, departing only by benign flips / ties, or the culprit."""
+
+    OK = "ok"
+    NOISE = "noise"
+    DEFECT = "defect"
+
+
+class QuantFormat(StrEnum):
+    """A QAT round trip's float format (the value is how reports name it)."""
+
+    FP8_E4M3 = "FP8 e4m3"
+    FP4_E2M1 = "FP4 e2m1"
+
+    @property
+    def mbits(self) -> int:
+        """Mantissa bits of the format (the size of one code step)."""
+        return {QuantFormat.FP8_E4M3: 3, QuantFormat.FP4_E2M1: 1}[self]
+
+    @property
+    def family(self) -> str:
+        """'fp8' / 'fp4', as the benign hypothesis names the flip ('fp8-code-flip')."""
+        return {QuantFormat.FP8_E4M3: "fp8", QuantFormat.FP4_E2M1: "fp4"}[self]
+
+
+@dataclass(frozen=True)
+class QuantFlip:
+    """Isolated one-code steps of a QAT round trip in one capture of a layer (rows that differ only there)."""
+
+    capture: str             # rope_kv, comp_rows or index_rows
+    format: QuantFormat
+    count: int               # rows of this capture with a flip
+    first_position: int      # the first position of the layer's flip cascade (this capture's or an earlier one's)
+
+
+def flip_words(flip: QuantFlip) -> str:
+    """'1 isolated FP8 e4m3 code flip(s) in rope_kv from position 15'."""
+    return f"{flip.count} isolated {flip.format} code flip(s) in {flip.capture} from position {flip.first_position}"
+
+
+class StepVerdict(StrEnum):
     MATCH = "MATCH"
     TIE_FLIP = "TIE-FLIP"
     DRIFT = "DRIFT"

@@ -66,7 +66,7 @@ class StepCompare:
     ref_token: str | None
     cand_token: str | None
     same_token: bool | None = None
-    verdict: str | None = None          # MATCH / TIE-FLIP / DRIFT / WRONG; None when not compared
+    verdict: StepVerdict | None = None  # MATCH / TIE-FLIP / DRIFT / WRONG; None when not compared
     ref_margin: float | None = None     # A's logprob gap between its top-1 and B's pick
     k: int | None = None                # entries per side used for the Jaccard
     jaccard: float | None = None
@@ -79,6 +79,10 @@ class StepCompare:
     ds4_test: bool | None = None
     ds4_test_detail: str = ""
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict is not None:   # a spelled verdict becomes the member; a mistyped one is an error naming it
+            object.__setattr__(self, "verdict", StepVerdict(self.verdict))
 
 
 class LogprobPreflightError(ParityError):
@@ -142,14 +146,14 @@ class Comparison:
         return [s for s in self.steps if s.verdict is not None]
 
     def counts(self) -> dict[str, int]:
-        return {v.value: sum(s.verdict == v.value for s in self.compared) for v in StepVerdict}
+        return {v.value: sum(s.verdict is v for s in self.compared) for v in StepVerdict}
 
     def first_divergent_step(self) -> int | None:
         """First step where the greedy tokens differ."""
         return next((s.step for s in self.compared if not s.same_token), None)
 
     def first_non_match_step(self) -> int | None:
-        return next((s.step for s in self.compared if s.verdict != StepVerdict.MATCH.value), None)
+        return next((s.step for s in self.compared if s.verdict is not StepVerdict.MATCH), None)
 
     @property
     def incomplete(self) -> bool:
@@ -174,7 +178,7 @@ class Comparison:
             if gate == "ds4-test":
                 if self.ds4_test() is False:
                     out.append("ds4-test")
-            elif counts[_GATE_VERDICT[gate].value]:
+            elif counts[_GATE_VERDICT[gate]]:
                 out.append(gate)
         return out
 
@@ -282,7 +286,7 @@ def compare_step(ref: Step, cand: Step, *, greedy_only: bool, cand_has_logprobs:
     if cand_has_logprobs:
         fields["ds4_test"], fields["ds4_test_detail"] = ds4_test_check(ref, cand)
     return StepCompare(ref.index, ref.selected.label(), cand.selected.label(), ref.selected == cand.selected,
-                       verdict=verdict.value, ref_margin=margin, **fields)
+                       verdict=verdict, ref_margin=margin, **fields)
 
 
 def _align(ref: LogprobRun, cand: LogprobRun, greedy_only: bool, tie_margin: float,
