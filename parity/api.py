@@ -376,7 +376,8 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
            counter: Callable[[str, int, int | None], None] | None = None,
            draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev",
            workers: int = 1, ray: str | None = None) -> Any:
-    """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt).
+    """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt);
+    the verdict is `check`'s on the candidate's run, recorded as a trace (`parity.bisect.by_check`: one judgement).
     `draft`: a drafter GGUF both engines open; when the trunk has no defect its head is judged as one more layer
     (both heads on the reference's trunk carriers, MTP chained to `mtp_depth` with `mtp_pairing`;
     `parity.bisect.search`).
@@ -388,6 +389,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     from dataclasses import replace
 
     from parity.bisect import parallel
+    from parity.bisect.by_check import judged_by_check
     from parity.bisect.search import ReplayRouter, builtin_prompt
     from parity.bisect.search import bisect as run_bisect
     from parity.contract.workpool import WorkPool
@@ -412,8 +414,14 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
         if d is not None:
             d.register(ref, parallel.EngineLoader("reference", str(model), drafter), ref.options)
             d.register(cand, parallel.EngineLoader(engine, str(model), drafter), cand.options)
-        return run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router,
-                          counter=counter, draft=dh)
+        report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router,
+                            counter=counter, draft=dh)
+    say(f"check: {cand.name}'s run recorded as a trace and judged by `check` (the verdict is check's)")
+    run = trace(cand, model, prompt, decode=decode, chunk=chunk, forced=report.tokens[len(prompt):],
+                positions="all", full="all", mtp_pairing=mtp_pairing, mtp_depth=mtp_depth)
+    checked = check(run, model, envelope=envelope, progress=say, counter=counter, draft=draft, workers=workers,
+                    ray=ray)
+    return judged_by_check(report, checked)
 
 
 def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, options: RunOptions,

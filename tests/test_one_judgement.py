@@ -129,3 +129,34 @@ def test_arbitrate_check_end_to_end_a_tight_tolerance_split_is_not_a_split_by_ch
     judged = api.arbitrate(tiny_f32, prompt, ["reference", "torch"], check_each=True, **kw)   # same tolerance
     assert all(c.verdict in ("MATCH", "NOISE") for c in judged.checks.values()), judged.checks
     assert judged.rule == "check" and judged.unanimous and judged.odd_ones_out == ()
+
+
+# ---------------------------------------------------------------- bisect's verdict is check's
+
+class _CarrierBiased(_Biased):
+    """The reference with layer LAYER's output carrier scaled by 1 + BIAS (a real, tiny defect of that layer)."""
+
+    def forward_layer(self, state, layer, x, tokens, start_pos, capture=False):
+        out = self.inner.forward_layer(state, layer, x, tokens, start_pos, capture=capture)
+        return replace(out, carrier=out.carrier * np.float32(1 + BIAS)) if layer == LAYER else out
+
+
+def test_bisect_takes_checks_verdict_where_its_own_screen_sees_nothing(tiny_f32, ref_run):
+    # bisect's own free-running screen (K x floor) passes a 2e-6 error at layer 3; `check` on the same run (the
+    # twins on the candidate's own inputs) finds it: the bisect report's verdict, culprit layer and headline are
+    # check's (what `v4parity bisect` prints), and its own localisation stays as evidence
+    from parity.bisect.by_check import judged_by_check
+    from parity.bisect.search import bisect
+
+    ref, prompt, _chunks = ref_run
+    env = load_envelope(ENV_F32, "float32", Weights(tiny_f32).identity())
+    cand = _CarrierBiased(ref)
+    own = bisect(ref, cand, prompt, 2, env)
+    assert own.verdict == "no defect", own.summary            # the old rule misses it
+    run = api.trace(cand, tiny_f32, prompt, decode=2, forced=own.tokens[len(prompt):], positions="all", full="all")
+    checked = api.check(run, tiny_f32, envelope=ENV_F32, fault_engines=())
+    assert checked.verdict == "DEFECT" and checked.culprit.layer == LAYER, checked.headline
+    judged = judged_by_check(own, checked)
+    assert (judged.verdict, judged.culprit.layer) == ("defect", LAYER)
+    assert judged.summary.splitlines()[0] == checked.headline and judged.check["verdict"] == "DEFECT"
+    assert "bisect's own screen said 'no defect'" in judged.summary

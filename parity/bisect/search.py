@@ -453,6 +453,7 @@ class BisectReport:
     trajectory: Trajectory | None = None
     runs: dict[str, int] = field(default_factory=dict)     # engine runs by kind
     seconds: dict[str, float] = field(default_factory=dict)
+    check: dict | None = None      # `check`'s JSON document on the same run, whose verdict this is (`bisect.by_check`)
 
     def to_json(self) -> dict:
         """Plain JSON-able dict (numpy arrays as nested lists)."""

@@ -1,0 +1,47 @@
+"""`bisect`'s verdict is `check`'s on the same run (one judgement, docs/check.md "One judgement").
+
+`bisect` drives both engines live and localises (splice probes, teacher-forced attribution, sub-op drill-down);
+its own screen compares the free-running run with K x the envelope's floor and its local test runs the candidate
+on the reference's inputs. Either could call a run that `check` judges otherwise. So the candidate's run is also
+recorded as a trace (every position, full vectors) and judged by `check` (the round-off null on the candidate's own
+inputs, the benign hypotheses, the defect library): the verdict, its headline and the culprit's layer are
+`check`'s; bisect's localisation stays as evidence, and its culprit (sub-op, position) is kept where it names the
+layer `check` names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parity.bisect.check import CheckReport
+from parity.bisect.check_report import to_json
+from parity.bisect.search import BisectReport, Culprit
+
+VERDICTS = {"MATCH": "no defect", "NOISE": "noise", "DEFECT": "defect"}   # check's word -> bisect's word
+
+
+def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
+    """`report` with `checked`'s verdict (`VERDICTS`), culprit and headline; bisect's own summary follows as
+    evidence, and the check report is kept (`BisectReport.check`, its JSON)."""
+    verdict = VERDICTS[checked.verdict]
+    lines = [checked.headline]
+    if report.verdict != verdict:
+        lines.append(f"  (bisect's own screen said {report.verdict!r}; the verdict is check's, on the same run)")
+    lines += ["bisect's localisation (evidence):", *("  " + ln for ln in report.summary.splitlines())]
+    return replace(report, verdict=verdict, culprit=_culprit(report, checked), summary="\n".join(lines),
+                   check=to_json(checked))
+
+
+def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
+    """bisect's culprit where it names check's culprit layer (it adds the sub-op), else check's own; none for a
+    MATCH, and for a NOISE bisect's (the benign flip it named) only when bisect also said noise."""
+    if checked.verdict != "DEFECT":
+        return report.culprit if checked.verdict == "NOISE" and report.verdict == "noise" else None
+    c = checked.culprit
+    cause = next(x for x in checked.causes if x.kind == "defect")
+    layer = (c.layer if c is not None and c.layer is not None
+             else "embed" if cause.name == "embedding-differs" else "head")
+    if report.culprit is not None and report.culprit.layer == layer:
+        return report.culprit
+    return Culprit(layer, c.subop if c else None, c.position if c else None, c.decode_step if c else None,
+                   f"{cause.name}: {cause.evidence}")
