@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 CORE    := $(VENV)/.installed-core
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-spec golden clean
+.PHONY: demo test lint bench bench-spec bench-full golden clean
 
 # what the demo needs: torch and v4parity's own dependencies (no C/C++ build, no apt)
 $(CORE): pyproject.toml
@@ -41,6 +41,12 @@ bench: $(STAMP)
 # spec's fitted-drafter acceptance grid (docs/spec.md): out/bench/spec_acceptance.json + .md
 bench-spec: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 $(VPY) -m parity.bench.spec_acceptance --out out/bench
+
+# both engines at full depth on the V4-Flash-shaped file (docs/bench.md "Full depth"; tens of minutes to hours on
+# 2 cores; FLASH is synthesized when missing, 12.66 GiB): out/bench-full/full_depth.json + .md
+FLASH   ?= .bench/flash.gguf
+bench-full: $(STAMP)
+	$(VPY) -m parity.bench.full_depth --model $(FLASH) --out out/bench-full
 
 golden: $(STAMP)
 	$(VENV)/bin/v4parity golden --out traces

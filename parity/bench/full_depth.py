@@ -1,0 +1,221 @@
+"""Both engines at full depth on the V4-Flash-shaped file (issue 27, points 2 and 5): `make bench-full`.
+
+    python -m parity.bench.full_depth --model /tmp/flash/flash.gguf --out out/bench-full [--steps inspect,...]
+
+Not part of `make test` (tens of minutes to hours on a 2-core machine). Each step is one `v4parity` command run as
+a child process, exactly as a user types it, under OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1; for each the script
+records wall time, CPU time (user + system, from wait4), peak total RSS (wait4's ru_maxrss: includes the pages of
+the memory-mapped model file), peak anonymous RSS (sampled from /proc/PID/status every 0.2 s: the memory beyond the
+mapped file), the 1-minute load average before and after, the exit status, and the size of the files it wrote.
+A child whose anonymous RSS passes --anon-limit-gb is killed and recorded as such. Steps (`STEPS`, run in order,
+any subset with --steps; results merge into OUT/full_depth.json by step name, the table OUT/full_depth.md is
+rewritten from all of them):
+
+  synth           v4parity synth --preset flash --experts N (only when --model does not exist yet)
+  inspect         v4parity inspect MODEL
+  trace-ref-24    reference: 24 prompt tokens + 4 decode steps, --positions all --full all
+  trace-torch-24  torch: the same
+  trace-torch-2000  torch: a 2 000-token prompt, every position, fingerprints only (no full vectors)
+  check-clean     v4parity check of the torch trace of trace-torch-24
+  trace-torch-24-fault  torch with --inject comb-not-transposed@30, 24 + 4 forced onto the clean run's tokens
+  check-fault     v4parity check of that trace
+
+The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parity.bench.measure import load_average, prompt_tokens
+from parity.contract.errors import ParityError
+
+FAULT = "comb-not-transposed@30"
+SAMPLE_S = 0.2
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured command: argv after `v4parity`, the files it writes (sizes recorded)."""
+
+    name: str
+    what: str
+    argv: list[str]
+    outputs: list[Path]
+
+
+def read_status(pid: int) -> dict[str, int]:
+    """RssAnon and VmRSS (bytes) of process `pid` from /proc/PID/status; {} once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "VmRSS") if k in fields}
+
+
+def run_measured(argv: list[str], log: Path, anon_limit: int) -> dict[str, Any]:
+    """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total, anonymous), load, exit."""
+    env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    load0, t0 = load_average(), time.perf_counter()
+    peak_anon, killed = 0, None
+    with log.with_suffix(".out").open("w") as out, log.open("w") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            peak_anon = max(peak_anon, read_status(proc.pid).get("RssAnon", 0))
+            if peak_anon > anon_limit and killed is None:
+                killed = f"anonymous RSS {peak_anon / 2**30:.2f} GiB over the limit {anon_limit / 2**30:.2f} GiB"
+                os.kill(proc.pid, signal.SIGKILL)
+            time.sleep(SAMPLE_S)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
+    return {"argv": argv, "exit": proc.returncode, "killed": killed, "wall_s": time.perf_counter() - t0,
+            "cpu_s": usage.ru_utime + usage.ru_stime, "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
+            "peak_rss": usage.ru_maxrss * 1024, "peak_anon": peak_anon, "load_before": load0,
+            "load_after": load_average(), "log": str(log)}
+
+
+def prompt_arg(n: int) -> str:
+    """The argv placeholder of the n-token prompt file (written when its step runs: it needs the vocabulary)."""
+    return f"@prompt:{n}"
+
+
+def steps(model: Path, out: Path, experts: int) -> list[Step]:
+    """Every step in order."""
+    exe = str(Path(sys.executable).with_name("v4parity"))
+    trace = [exe, "trace", "-m", str(model), "--positions", "all"]
+
+    def npz(name: str) -> list[Path]:
+        return [out / f"{name}.npz", out / f"{name}.vectors.npz"]
+
+    return [
+        Step("synth", f"synth --preset flash --experts {experts}",
+             [exe, "synth", "--preset", "flash", "--experts", str(experts), "-o", str(model)], [model]),
+        Step("inspect", "inspect", [exe, "inspect", "-m", str(model)], []),
+        Step("trace-ref-24", "reference trace, 24 + 4 decode, --positions all --full all",
+             [*trace, "--engine", "reference", "--tokens-file", prompt_arg(24), "--decode", "4", "--full", "all",
+              "-o", str(out / "ref24.npz")], npz("ref24")),
+        Step("trace-torch-24", "torch trace, 24 + 4 decode, --positions all --full all",
+             [*trace, "--engine", "torch", "--tokens-file", prompt_arg(24), "--decode", "4", "--full", "all",
+              "-o", str(out / "torch24.npz")], npz("torch24")),
+        Step("trace-torch-2000", "torch trace, 2000-token prompt, --positions all, fingerprints only",
+             [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "-o", str(out / "torch2000.npz")],
+             [out / "torch2000.npz"]),
+        Step("check-clean", "check of the clean torch trace",
+             [exe, "check", "-m", str(model), "-c", str(out / "torch24.npz"), "--json"], []),
+        Step("trace-torch-24-fault", f"torch trace with --inject {FAULT}, following the clean torch trace",
+             [exe, "trace", "-m", str(model), "--engine", "torch", "--follow", str(out / "torch24.npz"),
+              "--full", "all", "--inject", FAULT, "-o", str(out / "torch24-fault.npz")], npz("torch24-fault")),
+        Step("check-fault", f"check of the torch trace with {FAULT}",
+             [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json"], []),
+    ]
+
+
+STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "trace-torch-2000", "check-clean",
+         "trace-torch-24-fault", "check-fault")
+
+
+def verdict(stdout: Path) -> dict[str, Any]:
+    """check --json's verdict, level, culprit, causes, own seconds and envelope source (or its error) from the
+    step's stdout."""
+    try:
+        doc = json.loads(stdout.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    found = {k: doc[k] for k in ("verdict", "judged", "culprit", "causes", "seconds", "error") if k in doc}
+    if isinstance(doc.get("envelope"), dict):
+        found["envelope_source"] = doc["envelope"].get("source")
+    return found
+
+
+def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float) -> dict[str, Any]:
+    """Run the chosen steps, merge their rows into OUT/full_depth.json, rewrite OUT/full_depth.md."""
+    unknown = [s for s in only if s not in STEPS]
+    if unknown:
+        raise ParityError(f"unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    result_path = out / "full_depth.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"steps": {}}
+
+    def vocab() -> int:
+        from parity.gguf.weights import Weights
+        return Weights(str(model)).config.vocab_size
+
+    for step in steps(model, out, experts):
+        if step.name not in only:
+            continue
+        if step.name == "synth" and model.exists():
+            print(f"[full-depth] synth: {model} exists, reused (not measured)", file=sys.stderr)
+            continue
+        argv = [_prompt_file(out, int(a.split(":")[1]), vocab) if a.startswith("@prompt:") else a
+                for a in step.argv]
+        print(f"[full-depth] {step.name}: {' '.join(argv)} (load {load_average():.1f})", file=sys.stderr, flush=True)
+        row = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30))
+        row |= {"what": step.what, "sizes": {p.name: p.stat().st_size for p in step.outputs if p.exists()}}
+        if step.name.startswith("check"):
+            row |= verdict(Path(row["log"]).with_suffix(".out"))
+        print(f"[full-depth] {step.name}: exit {row['exit']}, {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
+              f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB (anon {row['peak_anon'] / 2**30:.2f}), load "
+              f"{row['load_before']:.1f} -> {row['load_after']:.1f}", file=sys.stderr, flush=True)
+        result["steps"][step.name] = row
+        result["model"] = {"path": str(model), "bytes": model.stat().st_size if model.exists() else None}
+        result_path.write_text(json.dumps(result, indent=1))
+        (out / "full_depth.md").write_text(render_markdown(result))
+    return result
+
+
+def _prompt_file(out: Path, n: int, vocab: Callable[[], int]) -> str:
+    path = out / f"prompt{n}.txt"
+    if not path.exists():
+        path.write_text(",".join(map(str, prompt_tokens(n, vocab()))))
+    return str(path)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """One row per measured step: wall, CPU, peak RSS total / anonymous, load before -> after, files, outcome."""
+    gib = 2**30
+    lines = ["| step | wall | CPU (user + sys) | peak RSS total / anon | load before -> after | files | outcome |",
+             "|---|---|---|---|---|---|---|"]
+    for name in STEPS:
+        row = result["steps"].get(name)
+        if row is None:
+            continue
+        files = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in row["sizes"].items()) or "-"
+        judged = (f"{row['verdict']} ({row['judged']}), culprit {row['culprit']}, causes {row['causes']}"
+                  if "verdict" in row else None)
+        outcome = row["killed"] or judged or row.get("error") or f"exit {row['exit']}"
+        lines.append(f"| {name}: {row['what']} | {row['wall_s']:.1f} s | {row['cpu_s']:.1f} s | "
+                     f"{row['peak_rss'] / gib:.2f} / {row['peak_anon'] / gib:.2f} GiB | "
+                     f"{row['load_before']:.1f} -> {row['load_after']:.1f} | {files} | {outcome} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="the flash-shaped GGUF (synthesized if missing)")
+    ap.add_argument("--out", type=Path, required=True, help="directory for traces, logs and full_depth.json/.md")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list, in order, of: {', '.join(STEPS)}")
+    ap.add_argument("--experts", type=int, default=16, help="routed experts of a synthesized file (default 16)")
+    ap.add_argument("--anon-limit-gb", type=float, default=14.0,
+                    help="kill a step whose anonymous RSS passes this (GiB; default 14)")
+    args = ap.parse_args(argv)
+    result = run(args.model, args.out, [s for s in args.steps.split(",") if s], args.experts, args.anon_limit_gb)
+    failed = [n for n, r in result["steps"].items() if r["killed"] or (r["exit"] != 0 and not n.startswith("check"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
