@@ -64,8 +64,9 @@ def read_status(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "VmRSS") if k in fields}
 
 
-def run_measured(argv: list[str], log: Path, anon_limit: int) -> dict[str, Any]:
-    """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total, anonymous), load, exit."""
+def run_measured(argv: list[str], log: Path, anon_limit: int, timeout_s: float | None) -> dict[str, Any]:
+    """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total, anonymous), load, exit. Killed
+    (and recorded so) when its anonymous RSS passes `anon_limit` bytes or its wall time `timeout_s`."""
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     load0, t0 = load_average(), time.perf_counter()
     peak_anon, killed = 0, None
@@ -76,8 +77,11 @@ def run_measured(argv: list[str], log: Path, anon_limit: int) -> dict[str, Any]:
             if pid:
                 break
             peak_anon = max(peak_anon, read_status(proc.pid).get("RssAnon", 0))
-            if peak_anon > anon_limit and killed is None:
-                killed = f"anonymous RSS {peak_anon / 2**30:.2f} GiB over the limit {anon_limit / 2**30:.2f} GiB"
+            if killed is None and peak_anon > anon_limit:
+                killed = f"killed: anonymous RSS {peak_anon / 2**30:.2f} GiB over the limit {anon_limit / 2**30:.2f}"
+            elif killed is None and timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                killed = f"killed: still running after the step time limit {timeout_s:.0f} s"
+            if killed is not None:
                 os.kill(proc.pid, signal.SIGKILL)
             time.sleep(SAMPLE_S)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
@@ -140,15 +144,17 @@ def verdict(stdout: Path) -> dict[str, Any]:
     return found
 
 
-def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float) -> dict[str, Any]:
-    """Run the chosen steps, merge their rows into OUT/full_depth.json, rewrite OUT/full_depth.md."""
+def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float,
+        timeout_s: float | None = None) -> dict[str, Any]:
+    """Run the chosen steps, merge their rows into OUT/full_depth.json (re-read before each write: two runs with
+    different steps may share OUT), rewrite OUT/full_depth.md."""
     unknown = [s for s in only if s not in STEPS]
     if unknown:
         raise ParityError(f"unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
     out.mkdir(parents=True, exist_ok=True)
     model.parent.mkdir(parents=True, exist_ok=True)
     result_path = out / "full_depth.json"
-    result = json.loads(result_path.read_text()) if result_path.exists() else {"steps": {}}
+    result: dict[str, Any] = {"steps": {}}
 
     def vocab() -> int:
         from parity.gguf.weights import Weights
@@ -163,13 +169,14 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
         argv = [_prompt_file(out, int(a.split(":")[1]), vocab) if a.startswith("@prompt:") else a
                 for a in step.argv]
         print(f"[full-depth] {step.name}: {' '.join(argv)} (load {load_average():.1f})", file=sys.stderr, flush=True)
-        row = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30))
+        row = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30), timeout_s)
         row |= {"what": step.what, "sizes": {p.name: p.stat().st_size for p in step.outputs if p.exists()}}
         if step.name.startswith("check"):
             row |= verdict(Path(row["log"]).with_suffix(".out"))
         print(f"[full-depth] {step.name}: exit {row['exit']}, {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
               f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB (anon {row['peak_anon'] / 2**30:.2f}), load "
               f"{row['load_before']:.1f} -> {row['load_after']:.1f}", file=sys.stderr, flush=True)
+        result = json.loads(result_path.read_text()) if result_path.exists() else {"steps": {}}
         result["steps"][step.name] = row
         result["model"] = {"path": str(model), "bytes": model.stat().st_size if model.exists() else None}
         result_path.write_text(json.dumps(result, indent=1))
@@ -194,7 +201,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         if row is None:
             continue
         files = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in row["sizes"].items()) or "-"
-        judged = (f"{row['verdict']} ({row['judged']}), culprit {row['culprit']}, causes {row['causes']}"
+        judged = (f"{row['verdict']} ({row.get('judged')}), culprit {row.get('culprit')}, causes {row.get('causes')}"
                   if "verdict" in row else None)
         outcome = row["killed"] or judged or row.get("error") or f"exit {row['exit']}"
         lines.append(f"| {name}: {row['what']} | {row['wall_s']:.1f} s | {row['cpu_s']:.1f} s | "
@@ -211,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=16, help="routed experts of a synthesized file (default 16)")
     ap.add_argument("--anon-limit-gb", type=float, default=14.0,
                     help="kill a step whose anonymous RSS passes this (GiB; default 14)")
+    ap.add_argument("--step-timeout-s", type=float, default=None, help="kill a step running longer (default: none)")
     args = ap.parse_args(argv)
-    result = run(args.model, args.out, [s for s in args.steps.split(",") if s], args.experts, args.anon_limit_gb)
+    result = run(args.model, args.out, [s for s in args.steps.split(",") if s], args.experts, args.anon_limit_gb,
+                 args.step_timeout_s)
     failed = [n for n, r in result["steps"].items() if r["killed"] or (r["exit"] != 0 and not n.startswith("check"))]
     return 1 if failed else 0
 
