@@ -290,18 +290,10 @@ def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: M
     say = progress or (lambda _m: None)
     count = counter or (lambda _s, _d, _t: None)
     t0 = time.perf_counter()
-    loader = parallel.loader_of(make_reference)
-    make_reference = _quiet(make_reference, announced)
+    ref_engine, make_reference, notes = _open_reference(trace, make_reference, env, config, notes, announced)
     fault_engines = [(n, _quiet(f, announced), faults) for n, f, faults in fault_engines]
     h = trace.header
-    opts, qat_notes = reference_options(trace, config)
-    notes = [*notes, *qat_notes]
-    env.check_options(opts)
-    ref_engine = make_reference(opts)
-    if isinstance(ref_engine, Variants):   # variants share the reference's weights and cache (no second copy)
-        make_reference = _quiet(ref_engine.variant, announced, loader)
-    L = ref_engine.config.n_layers
-    st = _Stages(notes=list(notes), runs={"free": L})
+    st = _Stages(notes=list(notes), runs={"free": ref_engine.config.n_layers})
     say(f"reference: following {len(h.tokens)} tokens on the candidate's schedule ({len(h.chunks)} chunks)")
     ref = replay(ref_engine, h.tokens, h.chunks, lambda i: count("reference (follow)", i + 1, len(h.chunks)))
     free = free_profile(trace, ref)
@@ -310,15 +302,51 @@ def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: M
                          "import the dumps)")
     cand, more = candidate_chunks(trace, ref)
     st.notes += more
+    op_level = subops is not None and cand is not None
+    local, tf, nulls = _local_stage(trace, ref_engine, cand, free, subops, n_twins, st, say, count)
+    _cause_stage(trace, ref_engine, make_reference, ref, cand, free, tf, nulls, n_twins, local, env, fault_engines,
+                 subops, st, say)
+    names = [*(n for n in h.checkpoints if not is_draft(n)), *([LOGITS] if LOGITS in free else [])]
+    table = _table(names, free, local, env, h.positions)
+    if h.draft:
+        table += _drafts(trace, ref_engine, n_twins, st, say, count,
+                         [(n, _quiet(f, announced), faults) for n, f, faults in draft_fault_engines])
+    if announced:
+        st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
+    judged = "op-level" if op_level else "layer-level" if cand is not None else "free-running"
+    return _report(trace, st, table, judged, t0)
+
+
+def _open_reference(trace: Trace, make_reference: EngineFactory, env: Envelope, config: ModelConfig,
+                    notes: Sequence[str], announced: list[str]) -> tuple[Engine, EngineFactory, list[str]]:
+    """The reference engine opened with the options the trace's header declares (checked against the envelope),
+    the quiet factory of its variants (sharing its weights when it offers them), and the notes with the QAT
+    notes added."""
+    loader = parallel.loader_of(make_reference)
+    make_reference = _quiet(make_reference, announced)
+    opts, qat_notes = reference_options(trace, config)
+    env.check_options(opts)
+    ref_engine = make_reference(opts)
+    if isinstance(ref_engine, Variants):   # variants share the reference's weights and cache (no second copy)
+        make_reference = _quiet(ref_engine.variant, announced, loader)
+    return ref_engine, make_reference, [*notes, *qat_notes]
+
+
+def _local_stage(trace: Trace, ref_engine: Engine, cand: list[ChunkResult] | None, free: dict[str, np.ndarray],
+                 subops: Sequence[ChunkResult] | None, n_twins: int, st: _Stages, say: Progress, count: Counter
+                 ) -> tuple[list[LayerLocal], dict[int, list[LayerOutput]], dict[int, LayerNull]]:
+    """Stage 3: the teacher-forced local error of every layer whose input and output the candidate recorded,
+    judged op by op (with the candidate's sub-ops) or by the layer's round-off null; records its runs and the
+    evidence note in `st`."""
+    L = ref_engine.config.n_layers
     layers = [] if cand is None else [l for l in range(L) if (EMBED if l == 0 else block(l - 1)) in cand[0].checkpoints
                                       and (block(l) in free or block_attn(l) in free)]
     say(f"teacher-forced: {len(layers)} reference layers on the candidate's inputs")
     tf = (teacher_forced(ref_engine, cand, layers, on_chunk=lambda i: count("local error", i + 1, len(cand)))
           if cand is not None else {})
     st.runs["local"] = len(layers)
-    op_level = subops is not None and cand is not None
     nulls: dict[int, LayerNull] = {}
-    if op_level:
+    if subops is not None and cand is not None:
         say(f"op-level: every sub-op of {len(layers)} layers on the candidate's own dumped inputs, and "
             f"{n_twins} round-off twins of each ({(1 + n_twins) * len(layers)} layer-runs)")
         local = [LayerLocal(l, op_verdict(ref_engine, cand, subops, l, n_twins).fit) for l in layers]
@@ -330,7 +358,17 @@ def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: M
             nulls = layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, n_twins))
         local = local_errors(trace, tf, nulls)
         st.runs["null"] = n_twins * len(layers)
-    st.notes.append(_evidence_note(op_level, cand is not None))
+    st.notes.append(_evidence_note(subops is not None and cand is not None, cand is not None))
+    return local, tf, nulls
+
+
+def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ref: Sequence[ChunkResult],
+                 cand: list[ChunkResult] | None, free: dict[str, np.ndarray], tf: dict[int, list[LayerOutput]],
+                 nulls: dict[int, LayerNull], n_twins: int, local: Sequence[LayerLocal], env: Envelope,
+                 fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
+                 subops: Sequence[ChunkResult] | None, st: _Stages, say: Progress) -> None:
+    """Stage 4: the ties of every layer, then the departing layers explained (or, with none, the tie rule and
+    the free-running excess explained as amplified drift); the causes go to `st`."""
     for r in local:
         st.causes += [Cause("benign", "tie", r.layer, sub, detail) for sub, detail in r.fit.ties]
     departing = [r for r in local if r.departs]
@@ -342,17 +380,13 @@ def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: M
                  say, subops)
     else:
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
-    names = [*(n for n in h.checkpoints if not is_draft(n)), *([LOGITS] if LOGITS in free else [])]
-    table = _table(names, free, local, env, h.positions)
-    if h.draft:
-        table += _drafts(trace, ref_engine, n_twins, st, say, count,
-                         [(n, _quiet(f, announced), faults) for n, f, faults in draft_fault_engines])
-    if announced:
-        st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
+
+
+def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: str, t0: float) -> CheckReport:
+    """The frozen report of what the stages found, its verdict and headline."""
     verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
-    judged = "op-level" if op_level else "layer-level" if cand is not None else "free-running"
     report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
-                         h.n_prompt, round(time.perf_counter() - t0, 3), judged)
+                         trace.header.n_prompt, round(time.perf_counter() - t0, 3), judged)
     from parity.bisect.check_report import headline
 
     return replace(report, headline=headline(report))
