@@ -231,9 +231,11 @@ def check_tables(h: TraceHeader, tables: dict[str, Table], fail: Fail) -> None:
         raise fail("hc.sub", "sub-layer must be 0 (attn) or 1 (ffn)")
     if (moe["ids"] < 0).any():
         raise fail("moe.ids", "expert ids must be >= 0")
-    if (attn["n_comp"] < 0).any() or (attn["sel"] < -1).any():
+    sel = attn["sel"]  # per-row extremes: two passes over the largest column, no temporary of its size
+    low, high = (sel.min(axis=1), sel.max(axis=1)) if sel.shape[1] else (np.full(len(sel), -1),) * 2
+    if (attn["n_comp"] < 0).any() or (low < -1).any():
         raise fail("attn.sel", "n_comp must be >= 0 and selections >= -1")
-    if (attn["sel"][~attn["has_sel"]] != -1).any():
+    if (high[~attn["has_sel"]] != -1).any():
         raise fail("attn.sel", "rows without a selection (has_sel false) must hold only -1")
 
 
