@@ -523,12 +523,31 @@ def _sel_compare(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
     x [n, S], y [n, S'] int -> (sorted(x[i] >= 0) != sorted(y[i] >= 0), x[i] lists a value twice, y[i] lists a
     value twice), each bool [n]. Lists, not sets: a compressed row selected twice is not the row selected once.
+    Only what can differ is sorted: x's rows holding an entry >= 0 (for its duplicates) and the rows where y is not
+    x element for element (equal rows have equal sorted lists and y's duplicates are x's).
     """
-    sx, sy = (np.sort(np.maximum(v, -1), axis=1) for v in (x, y))
-    width = max(sx.shape[1], sy.shape[1])
-    pad = lambda s: np.pad(s, ((0, 0), (width - s.shape[1], 0)), constant_values=-1)  # noqa: E731
-    dup = lambda s: ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)  # noqa: E731
-    return (pad(sx) != pad(sy)).any(axis=1), dup(sx), dup(sy)
+    diff = np.flatnonzero(~_rows_equal(x, y))
+    live = np.flatnonzero((x >= 0).any(axis=1))
+    dup_a = np.zeros(len(x), bool)
+    dup_a[live] = _dup(_sorted_entries(x[live]))
+    dup_b, mismatch = dup_a.copy(), np.zeros(len(x), bool)
+    if len(diff):
+        sx, sy = _sorted_entries(x[diff]), _sorted_entries(y[diff])
+        width = max(sx.shape[1], sy.shape[1])
+        pad = lambda s: np.pad(s, ((0, 0), (width - s.shape[1], 0)), constant_values=-1)  # noqa: E731
+        mismatch[diff] = (pad(sx) != pad(sy)).any(axis=1)
+        dup_b[diff] = _dup(sy)
+    return mismatch, dup_a, dup_b
+
+
+def _sorted_entries(v: np.ndarray) -> np.ndarray:
+    """Each row sorted, every negative entry as -1 (empty slots first).  [n, S] -> [n, S]"""
+    return np.sort(np.maximum(v, -1), axis=1)
+
+
+def _dup(s: np.ndarray) -> np.ndarray:
+    """Rows of sorted entries listing a value >= 0 twice.  [n, S] -> bool [n]"""
+    return ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(axis=1)
 
 
 def _sets_differ(x: np.ndarray, y: np.ndarray, same: np.ndarray) -> np.ndarray:
