@@ -43,8 +43,6 @@ class TensorSpec:
 def expected_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     """All tensors of the main model in file order: globals, then each layer's tensors."""
     D, H, V = cfg.dim, cfg.hc_mult, cfg.vocab_size
-    E, F, K = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.n_activated_experts
-    hd, nh, mix = cfg.head_dim, cfg.n_heads, cfg.n_hc_mix
     specs = [
         TensorSpec("token_embd.weight", (V, D), DENSE, "embedding"),
         TensorSpec("output_hc_fn.weight", (H, H * D), FLOATS, "hc"),
@@ -54,59 +52,81 @@ def expected_tensors(cfg: ModelConfig) -> list[TensorSpec]:
         TensorSpec("output.weight", (V, D), DENSE, "output"),
     ]
     for l in range(cfg.n_layers):
-        b = f"blk.{l}."
-        specs += [
-            TensorSpec(b + "hc_attn_fn.weight", (mix, H * D), FLOATS, "hc"),
-            TensorSpec(b + "hc_attn_scale.weight", (3,), F32_ONLY, "f32"),
-            TensorSpec(b + "hc_attn_base.weight", (mix,), F32_ONLY, "f32"),
-            TensorSpec(b + "attn_norm.weight", (D,), F32_ONLY, "f32"),
-            TensorSpec(b + "attn_q_a.weight", (cfg.q_lora_rank, D), DENSE, "attention"),
-            TensorSpec(b + "attn_q_a_norm.weight", (cfg.q_lora_rank,), F32_ONLY, "f32"),
-            TensorSpec(b + "attn_q_b.weight", (nh * hd, cfg.q_lora_rank), DENSE, "attention"),
-            TensorSpec(b + "attn_kv.weight", (hd, D), DENSE, "attention"),
-            TensorSpec(b + "attn_kv_a_norm.weight", (hd,), F32_ONLY, "f32"),
-            TensorSpec(b + "attn_sinks.weight", (nh,), F32_ONLY, "f32"),
-            TensorSpec(b + "attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, cfg.o_group_width),
-                       DENSE, "attention"),
-            TensorSpec(b + "attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), DENSE, "attention"),
-            TensorSpec(b + "hc_ffn_fn.weight", (mix, H * D), FLOATS, "hc"),
-            TensorSpec(b + "hc_ffn_scale.weight", (3,), F32_ONLY, "f32"),
-            TensorSpec(b + "hc_ffn_base.weight", (mix,), F32_ONLY, "f32"),
-            TensorSpec(b + "ffn_norm.weight", (D,), F32_ONLY, "f32"),
-            TensorSpec(b + "ffn_gate_inp.weight", (E, D), FLOATS, "router"),
-            TensorSpec(b + "ffn_gate_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
-            TensorSpec(b + "ffn_up_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
-            TensorSpec(b + "ffn_down_exps.weight", (E, D, F), EXPERTS, "expert_down"),
-            TensorSpec(b + "ffn_gate_shexp.weight", (F, D), DENSE, "shared"),
-            TensorSpec(b + "ffn_up_shexp.weight", (F, D), DENSE, "shared"),
-            TensorSpec(b + "ffn_down_shexp.weight", (D, F), DENSE, "shared"),
-        ]
-        ratio = cfg.ratio(l)
-        if ratio > 0:
-            cw = (2 if ratio == 4 else 1) * hd
-            specs += [
-                TensorSpec(b + "attn_compressor_ape.weight", (ratio, cw), FLOATS, "compressor"),
-                TensorSpec(b + "attn_compressor_kv.weight", (cw, D), DENSE, "compressor"),
-                TensorSpec(b + "attn_compressor_gate.weight", (cw, D), DENSE, "compressor"),
-                TensorSpec(b + "attn_compressor_norm.weight", (hd,), F32_ONLY, "f32"),
-            ]
-        if cfg.has_indexer(l):
-            di, hi = cfg.index_head_dim, cfg.index_n_heads
-            specs += [
-                TensorSpec(b + "indexer.attn_q_b.weight", (hi * di, cfg.q_lora_rank), DENSE, "indexer"),
-                TensorSpec(b + "indexer.proj.weight", (hi, D), DENSE, "indexer"),
-                TensorSpec(b + "indexer_compressor_ape.weight", (4, 2 * di), FLOATS, "indexer"),
-                TensorSpec(b + "indexer_compressor_kv.weight", (2 * di, D), DENSE, "indexer"),
-                TensorSpec(b + "indexer_compressor_gate.weight", (2 * di, D), DENSE, "indexer"),
-                TensorSpec(b + "indexer_compressor_norm.weight", (di,), F32_ONLY, "f32"),
-            ]
-        if cfg.is_hash_layer(l):
-            specs.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (V, K), I32_ONLY, "i32"))
-            # hash layers ignore a bias; files may still carry one (spec §4.3)
-            specs.append(TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32", required=False))
-        else:
-            specs.append(TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32"))
+        specs += _block_specs(cfg, f"blk.{l}.")
+        specs += _compressor_specs(cfg, l) + _indexer_specs(cfg, l) + _router_table_specs(cfg, l)
     return specs
+
+
+def _block_specs(cfg: ModelConfig, b: str) -> list[TensorSpec]:
+    """The tensors every layer holds (prefix `b`): hyper-connections, attention, norms, router, experts."""
+    D, H, E, F = cfg.dim, cfg.hc_mult, cfg.n_routed_experts, cfg.moe_inter_dim
+    hd, nh, mix = cfg.head_dim, cfg.n_heads, cfg.n_hc_mix
+    return [
+        TensorSpec(b + "hc_attn_fn.weight", (mix, H * D), FLOATS, "hc"),
+        TensorSpec(b + "hc_attn_scale.weight", (3,), F32_ONLY, "f32"),
+        TensorSpec(b + "hc_attn_base.weight", (mix,), F32_ONLY, "f32"),
+        TensorSpec(b + "attn_norm.weight", (D,), F32_ONLY, "f32"),
+        TensorSpec(b + "attn_q_a.weight", (cfg.q_lora_rank, D), DENSE, "attention"),
+        TensorSpec(b + "attn_q_a_norm.weight", (cfg.q_lora_rank,), F32_ONLY, "f32"),
+        TensorSpec(b + "attn_q_b.weight", (nh * hd, cfg.q_lora_rank), DENSE, "attention"),
+        TensorSpec(b + "attn_kv.weight", (hd, D), DENSE, "attention"),
+        TensorSpec(b + "attn_kv_a_norm.weight", (hd,), F32_ONLY, "f32"),
+        TensorSpec(b + "attn_sinks.weight", (nh,), F32_ONLY, "f32"),
+        TensorSpec(b + "attn_output_a.weight", (cfg.o_groups * cfg.o_lora_rank, cfg.o_group_width),
+                   DENSE, "attention"),
+        TensorSpec(b + "attn_output_b.weight", (D, cfg.o_groups * cfg.o_lora_rank), DENSE, "attention"),
+        TensorSpec(b + "hc_ffn_fn.weight", (mix, H * D), FLOATS, "hc"),
+        TensorSpec(b + "hc_ffn_scale.weight", (3,), F32_ONLY, "f32"),
+        TensorSpec(b + "hc_ffn_base.weight", (mix,), F32_ONLY, "f32"),
+        TensorSpec(b + "ffn_norm.weight", (D,), F32_ONLY, "f32"),
+        TensorSpec(b + "ffn_gate_inp.weight", (E, D), FLOATS, "router"),
+        TensorSpec(b + "ffn_gate_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
+        TensorSpec(b + "ffn_up_exps.weight", (E, F, D), EXPERTS, "expert_gate_up"),
+        TensorSpec(b + "ffn_down_exps.weight", (E, D, F), EXPERTS, "expert_down"),
+        TensorSpec(b + "ffn_gate_shexp.weight", (F, D), DENSE, "shared"),
+        TensorSpec(b + "ffn_up_shexp.weight", (F, D), DENSE, "shared"),
+        TensorSpec(b + "ffn_down_shexp.weight", (D, F), DENSE, "shared"),
+    ]
+
+
+def _compressor_specs(cfg: ModelConfig, l: int) -> list[TensorSpec]:
+    """Layer l's KV compressor tensors (none on a layer without compression)."""
+    ratio, b, hd = cfg.ratio(l), f"blk.{l}.", cfg.head_dim
+    if ratio <= 0:
+        return []
+    cw = (2 if ratio == 4 else 1) * hd
+    return [
+        TensorSpec(b + "attn_compressor_ape.weight", (ratio, cw), FLOATS, "compressor"),
+        TensorSpec(b + "attn_compressor_kv.weight", (cw, cfg.dim), DENSE, "compressor"),
+        TensorSpec(b + "attn_compressor_gate.weight", (cw, cfg.dim), DENSE, "compressor"),
+        TensorSpec(b + "attn_compressor_norm.weight", (hd,), F32_ONLY, "f32"),
+    ]
+
+
+def _indexer_specs(cfg: ModelConfig, l: int) -> list[TensorSpec]:
+    """Layer l's sparse-attention indexer tensors (none on a layer without an indexer)."""
+    if not cfg.has_indexer(l):
+        return []
+    b, D, di, hi = f"blk.{l}.", cfg.dim, cfg.index_head_dim, cfg.index_n_heads
+    return [
+        TensorSpec(b + "indexer.attn_q_b.weight", (hi * di, cfg.q_lora_rank), DENSE, "indexer"),
+        TensorSpec(b + "indexer.proj.weight", (hi, D), DENSE, "indexer"),
+        TensorSpec(b + "indexer_compressor_ape.weight", (4, 2 * di), FLOATS, "indexer"),
+        TensorSpec(b + "indexer_compressor_kv.weight", (2 * di, D), DENSE, "indexer"),
+        TensorSpec(b + "indexer_compressor_gate.weight", (2 * di, D), DENSE, "indexer"),
+        TensorSpec(b + "indexer_compressor_norm.weight", (di,), F32_ONLY, "f32"),
+    ]
+
+
+def _router_table_specs(cfg: ModelConfig, l: int) -> list[TensorSpec]:
+    """Layer l's routing extras: the hash table of a hash layer, the expert bias (optional on a hash layer)."""
+    b, E = f"blk.{l}.", cfg.n_routed_experts
+    if cfg.is_hash_layer(l):
+        # hash layers ignore a bias; files may still carry one (spec §4.3)
+        return [TensorSpec(b + "ffn_gate_tid2eid.weight", (cfg.vocab_size, cfg.n_activated_experts), I32_ONLY,
+                           "i32"),
+                TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32", required=False)]
+    return [TensorSpec(b + "exp_probs_b.bias", (E,), F32_ONLY, "f32")]
 
 
 # Per-class types of the DS4 2-bit release (IQ2_XXS gate/up, Q2_K down; spec §4 "DS4 q2").

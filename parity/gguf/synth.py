@@ -24,13 +24,14 @@ from gguf import quants
 from gguf.constants import GGMLQuantizationType as Q
 
 from parity.gguf import lcp_layouts
-from parity.gguf.config import ModelConfig
+from parity.gguf.config import ARCH, ModelConfig
 from parity.gguf.container import VT, TensorData, Value, write_gguf
 from parity.gguf.inventory import REAL_RELEASE_TYPES, TensorSpec, expected_tensors
 from parity.gguf.quant_blocks import RANDOM_BLOCK_TYPES, random_blocks
 from parity.gguf.vocab import CHAT_TEMPLATE, synthetic_vocab
 
 LCP_PREFIX = "lcp-"
+KEY_PREFIX = ARCH + "."   # every model key but the general.* and tokenizer.* ones
 QUANTS = ("f32", "real-mix", "mxfp4", *(LCP_PREFIX + f for f in lcp_layouts.FTYPES))
 
 
@@ -95,61 +96,91 @@ def preset_config(name: str, vocab_size: int) -> ModelConfig:
 
 def metadata(cfg: ModelConfig, name: str) -> dict[str, Value]:
     """All deepseek4 keys with the GGUF value types the real converters write (spec §3)."""
-    u32 = lambda v: Value(VT.U32, int(v))  # noqa: E731
-    f32 = lambda v: Value(VT.F32, float(v))  # noqa: E731
-    p = "deepseek4."
-    vocab = synthetic_vocab()
+    return {**_general_keys(cfg, name), **_attention_keys(cfg), **_ffn_keys(cfg), **_tokenizer_keys()}
+
+
+def _u32(v: float) -> Value:
+    """A U32 metadata value."""
+    return Value(VT.U32, int(v))
+
+
+def _f32(v: float) -> Value:
+    """An F32 metadata value."""
+    return Value(VT.F32, float(v))
+
+
+def _general_keys(cfg: ModelConfig, name: str) -> dict[str, Value]:
+    """The architecture, name and the model's dimensions."""
     return {
         "general.architecture": Value(VT.STRING, "deepseek4"),
         "general.name": Value(VT.STRING, f"v4parity-synth-{name}"),
-        "general.quantization_version": u32(2),
-        p + "block_count": u32(cfg.n_layers),
-        p + "context_length": u32(cfg.context_length),
-        p + "embedding_length": u32(cfg.dim),
-        p + "embedding_length_out": u32(cfg.hc_mult * cfg.dim),
-        p + "vocab_size": u32(cfg.vocab_size),
-        p + "attention.head_count": u32(cfg.n_heads),
-        p + "attention.head_count_kv": u32(1),
-        p + "attention.key_length": u32(cfg.head_dim),
-        p + "attention.value_length": u32(cfg.head_dim),
-        p + "attention.layer_norm_rms_epsilon": f32(cfg.norm_eps),
-        p + "attention.q_lora_rank": u32(cfg.q_lora_rank),
-        p + "attention.sliding_window": u32(cfg.window_size),
-        p + "attention.output_group_count": u32(cfg.o_groups),
-        p + "attention.output_lora_rank": u32(cfg.o_lora_rank),
+        "general.quantization_version": _u32(2),
+        KEY_PREFIX + "block_count": _u32(cfg.n_layers),
+        KEY_PREFIX + "context_length": _u32(cfg.context_length),
+        KEY_PREFIX + "embedding_length": _u32(cfg.dim),
+        KEY_PREFIX + "embedding_length_out": _u32(cfg.hc_mult * cfg.dim),
+        KEY_PREFIX + "vocab_size": _u32(cfg.vocab_size),
+    }
+
+
+def _attention_keys(cfg: ModelConfig) -> dict[str, Value]:
+    """Attention, compression, indexer and RoPE keys."""
+    return {
+        KEY_PREFIX + "attention.head_count": _u32(cfg.n_heads),
+        KEY_PREFIX + "attention.head_count_kv": _u32(1),
+        KEY_PREFIX + "attention.key_length": _u32(cfg.head_dim),
+        KEY_PREFIX + "attention.value_length": _u32(cfg.head_dim),
+        KEY_PREFIX + "attention.layer_norm_rms_epsilon": _f32(cfg.norm_eps),
+        KEY_PREFIX + "attention.q_lora_rank": _u32(cfg.q_lora_rank),
+        KEY_PREFIX + "attention.sliding_window": _u32(cfg.window_size),
+        KEY_PREFIX + "attention.output_group_count": _u32(cfg.o_groups),
+        KEY_PREFIX + "attention.output_lora_rank": _u32(cfg.o_lora_rank),
         # INT32 array with the trailing MTP slot, exactly as llama.cpp's converter writes it
-        p + "attention.compress_ratios": Value(VT.ARRAY, [*cfg.compress_ratios, 0], VT.I32),
-        p + "attention.compress_rope_freq_base": f32(cfg.compress_rope_theta),
-        p + "attention.indexer.head_count": u32(cfg.index_n_heads),
-        p + "attention.indexer.key_length": u32(cfg.index_head_dim),
-        p + "attention.indexer.top_k": u32(cfg.index_topk),
-        p + "rope.dimension_count": u32(cfg.rope_head_dim),
-        p + "rope.freq_base": f32(cfg.rope_theta),
-        p + "rope.scaling.type": Value(VT.STRING, "yarn"),
-        p + "rope.scaling.factor": f32(cfg.rope_factor),
-        p + "rope.scaling.original_context_length": u32(cfg.original_seq_len),
-        p + "rope.scaling.yarn_beta_fast": f32(cfg.beta_fast),
-        p + "rope.scaling.yarn_beta_slow": f32(cfg.beta_slow),
-        p + "expert_count": u32(cfg.n_routed_experts),
-        p + "expert_used_count": u32(cfg.n_activated_experts),
-        p + "expert_feed_forward_length": u32(cfg.moe_inter_dim),
-        p + "expert_shared_count": u32(cfg.n_shared_experts),
-        p + "expert_weights_scale": f32(cfg.route_scale),
-        p + "expert_weights_norm": Value(VT.BOOL, True),
-        p + "expert_gating_func": u32(4),
-        p + "hash_layer_count": u32(cfg.n_hash_layers),
-        p + "swiglu_clamp_exp": Value(VT.ARRAY, list(cfg.swiglu_limit), VT.F32),
-        p + "swiglu_clamp_shexp": Value(VT.ARRAY, list(cfg.swiglu_limit_shexp), VT.F32),
-        p + "hyper_connection.count": u32(cfg.hc_mult),
-        p + "hyper_connection.sinkhorn_iterations": u32(cfg.hc_sinkhorn_iters),
-        p + "hyper_connection.epsilon": f32(cfg.hc_eps),
+        KEY_PREFIX + "attention.compress_ratios": Value(VT.ARRAY, [*cfg.compress_ratios, 0], VT.I32),
+        KEY_PREFIX + "attention.compress_rope_freq_base": _f32(cfg.compress_rope_theta),
+        KEY_PREFIX + "attention.indexer.head_count": _u32(cfg.index_n_heads),
+        KEY_PREFIX + "attention.indexer.key_length": _u32(cfg.index_head_dim),
+        KEY_PREFIX + "attention.indexer.top_k": _u32(cfg.index_topk),
+        KEY_PREFIX + "rope.dimension_count": _u32(cfg.rope_head_dim),
+        KEY_PREFIX + "rope.freq_base": _f32(cfg.rope_theta),
+        KEY_PREFIX + "rope.scaling.type": Value(VT.STRING, "yarn"),
+        KEY_PREFIX + "rope.scaling.factor": _f32(cfg.rope_factor),
+        KEY_PREFIX + "rope.scaling.original_context_length": _u32(cfg.original_seq_len),
+        KEY_PREFIX + "rope.scaling.yarn_beta_fast": _f32(cfg.beta_fast),
+        KEY_PREFIX + "rope.scaling.yarn_beta_slow": _f32(cfg.beta_slow),
+    }
+
+
+def _ffn_keys(cfg: ModelConfig) -> dict[str, Value]:
+    """Mixture-of-experts, SwiGLU clamp and hyper-connection keys."""
+    return {
+        KEY_PREFIX + "expert_count": _u32(cfg.n_routed_experts),
+        KEY_PREFIX + "expert_used_count": _u32(cfg.n_activated_experts),
+        KEY_PREFIX + "expert_feed_forward_length": _u32(cfg.moe_inter_dim),
+        KEY_PREFIX + "expert_shared_count": _u32(cfg.n_shared_experts),
+        KEY_PREFIX + "expert_weights_scale": _f32(cfg.route_scale),
+        KEY_PREFIX + "expert_weights_norm": Value(VT.BOOL, True),
+        KEY_PREFIX + "expert_gating_func": _u32(4),
+        KEY_PREFIX + "hash_layer_count": _u32(cfg.n_hash_layers),
+        KEY_PREFIX + "swiglu_clamp_exp": Value(VT.ARRAY, list(cfg.swiglu_limit), VT.F32),
+        KEY_PREFIX + "swiglu_clamp_shexp": Value(VT.ARRAY, list(cfg.swiglu_limit_shexp), VT.F32),
+        KEY_PREFIX + "hyper_connection.count": _u32(cfg.hc_mult),
+        KEY_PREFIX + "hyper_connection.sinkhorn_iterations": _u32(cfg.hc_sinkhorn_iters),
+        KEY_PREFIX + "hyper_connection.epsilon": _f32(cfg.hc_eps),
+    }
+
+
+def _tokenizer_keys() -> dict[str, Value]:
+    """The synthetic BPE vocabulary and chat template."""
+    vocab = synthetic_vocab()
+    return {
         "tokenizer.ggml.model": Value(VT.STRING, "gpt2"),
         "tokenizer.ggml.pre": Value(VT.STRING, "joyai-llm"),
         "tokenizer.ggml.tokens": Value(VT.ARRAY, vocab.tokens, VT.STRING),
         "tokenizer.ggml.token_type": Value(VT.ARRAY, vocab.token_types, VT.I32),
         "tokenizer.ggml.merges": Value(VT.ARRAY, vocab.merges, VT.STRING),
-        "tokenizer.ggml.bos_token_id": u32(vocab.bos_id),
-        "tokenizer.ggml.eos_token_id": u32(vocab.eos_id),
+        "tokenizer.ggml.bos_token_id": _u32(vocab.bos_id),
+        "tokenizer.ggml.eos_token_id": _u32(vocab.eos_id),
         "tokenizer.ggml.add_bos_token": Value(VT.BOOL, True),
         "tokenizer.ggml.add_eos_token": Value(VT.BOOL, False),
         "tokenizer.chat_template": Value(VT.STRING, CHAT_TEMPLATE),
