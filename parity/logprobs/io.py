@@ -257,66 +257,80 @@ def _vec_cases(path: str) -> dict[str, tuple[dict[str, Any], list[Step]]]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise LogprobFileError(f"{path}: cannot read: {e}") from None
-    cases: dict[str, tuple[dict[str, Any], list[Step]]] = {}
-    case: tuple[dict[str, Any], list[Step]] | None = None
-    pending: list[Any] | None = None   # [index, selected, expected tops, tops]
-
-    def fail(n: int, msg: str) -> LogprobFileError:
-        return LogprobFileError(f"{path}: line {n}: {msg}")
-
-    def token(n: int, hexs: str) -> Tok:
-        try:
-            return make_tok(bytes.fromhex(hexs))
-        except ValueError:
-            raise fail(n, f"token hex {hexs!r} is not an even-length hex string") from None
-
-    def close_step(n: int) -> None:
-        nonlocal pending
-        if pending is not None:
-            idx, sel, want, tops = pending
-            if len(tops) != want:
-                raise fail(n, f"step {idx}: field 'top-count' says {want}, found {len(tops)} top lines")
-            kept = [(t, lp) for t, lp in tops if lp > PLACEHOLDER_LOGPROB]
-            case[1].append(Step(idx, sel, kept, None, len(tops) - len(kept), [(t, f32(lp)) for t, lp in tops]))
-        pending = None
-
+    p = _VecParser(path)
     for n, line in enumerate(lines, 1):
         f = line.split()
         if not f or f[0].startswith("#"):
             continue
         try:
-            if f[0] == "case" and len(f) == 5 and case is None:
-                meta = {"case": f[1], "ctx": int(f[2]), "steps": int(f[3]), "prompt_file": f[4]}
-                if f[1] in cases:
-                    raise fail(n, f"case {f[1]!r} appears twice")
-                case = (meta, [])
-            elif f[0] == "step" and len(f) == 4 and case is not None:
-                close_step(n)
-                idx = int(f[1])
-                if idx != len(case[1]):
-                    raise fail(n, f"step {idx}: field 'index': expected {len(case[1])}")
-                pending = [idx, token(n, f[2]), int(f[3]), []]
-            elif f[0] == "top" and len(f) == 3 and pending is not None:
-                lp = float(f[2])
-                if not math.isfinite(lp) or lp > LOGPROB_SLACK:
-                    raise fail(n, f"step {pending[0]}: field 'logprob': {f[2]} is not a logprob")
-                pending[3].append((token(n, f[1]), lp))
-            elif f[0] == "end" and len(f) == 1 and case is not None:
-                close_step(n)
-                if len(case[1]) != case[0]["steps"]:
-                    raise fail(n, f"case {case[0]['case']}: field 'steps' says {case[0]['steps']}, "
-                               f"found {len(case[1])}")
-                cases[case[0]["case"]] = case
-                case = None
-            else:
-                raise fail(n, f"unexpected line {line.strip()!r}")
+            p.feed(n, f, line)
         except ValueError as e:
-            raise fail(n, f"bad number in {line.strip()!r}: {e}") from None
-    if case is not None:
-        raise fail(len(lines), f"case {case[0]['case']} has no 'end'")
-    if not cases:
+            raise p.fail(n, f"bad number in {line.strip()!r}: {e}") from None
+    if p.case is not None:
+        raise p.fail(len(lines), f"case {p.case[0]['case']} has no 'end'")
+    if not p.cases:
         raise LogprobFileError(f"{path}: no cases")
-    return cases
+    return p.cases
+
+
+class _VecParser:
+    """The state of reading an official.vec file line by line: the cases ended so far, the open case (meta,
+    steps) and its pending step [index, selected, expected top count, tops]."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.cases: dict[str, tuple[dict[str, Any], list[Step]]] = {}
+        self.case: tuple[dict[str, Any], list[Step]] | None = None
+        self.pending: list[Any] | None = None
+
+    def fail(self, n: int, msg: str) -> LogprobFileError:
+        return LogprobFileError(f"{self.path}: line {n}: {msg}")
+
+    def feed(self, n: int, f: list[str], line: str) -> None:
+        """Line n (its fields `f`): a `case`, `step`, `top` or `end` line where the grammar allows one."""
+        if f[0] == "case" and len(f) == 5 and self.case is None:
+            meta = {"case": f[1], "ctx": int(f[2]), "steps": int(f[3]), "prompt_file": f[4]}
+            if f[1] in self.cases:
+                raise self.fail(n, f"case {f[1]!r} appears twice")
+            self.case = (meta, [])
+        elif f[0] == "step" and len(f) == 4 and self.case is not None:
+            self._close_step(n)
+            idx = int(f[1])
+            if idx != len(self.case[1]):
+                raise self.fail(n, f"step {idx}: field 'index': expected {len(self.case[1])}")
+            self.pending = [idx, self._token(n, f[2]), int(f[3]), []]
+        elif f[0] == "top" and len(f) == 3 and self.pending is not None:
+            lp = float(f[2])
+            if not math.isfinite(lp) or lp > LOGPROB_SLACK:
+                raise self.fail(n, f"step {self.pending[0]}: field 'logprob': {f[2]} is not a logprob")
+            self.pending[3].append((self._token(n, f[1]), lp))
+        elif f[0] == "end" and len(f) == 1 and self.case is not None:
+            self._end_case(n)
+        else:
+            raise self.fail(n, f"unexpected line {line.strip()!r}")
+
+    def _token(self, n: int, hexs: str) -> Tok:
+        try:
+            return make_tok(bytes.fromhex(hexs))
+        except ValueError:
+            raise self.fail(n, f"token hex {hexs!r} is not an even-length hex string") from None
+
+    def _close_step(self, n: int) -> None:
+        if self.pending is not None:
+            idx, sel, want, tops = self.pending
+            if len(tops) != want:
+                raise self.fail(n, f"step {idx}: field 'top-count' says {want}, found {len(tops)} top lines")
+            kept = [(t, lp) for t, lp in tops if lp > PLACEHOLDER_LOGPROB]
+            self.case[1].append(Step(idx, sel, kept, None, len(tops) - len(kept), [(t, f32(lp)) for t, lp in tops]))
+        self.pending = None
+
+    def _end_case(self, n: int) -> None:
+        self._close_step(n)
+        meta, steps = self.case
+        if len(steps) != meta["steps"]:
+            raise self.fail(n, f"case {meta['case']}: field 'steps' says {meta['steps']}, found {len(steps)}")
+        self.cases[meta["case"]] = self.case
+        self.case = None
 
 
 def read_official_vec(path: str | os.PathLike, case: str | None = None) -> LogprobRun:
