@@ -483,10 +483,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from dataclasses import replace
 
     from parity.bisect.check import check as run_check
-    from parity.bisect.check import reference_options
-    from parity.bisect.inputs import CheckPreflightError, candidate_subops, envelope_for, load_candidate, preflight
+    from parity.bisect.inputs import candidate_subops, load_candidate, preflight
     from parity.bisect.parallel import EngineLoader, warm
-    from parity.contract.engine import engine_class, engine_faults
     from parity.contract.workpool import WorkPool
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
@@ -507,6 +505,29 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     if problems:   # judged all the same (both engines read it), but the user is told, as `inspect` tells them
         notes = [*notes, f"`v4parity inspect` reports {len(problems)} contract problem(s) with this file, first: "
                  f"{problems[0]}"]
+    t0 = time.perf_counter()
+    env, source = _check_envelope(model, identity, trace_, config, envelope, envelope_search, say)
+    env_cost = {"envelope_seconds": round(time.perf_counter() - t0, 3), "envelope_source": source}
+    library, draft_library = _fault_libraries(model, fault_engines, draft)
+    drafter = None if draft is None else str(draft)
+    with WorkPool(workers, ray, warm=(warm, (("reference", *fault_engines),))) as pool:
+        report = run_check(trace_, EngineLoader("reference", str(model), drafter), env,
+                           fault_engines=library, draft_fault_engines=draft_library,
+                           subops=subops, notes=notes, progress=say, counter=counter, config=config, pool=pool)
+    return replace(report, **env_cost)
+
+
+def _check_envelope(model: str | os.PathLike, identity: dict, trace_: Trace, config: Any,
+                    envelope: str | os.PathLike | None, envelope_search: Sequence[str | os.PathLike] | None,
+                    say: Callable[[str], None]) -> tuple[Any, str]:
+    """`check`'s envelope for `trace_` and where it came from ('measured' or its path): `envelope`, else the stored
+    one of this model with the trace's dtype and QAT flags in `envelope_search` (default `_envelope_search`), else,
+    for a float32 trace, the reference's own measured now and cached (CheckPreflightError for another dtype)."""
+    import time
+
+    from parity.bisect.check import reference_options
+    from parity.bisect.inputs import CheckPreflightError, envelope_for
+
     search = envelope_search if envelope_search is not None else _envelope_search(model)
     ref_options, _ = reference_options(trace_, config)
     qat = {"fp8_kv": ref_options.fp8_kv, "fp4_indexer": ref_options.fp4_indexer}
@@ -516,16 +537,24 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
         raise CheckPreflightError(f"no stored {trace_.header.dtype} envelope for this model in "
                                   f"{', '.join(map(str, search))}: measure one with `v4parity envelope --dtype "
                                   f"{trace_.header.dtype}` or pass --envelope")
-    if found is None:
-        say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
-            "19 round-off twins)")
-        env = _cached(measure_envelope(model, "reference", RunOptions(**qat), say), identity, qat, "reference",
-                      time.perf_counter() - t0, say)
-    else:
-        env = found[0]
+    if found is not None:
         say(f"envelope: {found[1]} ({trace_.header.dtype})")
-    env_cost = {"envelope_seconds": round(time.perf_counter() - t0, 3),
-                "envelope_source": "measured" if found is None else str(found[1])}
+        return found[0], str(found[1])
+    say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
+        "19 round-off twins)")
+    env = _cached(measure_envelope(model, "reference", RunOptions(**qat), say), identity, qat, "reference",
+                  time.perf_counter() - t0, say)
+    return env, "measured"
+
+
+def _fault_libraries(model: str | os.PathLike, fault_engines: Sequence[str],
+                     draft: str | os.PathLike | None) -> tuple[list, list]:
+    """`check`'s defect libraries: (engine, loader, faults) for every engine in `fault_engines` (each must offer
+    fault switches: CheckPreflightError naming those that do not), and with `draft` their drafter faults."""
+    from parity.bisect.inputs import CheckPreflightError
+    from parity.bisect.parallel import EngineLoader
+    from parity.contract.engine import engine_class, engine_faults
+
     library = [(n, EngineLoader(n, str(model)), engine_faults(n)) for n in fault_engines]
     empty = [n for n, _, faults in library if not faults]
     if empty:
@@ -534,11 +563,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     draft_library = [] if drafter is None else [
         (n, EngineLoader(n, str(model), drafter), faults)
         for n in fault_engines if (faults := tuple(getattr(engine_class(n), "draft_faults", ())))]
-    with WorkPool(workers, ray, warm=(warm, (("reference", *fault_engines),))) as pool:
-        report = run_check(trace_, EngineLoader("reference", str(model), drafter), env,
-                           fault_engines=library, draft_fault_engines=draft_library,
-                           subops=subops, notes=notes, progress=say, counter=counter, config=config, pool=pool)
-    return replace(report, **env_cost)
+    return library, draft_library
 
 
 @dataclass(frozen=True)

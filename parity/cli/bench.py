@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import click
 
+from parity.bench.run import ENGINES
 from parity.cli.common import device_option, echo_json, json_errors, json_option
-from parity.compare.jsonvalues import json_safe
-from parity.contract.files import atomic_write_text
-
-ENGINES = ("reference", "torch")
 
 
 @click.command()
@@ -56,71 +49,23 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from parity.bench.measure import render_markdown, run_bench
-    from parity.contract.errors import ParityError
+    from parity.bench.run import run_bench_command
 
-    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
-    unknown = [e for e in chosen if e not in ENGINES]
-    if unknown or not chosen:
-        raise ParityError(f"--engines: unknown engine(s) {unknown or [engines]}; choose from {', '.join(ENGINES)}")
     console = Console(stderr=True)
-    if device != "cpu":
-        import torch
-
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif not torch.cuda.is_available():
-            raise ParityError("--device cuda: torch sees no CUDA device on this machine (use --device cpu)")
-    if torch_threads < 0:
-        raise ParityError(f"--torch-threads must be >= 0, got {torch_threads}")
-    from parity.contract.engine import available_engines
-
-    peer_names = tuple(p.strip() for p in peers.split(",") if p.strip())
-    missing = [p for p in peer_names if p not in available_engines()]
-    if missing:
-        raise ParityError(f"--peers: engine(s) {missing} not registered; registered: {', '.join(available_engines())}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if verdicts_only:
-        verdict_report = _verdicts(Path(cache_dir), quick, out, console, not as_json)
-        if as_json:
-            echo_json(verdict_report)
-        return
-    report = run_bench(Path(cache_dir), device, quick, chosen, torch_threads or None,
-                       log=lambda m: console.print(f"[dim]{m}[/dim]"), peers=peer_names)
-    atomic_write_text(out / "bench.json", json.dumps(json_safe(report), indent=2, allow_nan=False))
-    table = render_markdown(report)
-    atomic_write_text(out / "bench.md", table)
-    verdict_report = _verdicts(Path(cache_dir), quick, out, console, not as_json) if verdicts else None
+    run = run_bench_command(cache_dir, out_dir, device=device, quick=quick, engines=engines, peers=peers,
+                            torch_threads=torch_threads, verdicts=verdicts, verdicts_only=verdicts_only,
+                            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+                            verdict_log=lambda m: console.print(m, markup=False, highlight=False))
     if as_json:
-        echo_json({**report, "verdicts": verdict_report} if verdict_report else report)
+        echo_json(run.verdicts if run.report is None else
+                  {**run.report, "verdicts": run.verdicts} if run.verdicts else run.report)
         return
-    Console().print(Markdown(table))
-    click.echo(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
-
-
-def _verdicts(cache_dir: Path, quick: bool, out: Path, console: Any, show: bool) -> dict[str, Any]:
-    """The verdict benchmark (parity.bench.verdicts): runs it (progress on `console`, stderr), writes
-    OUT/verdicts.json and verdicts.md, prints the tables on stdout when `show`; returns its report."""
-    import tempfile
-
-    from rich.markdown import Markdown
-
-    from parity.bench.verdicts import PLANS, render_verdicts_markdown, run_verdicts, verdict_models, write_verdicts
-
-    plan = PLANS["quick" if quick else "default"]
-    log = lambda m: console.print(m, markup=False, highlight=False)  # noqa: E731
-    models = verdict_models(cache_dir / "verdicts", plan, log)
-    with tempfile.TemporaryDirectory(prefix="v4parity-verdicts-") as scratch:
-        result = run_verdicts(models, plan, Path(scratch), log)
-    result["plan_name"] = "quick" if quick else "default"
-    js, md = write_verdicts(result, out)
-    if show:
-        from rich.console import Console
-
-        Console().print(Markdown(render_verdicts_markdown(result)))
-        click.echo(f"wrote {js} and {md}")
-    return result
+    if run.verdicts_markdown is not None:
+        Console().print(Markdown(run.verdicts_markdown))
+        click.echo(f"wrote {run.files[-2]} and {run.files[-1]}")
+    if run.table is not None:
+        Console().print(Markdown(run.table))
+        click.echo(f"wrote {run.files[0]} and {run.files[1]}")
 
 
 COMMANDS = [bench]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
-from parity.cli.check import pool_args, pool_options
 from parity.cli.common import (
+    check_draft_options,
     device_option,
+    draft_options,
     dtype_option,
     echo_json,
     html_option,
@@ -17,25 +18,12 @@ from parity.cli.common import (
     json_errors,
     json_option,
     model_option,
+    pool_args,
+    pool_options,
     tokenizer_option,
+    usage_errors,
+    warn,
 )
-from parity.cli.trace import check_draft_options, draft_options
-
-
-def _tokens(model: str, sources: dict[str, str | None], tokenizer: str, vocab: int, bos: int) -> list[int]:
-    """--tokens / --tokens-file / --prompt / --prompt-file as `trace` reads them, else the built-in prompt;
-    ids checked against vocab."""
-    from parity.cli.trace import resolve_tokens
-
-    if all(v is None for v in sources.values()):
-        from parity.bisect.search import builtin_prompt
-
-        return builtin_prompt(vocab, bos)
-    ids = resolve_tokens(model, **sources, tokenizer=tokenizer)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise click.BadParameter(f"token ids must be in [0, {vocab}); out of range: {bad[:5]}")
-    return ids
 
 
 def _stderr(msg: str) -> None:
@@ -146,30 +134,32 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
              v4parity bisect -m tiny-f32.gguf --engine torch --follow ref.trace
     """
     from parity import api
-    from parity.gguf.weights import Weights
+    from parity.tracing.plan import TokenSource
 
     if envelope_path is not None and not Path(envelope_path).exists():
         raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
     check_draft_options(draft)
     workers, ray = pool_args(workers, ray)
-    cfg = Weights(model).config
-    sources = {"tokens": tokens, "tokens_file": tokens_file, "prompt": prompt, "prompt_file": prompt_file}
-    if follow is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in {**sources, "decode": decode, "chunk": chunk}.items()
-                 if v is not None]
-        if given:
-            raise click.UsageError(f"--follow takes the followed trace's prompt, decode steps and chunking; drop "
-                                   f"{', '.join(given)}")
-        run = api.follow(follow)
-        ids, decode, chunk = run["tokens"], run["decode"], run["chunk"]
-    else:
-        ids = _tokens(model, sources, tokenizer, cfg.vocab_size, cfg.bos_token_id)
-        decode = 4 if decode is None else decode
-    report = api.bisect(model, engine=engine, tokens=ids, decode=decode, chunk=chunk,
+    with usage_errors():
+        plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), follow=follow,
+                            decode=decode, chunk=chunk, default_decode=4, builtin=True, note=warn)
+    report = api.bisect(model, engine=engine, tokens=plan.tokens, decode=plan.decode, chunk=plan.chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
                         routing_replay=routing_replay, progress=(bar := _progress()).note,
                         counter=bar, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
                         ray=ray)
+    _figures(report, plot, html_path)
+    if as_json:
+        echo_json(report.to_json())
+    else:
+        from parity.compare.textcells import fit_line
+
+        click.echo(report.summary if wide else "\n".join(fit_line(line) for line in report.summary.splitlines()))
+    sys.exit(1 if report.verdict == "defect" else 0)
+
+
+def _figures(report: object, plot: str | None, html_path: str | None) -> None:
+    """--plot (step x layer / layer PNG) and --html, each announced on stderr."""
     if plot:
         from parity.bisect.search import plot_report
 
@@ -180,13 +170,6 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
 
         bisect_page(html_path, report)
         _stderr(f"html: {html_path}")
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        from parity.compare.textcells import fit_line
-
-        click.echo(report.summary if wide else "\n".join(fit_line(line) for line in report.summary.splitlines()))
-    sys.exit(1 if report.verdict == "defect" else 0)
 
 
 COMMANDS = [bisect, envelope]

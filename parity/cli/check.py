@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import click
 
 from parity.cli.common import (
@@ -13,33 +11,12 @@ from parity.cli.common import (
     json_option,
     markdown_option,
     model_option,
+    pool_args,
+    pool_options,
+    usage_errors,
     write_text,
 )
 from parity.contract.errors import ParityError
-from parity.contract.workpool import LOCAL_RAY_CPUS
-
-
-def pool_options(what: str) -> Callable[[Callable], Callable]:
-    """--workers N and --ray [ADDRESS] (as `validate` takes them) for `what` runs (`parity.contract.workpool`)."""
-    def deco(f: Callable) -> Callable:
-        f = click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
-                         help=f"Run {what} as Ray tasks on the cluster at ADDRESS (host:port, auto); --ray alone "
-                              "starts a local instance. The model must be readable at this path on every node.")(f)
-        return click.option("--workers", default=1, show_default=True, type=click.IntRange(1),
-                            help=f"Worker processes for {what}; with --ray and no address: the local instance's "
-                                 f"CPUs ({LOCAL_RAY_CPUS} if not given). The report is the serial one.")(f)
-    return deco
-
-
-def pool_args(workers: int, ray: str | None) -> tuple[int, str | None]:
-    """(workers, ray) as the pool takes them: --workers with --ray ADDRESS is refused (the cluster decides);
-    --ray alone gets LOCAL_RAY_CPUS unless --workers is given."""
-    ctx = click.get_current_context()
-    given = ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT
-    if ray not in (None, "local") and given:
-        raise click.UsageError("--workers sets the CPUs of a local Ray instance; with --ray ADDRESS the cluster "
-                               "decides")
-    return (LOCAL_RAY_CPUS if ray == "local" and not given else workers), ray
 
 
 class Refused(click.ClickException):
@@ -85,19 +62,12 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
     Example: v4parity check -m tiny-f32.gguf --candidate torch.trace --markdown check.md
              v4parity check -m tiny-f32.gguf --candidate torch.trace --workers 2
     """
-    from pathlib import Path
-
     from parity import api
-    from parity.bisect.check_report import plot as plot_report
-    from parity.bisect.check_report import to_json, to_markdown, to_text
-    from parity.cli.trace import read_token_list
-
-    if tokens is not None and tokens_file is not None:
-        raise click.UsageError("give --tokens or --tokens-file, not both")
-    ids = (read_token_list(tokens, "--tokens") if tokens is not None else
-           read_token_list(Path(tokens_file).read_text(), tokens_file) if tokens_file is not None else None)
     from parity.cli.progress import Progress
+    from parity.tracing.plan import TokenSource, resolve_tokens
 
+    with usage_errors():  # imported dumps' token ids (a trace carries its own)
+        ids = resolve_tokens(model, TokenSource(tokens, tokens_file), required=False)
     workers, ray = pool_args(workers, ray)
     bar = Progress()
     try:
@@ -105,6 +75,16 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
                            progress=bar.note, counter=bar, draft=draft, workers=workers, ray=ray)
     except ParityError as e:
         raise Refused(str(e)) from None
+    _show(report, as_json, markdown_path, plot, html_path)
+    raise SystemExit(1 if report.verdict == "DEFECT" else 0)
+
+
+def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | None, html_path: str | None) -> None:
+    """--markdown FILE ('-': stdout), --plot PNG, --html FILE, then the report as JSON or text on stdout (none when
+    the Markdown went there)."""
+    from parity.bisect.check_report import plot as plot_report
+    from parity.bisect.check_report import to_json, to_markdown, to_text
+
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
     if plot:
@@ -117,7 +97,6 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
         echo_json(to_json(report))
     elif markdown_path != "-":
         click.echo(to_text(report))
-    raise SystemExit(1 if report.verdict == "DEFECT" else 0)
 
 
 COMMANDS = [check]

@@ -17,6 +17,7 @@ import click
 
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_text
+from parity.contract.workpool import LOCAL_RAY_CPUS
 
 DTYPES = ("float32", "float64", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
@@ -163,3 +164,26 @@ def check_draft_options(draft: str | None) -> None:
                  if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
     if mtp_given and draft is None:
         raise click.UsageError(f"{', '.join(mtp_given)} set(s) the MTP draft head: give --draft FILE")
+
+
+def pool_options(what: str) -> Callable[[Callable], Callable]:
+    """--workers N and --ray [ADDRESS] (check, bisect, validate) for `what` runs (`parity.contract.workpool`)."""
+    def deco(f: Callable) -> Callable:
+        f = click.option("--ray", "ray", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+                         help=f"Run {what} as Ray tasks on the cluster at ADDRESS (host:port, auto); --ray alone "
+                              "starts a local instance. The model must be readable at this path on every node.")(f)
+        return click.option("--workers", default=1, show_default=True, type=click.IntRange(1),
+                            help=f"Worker processes for {what}; with --ray and no address: the local instance's "
+                                 f"CPUs ({LOCAL_RAY_CPUS} if not given). The report is the serial one.")(f)
+    return deco
+
+
+def pool_args(workers: int, ray: str | None) -> tuple[int, str | None]:
+    """(workers, ray) as the pool takes them: --workers with --ray ADDRESS is refused (the cluster decides);
+    --ray alone gets LOCAL_RAY_CPUS unless --workers is given."""
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT
+    if ray not in (None, "local") and given:
+        raise click.UsageError("--workers sets the CPUs of a local Ray instance; with --ray ADDRESS the cluster "
+                               "decides")
+    return (LOCAL_RAY_CPUS if ray == "local" and not given else workers), ray

@@ -69,23 +69,23 @@ def synth(preset: str, quant: str | None, experts: int | None, seed: int, output
     if fit:
         _fit(path, size, draft, draft_out, layout, seed, fit_steps, fit_depth, draft_quant, as_json)
         return
-    if layout is not None:
-        from parity.gguf.synth_draft import synthesize_drafter
-
-        dpath = synthesize_drafter(draft_out, path, draft, layout, seed, draft_quant)
-        dsize = dpath.stat().st_size
-        if as_json:
-            echo_json({"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed,
-                       "draft": {"wrote": str(dpath), "bytes": dsize, "kind": draft, "layout": layout,
-                                 "quant": draft_quant}})
-        else:
-            click.echo(f"wrote {path} ({size:,} bytes; preset={preset} quant={quant} seed={seed})")
-            click.echo(f"wrote {dpath} ({dsize:,} bytes; drafter {draft} layout={layout} quant={draft_quant})")
-        return
+    doc = {"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed}
+    drafter = None if layout is None else _drafter(draft_out, path, draft, layout, seed, draft_quant)
     if as_json:
-        echo_json({"wrote": str(path), "bytes": size, "preset": preset, "quant": quant, "seed": seed})
-    else:
-        click.echo(f"wrote {path} ({size:,} bytes; preset={preset} quant={quant} seed={seed})")
+        echo_json({**doc, "draft": drafter} if drafter else doc)
+        return
+    click.echo(f"wrote {path} ({size:,} bytes; preset={preset} quant={quant} seed={seed})")
+    if drafter:
+        click.echo(f"wrote {drafter['wrote']} ({drafter['bytes']:,} bytes; drafter {draft} layout={layout} "
+                   f"quant={draft_quant})")
+
+
+def _drafter(out: str, trunk, kind: str, layout: str, seed: int, quant: str) -> dict:
+    """synth --draft: write the tiny drafter of `trunk` -> {wrote, bytes, kind, layout, quant}."""
+    from parity.gguf.synth_draft import synthesize_drafter
+
+    path = synthesize_drafter(out, trunk, kind, layout, seed, quant)
+    return {"wrote": str(path), "bytes": path.stat().st_size, "kind": kind, "layout": layout, "quant": quant}
 
 
 @click.command()

@@ -14,6 +14,7 @@ from parity.cli.common import (
     markdown_option,
     model_option,
     tokenizer_option,
+    warn,
     write_text,
 )
 from parity.contract.errors import ParityError
@@ -87,26 +88,36 @@ def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_fil
     """
     from parity import api
     from parity.cli.progress import Progress
-    from parity.cli.trace import resolve_tokens
     from parity.contract.engine import RunOptions
-    from parity.spec.printers import to_json, to_markdown, to_text
+    from parity.tracing.plan import TokenSource
 
     if candidate is not None:
         _candidate_only(click.get_current_context())
-    ids = resolve_tokens(model, tokens, tokens_file, prompt, prompt_file, tokenizer) if candidate is None else []
     bar = Progress()
     try:
-        options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
-                             inject=tuple(inject))
-        report = (api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar.note,
-                                     counter=bar) if candidate is not None else
-                  api.spec(model, ids, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
-                           gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
-                           progress=bar.note, counter=bar, trace_out=trace_out, pairing=pairing))
+        if candidate is not None:
+            report = api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar.note,
+                                        counter=bar)
+        else:
+            plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), note=warn)
+            options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
+                                 inject=tuple(inject))
+            report = api.spec(model, plan.tokens, engine=engine, draft=draft, script=script, depth=depth,
+                              steps=steps, gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
+                              progress=bar.note, counter=bar, trace_out=trace_out, pairing=pairing)
     except ParityError as e:
         raise Refused(str(e)) from None
     finally:
         bar.close()
+    _show(report, as_json, markdown_path, html_path)
+    raise SystemExit(1 if report.defects else 0)
+
+
+def _show(report: object, as_json: bool, markdown_path: str | None, html_path: str | None) -> None:
+    """--markdown FILE ('-': stdout), --html FILE, then the report as JSON or text on stdout (none when the
+    Markdown went there)."""
+    from parity.spec.printers import to_json, to_markdown, to_text
+
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
     if html_path:
@@ -117,7 +128,6 @@ def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_fil
         echo_json(to_json(report))
     elif markdown_path != "-":
         click.echo(to_text(report))
-    raise SystemExit(1 if report.defects else 0)
 
 
 def _candidate_only(ctx: click.Context) -> None:

@@ -110,11 +110,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
     from parity.tracing.plan import TokenSource
 
     output = _trace_path(output)
-    check_draft_options(draft)
-    if subops and not follow and positions != "all":
-        raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
-    if (dump_logprobs is None) != (dump_ctx is None):
-        raise click.UsageError("--dump-logprobs and --dump-ctx go together (the dump records its run's ctx)")
+    _pairs(draft, subops, follow, positions, dump_logprobs, dump_ctx)
     with usage_errors():  # the token range is checked against the engine's vocabulary by api.trace
         plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), follow=follow,
                             decode=decode, chunk=chunk, positions=positions, check_range=False, note=warn)
@@ -133,6 +129,17 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
                f"{len(report['positions'])} position(s), tokens {report['tokens']})")
     if dump_logprobs:
         click.echo(f"wrote {dump_logprobs} ({report['logprobs']['steps']} step(s), top {top_k})")
+
+
+def _pairs(draft: str | None, subops: bool, follow: str | None, positions: str | None, dump_logprobs: str | None,
+           dump_ctx: int | None) -> None:
+    """Options that need another: --mtp-* need --draft, --subops needs --positions all (unless following),
+    --dump-logprobs and --dump-ctx go together (usage errors naming them)."""
+    check_draft_options(draft)
+    if subops and not follow and positions != "all":
+        raise click.UsageError("--subops needs --positions all (op-level forcing runs each sub-op at every position)")
+    if (dump_logprobs is None) != (dump_ctx is None):
+        raise click.UsageError("--dump-logprobs and --dump-ctx go together (the dump records its run's ctx)")
 
 
 @click.command(name="import")
