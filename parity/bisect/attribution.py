@@ -16,6 +16,7 @@ import numpy as np
 
 from parity.bisect import parallel
 from parity.compare.metrics import rel_l2, set_overlap
+from parity.compare.verdict import LayerKind
 from parity.contract.checkpoints import EMBED, block, block_attn
 from parity.contract.engine import Engine, LayerOutput
 from parity.tracing.runner import ChunkResult
@@ -74,13 +75,13 @@ class LayerAttribution:
     null_departs: bool | None = None  # the round-off null's test (parity.bisect.null), when measured: it decides
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> LayerKind:
         """'local' defect, 'propagated' upstream drift, or 'clean'. Local by the round-off null when it was
         measured (the same judgement as `check`), else by the envelope."""
         local = self.null_departs if self.null_departs is not None else self.local_excess > 1
         if local or self.row_mismatch is not None:
-            return "local"
-        return "propagated" if self.free_excess > 1 else "clean"
+            return LayerKind.LOCAL
+        return LayerKind.PROPAGATED if self.free_excess > 1 else LayerKind.CLEAN
 
 
 def attribute(ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]], free_errors: dict[str, np.ndarray],

@@ -16,17 +16,16 @@ from dataclasses import replace
 from parity.bisect.check import CheckReport
 from parity.bisect.check_report import to_json
 from parity.bisect.search import BisectReport, Culprit
-
-VERDICTS = {"MATCH": "no defect", "NOISE": "noise", "DEFECT": "defect"}   # check's word -> bisect's word
+from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
 
 
 def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
-    """`report` with `checked`'s verdict (`VERDICTS`), culprit and headline; bisect's own summary follows as
-    evidence, and the check report is kept (`BisectReport.check`, its JSON)."""
-    verdict = VERDICTS[checked.verdict]
+    """`report` with `checked`'s verdict (in bisect's words, `Verdict.bisect_word`), culprit and headline; bisect's
+    own summary follows as evidence, and the check report is kept (`BisectReport.check`, its JSON)."""
+    verdict = Verdict(checked.verdict).bisect_word
     lines = [checked.headline]
     if report.verdict != verdict:
-        lines.append(f"  (bisect's own screen said {report.verdict!r}; the verdict is check's, on the same run)")
+        lines.append(f"  (bisect's own screen said {report.verdict.value!r}; the verdict is check's, on the same run)")
     lines += ["bisect's localisation (evidence):", *("  " + ln for ln in report.summary.splitlines())]
     return replace(report, verdict=verdict, culprit=_culprit(report, checked), summary="\n".join(lines),
                    check=to_json(checked))
@@ -35,10 +34,10 @@ def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
 def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
     """bisect's culprit where it names check's culprit layer (it adds the sub-op), else check's own; none for a
     MATCH, and for a NOISE bisect's (the benign flip it named) only when bisect also said noise."""
-    if checked.verdict != "DEFECT":
-        return report.culprit if checked.verdict == "NOISE" and report.verdict == "noise" else None
+    if checked.verdict is not Verdict.DEFECT:
+        return report.culprit if checked.verdict is Verdict.NOISE and report.verdict is BisectVerdict.NOISE else None
     c = checked.culprit
-    cause = next(x for x in checked.causes if x.kind == "defect")
+    cause = next(x for x in checked.causes if x.kind is CauseKind.DEFECT)
     layer = (c.layer if c is not None and c.layer is not None
              else "embed" if cause.name == "embedding-differs" else "head")
     if report.culprit is not None and report.culprit.layer == layer:

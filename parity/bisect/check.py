@@ -48,6 +48,7 @@ from parity.bisect.opforce import op_verdict
 from parity.bisect.parallel import EngineLoader
 from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
+from parity.compare.verdict import CauseKind, Judged, QuantFormat, RowStatus, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
@@ -64,11 +65,14 @@ EngineFactory = Callable[[RunOptions], Engine]
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str              # benign | defect
+    kind: CauseKind        # benign | defect
     name: str              # hypothesis or fault name, or "unexplained"
     layer: int | str | None  # a trunk layer, or "drafter <checkpoint>" (the draft head after the trunk)
     subop: str | None
     evidence: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CauseKind(self.kind))   # a mistyped kind is an error naming it
 
 
 @dataclass(frozen=True)
@@ -90,12 +94,15 @@ class CheckRow:
     local_twins: float | None   # the layer's worst cell over the largest round-off twin there (0: none outside)
     floor: float
     position: int | None        # first position outside the envelope (local first, else free)
-    status: str                 # ok | outside (free only: inherited) | local | structural | not judged
+    status: RowStatus           # ok | outside (free only: inherited) | local | structural | not judged
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", RowStatus(self.status))
 
 
 @dataclass(frozen=True)
 class CheckReport:
-    verdict: str                      # MATCH | NOISE | DEFECT
+    verdict: Verdict                  # MATCH | NOISE | DEFECT
     headline: str
     culprit: CheckCulprit | None
     causes: tuple[Cause, ...]
@@ -104,9 +111,13 @@ class CheckReport:
     notes: tuple[str, ...]
     n_prompt: int
     seconds: float = 0.0
-    judged: str = "layer-level"       # op-level | layer-level | free-running: what the local verdict rests on
+    judged: Judged = Judged.LAYER_LEVEL  # op-level | layer-level | free-running: what the local verdict rests on
     envelope_seconds: float = 0.0     # finding (or measuring) the envelope, before `seconds` started
     envelope_source: str = ""         # the stored envelope's path, or "measured" (then cached)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))
+        object.__setattr__(self, "judged", Judged(self.judged))
 
 
 @dataclass(frozen=True)
@@ -313,7 +324,7 @@ def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: M
                          [(n, _quiet(f, announced), faults) for n, f, faults in draft_fault_engines])
     if announced:
         st.notes.append(f"{len(announced)} internal variant / fault engine runs (their announcements silenced)")
-    judged = "op-level" if op_level else "layer-level" if cand is not None else "free-running"
+    judged = Judged.OP_LEVEL if op_level else Judged.LAYER_LEVEL if cand is not None else Judged.FREE_RUNNING
     return _report(trace, st, table, judged, t0)
 
 
@@ -370,7 +381,7 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
     """Stage 4: the ties of every layer, then the departing layers explained (or, with none, the tie rule and
     the free-running excess explained as amplified drift); the causes go to `st`."""
     for r in local:
-        st.causes += [Cause("benign", "tie", r.layer, sub, detail) for sub, detail in r.fit.ties]
+        st.causes += [Cause(CauseKind.BENIGN, "tie", r.layer, sub, detail) for sub, detail in r.fit.ties]
     departing = [r for r in local if r.departs]
     tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
     if not departing and tied and cand is not None:
@@ -382,9 +393,9 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
         _explain_free(trace, ref_engine, ref, cand, free, env, st, say)
 
 
-def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: str, t0: float) -> CheckReport:
+def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: Judged, t0: float) -> CheckReport:
     """The frozen report of what the stages found, its verdict and headline."""
-    verdict = ("DEFECT" if any(c.kind == "defect" for c in st.causes) else "NOISE" if st.causes else "MATCH")
+    verdict = Verdict.of_causes(c.kind for c in st.causes)
     report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
                          trace.header.n_prompt, round(time.perf_counter() - t0, 3), judged)
     from parity.bisect.check_report import headline
@@ -406,7 +417,7 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Pr
         check_drafter(trace, drafter.weights.identity(), drafter.path.name)
     if why is not None:
         st.notes.append(f"draft checkpoints not judged: {why}")
-        return [CheckRow(n, None, None, None, None, 0.0, None, "not judged") for n in names]
+        return [CheckRow(n, None, None, None, None, 0.0, None, RowStatus.NOT_JUDGED) for n in names]
     say(f"drafter: the reference's {h.draft['kind']} head on the candidate's trunk carriers, and {n_twins} "
         "round-off twins of it")
     dc = draft_check(trace, ref_engine, n_twins, lambda i: count("drafter twins", i, n_twins))
@@ -423,20 +434,20 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Pr
                                    fault_engines)
         st.runs["drafter_library"] = runs
         if best is not None and best.explains:
-            cause = Cause("defect", best.name, f"drafter {first.checkpoint}", None,
+            cause = Cause(CauseKind.DEFECT, best.name, f"drafter {first.checkpoint}", None,
                           f"matches {best.name}: {best.exceed} of {best.cells} draft cells outside the round-off "
                           f"twins around its run (residual {best.worst:.3g}); exact path: {evidence}")
         else:
             closest = (f"; the closest drafter fault, {best.name}, leaves {best.exceed} of {best.cells} cells outside"
                        if best is not None else "; no engine offers drafter faults" if not fault_engines else
                        "; no drafter fault of this head was tried")
-            cause = Cause("defect", "unexplained", f"drafter {first.checkpoint}", None, evidence + closest)
+            cause = Cause(CauseKind.DEFECT, "unexplained", f"drafter {first.checkpoint}", None, evidence + closest)
         st.causes.append(cause)
         if st.culprit is None:
             st.culprit = CheckCulprit(f"drafter {first.checkpoint}", None, pos, _decode_step(pos, h.n_prompt))
     return [CheckRow(r.checkpoint, None, None, r.err, r.test.worst.ratio if r.test.worst else 0.0, r.twin_max,
                      r.test.first.position if r.departs and r.test.first else None,
-                     "local" if r.departs else "ok") for r in dc.rows]
+                     RowStatus.LOCAL if r.departs else RowStatus.OK) for r in dc.rows]
 
 
 def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], cand: list[ChunkResult] | None,
@@ -448,7 +459,7 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
         return
     if EMBED in out:   # a table lookup: no round-off to amplify, so a difference there is the embedding's own
         pos = int(trace.header.positions[int(np.argmax(free[EMBED] > env.limit(env.floor(EMBED))))])
-        st.causes.append(Cause("defect", "embedding-differs", None, None,
+        st.causes.append(Cause(CauseKind.DEFECT, "embedding-differs", None, None,
                                f"the candidate's embedding of the same tokens differs from the reference's lookup "
                                f"(rel-L2 {float(free[EMBED].max()):.3g}, excess "
                                f"{float(env.excess_at(EMBED, free[EMBED].max())):.3g} over the envelope, first at "
@@ -461,17 +472,18 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
     base = (f"free-running excess {ex:.3g} at {worst} with every layer inside the envelope on the candidate's own "
             "inputs: amplified sub-envelope drift")
     if cand is None or first is None:
-        st.causes.append(Cause("benign", "amplified-drift", first, None, base + " (no local error available)"))
+        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None, base + " (no local error available)"))
         return
     say(f"free-running excess from layer {first}: looking for the QAT code flip the drift tips over")
     subs = inherited_flips(ref_engine, ref, cand, first, env)
     st.runs["flip_check"] = 2
-    flip = next((s for s in subs if s.status == "noise" and "code flip" in s.detail), None)
+    flip = next((s for s in subs if s.status is SubopStatus.NOISE and s.flips), None)
     if flip is None:
-        st.causes.append(Cause("benign", "amplified-drift", first, None,
+        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None,
                                base + f"; no isolated QAT code flip at layer {first} (near-ties or amplification)"))
         return
-    st.causes.append(Cause("benign", "fp8-code-flip" if "FP8" in flip.detail else "fp4-code-flip", first, flip.name,
+    fp8 = any(f.format is QuantFormat.FP8_E4M3 for f in flip.flips)
+    st.causes.append(Cause(CauseKind.BENIGN, "fp8-code-flip" if fp8 else "fp4-code-flip", first, flip.name,
                            base + f"; the reference's layer {first} on the candidate's inputs: {flip.detail}"))
 
 
@@ -497,7 +509,7 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
             st.runs["hypotheses"] += 1
             flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, nulls[d.layer])
             if flip is not None:
-                st.causes.append(Cause("benign", "routing-flip", d.layer, "router", _evidence(d, flip[2])
+                st.causes.append(Cause(CauseKind.BENIGN, "routing-flip", d.layer, "router", _evidence(d, flip[2])
                                        + "; the candidate's expert picks differ only at router margins within noise"))
                 continue
         hit = tester.explain(d.layer)
@@ -511,7 +523,7 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
         for part in v.parts or (v.name,):
             sub = d.fit.subop or name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
             st.runs["drill_down"] += 0 if d.fit.subop else 2
-            st.causes.append(Cause("benign", part, d.layer, sub, _evidence(d, f)
+            st.causes.append(Cause(CauseKind.BENIGN, part, d.layer, sub, _evidence(d, f)
                                    + (f" (together with {v.name})" if v.parts else "")))
 
 
@@ -548,7 +560,7 @@ def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tf: dic
         st.runs["defect_library"] += n
         if best is not None and best.fit.explains and not best.fit.ties:
             sub = r.fit.ties[0][0]
-            st.causes.append(Cause("defect", best.name, r.layer, sub,
+            st.causes.append(Cause(CauseKind.DEFECT, best.name, r.layer, sub,
                                    f"matches {best.name}: it breaks all {len(r.fit.ties)} ties as the candidate does "
                                    "(the exact rule and the round-off twins break them otherwise)"))
             pos = r.fit.position
@@ -583,14 +595,14 @@ def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerL
         ev = (f"matches {best.name}: residual {best.fit.worst:.3g} vs unexplained {unexplained:.3g}, "
               f"{best.fit.test.exceed} vs {d.fit.test.exceed} of {d.fit.test.cells} cells outside the round-off "
               f"twins" + (f"; {d.fit.structural}" if d.fit.structural else ""))
-        st.causes.append(Cause("defect", best.name, d.layer, sub, ev))
+        st.causes.append(Cause(CauseKind.DEFECT, best.name, d.layer, sub, ev))
     else:
         sub = own
         partial = best is not None and best.fit.test.exceed < d.fit.test.exceed and best.fit.worst < unexplained
         closest = (f"; the closest known fault, {best.name}, explains part of it ({best.fit.test.exceed} cells "
                    f"outside, residual {best.fit.worst:.3g})" if partial else
                    "; no known fault explains any of it" if best is not None else "; no engine offers fault switches")
-        st.causes.append(Cause("defect", "unexplained", d.layer, sub,
+        st.causes.append(Cause(CauseKind.DEFECT, "unexplained", d.layer, sub,
                                f"{d.fit.test.summary()} (rel-L2 {unexplained:.3g})"
                                + (f"; {d.fit.structural}" if d.fit.structural else "") + closest))
     st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
@@ -614,8 +626,8 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
             pos = int(positions[int(np.argmax(fe > env.limit(floor)))])
         if departs and lr is not None:
             pos = lr.fit.position
-        status = ("not judged" if fe is None else "structural" if lr is not None and lr.fit.structural and
-                  not n.endswith(".attn") else "local" if departs else
-                  "outside" if fx is not None and fx > 1 else "ok")
+        status = (RowStatus.NOT_JUDGED if fe is None else RowStatus.STRUCTURAL if lr is not None
+                  and lr.fit.structural and not n.endswith(".attn") else RowStatus.LOCAL if departs else
+                  RowStatus.OUTSIDE if fx is not None and fx > 1 else RowStatus.OK)
         rows.append(CheckRow(n, f, fx, lo, lx, floor, pos, status))
     return rows

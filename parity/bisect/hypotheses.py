@@ -24,6 +24,7 @@ from parity.bisect.envelope import Envelope
 from parity.bisect.null import N_TWINS, LayerNull, NullTest, carriers, judge, layer_nulls, sorted_ids, sorted_sel
 from parity.bisect.search import compare_subops
 from parity.compare.metrics import rel_l2
+from parity.compare.verdict import SubopStatus
 from parity.contract.checkpoints import block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RunOptions
 from parity.contract.errors import ParityError
@@ -357,6 +358,6 @@ def name_subop(exact: Engine, other: Engine, cand: Sequence[ChunkResult], layer:
     a = teacher_forced(exact, cand, [layer], capture=True)[layer]
     b = teacher_forced(other, cand, [layer], capture=True)[layer]
     subs = compare_subops(a, b, cand, layer, exact.config.ratio(layer), env, (exact.name, other.name))
-    hit = next((s for s in subs if s.status == "defect"), None) or next((s for s in subs if s.status == "noise"),
-                                                                        None)
+    hit = (next((s for s in subs if s.status == SubopStatus.DEFECT), None)
+           or next((s for s in subs if s.status == SubopStatus.NOISE), None))
     return hit.name if hit else None

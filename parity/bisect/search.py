@@ -41,6 +41,7 @@ from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, chec
 from parity.bisect.null import N_TWINS, judge, layer_nulls
 from parity.bisect.trajectory import Trajectory, trajectory
 from parity.compare.metrics import rel_l2, set_overlap
+from parity.compare.verdict import BisectVerdict, LayerKind, QuantFlip, QuantFormat, SubopStatus, flip_words
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
 from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
     from parity.bisect.opforce import OpVerdict
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
-QUANT_MBITS = {"rope_kv": 3, "comp_rows": 3, "index_rows": 1}   # e4m3, e4m3, e2m1
-QUANT_FORMAT = {"rope_kv": "FP8 e4m3", "comp_rows": "FP8 e4m3", "index_rows": "FP4 e2m1"}
+QUANT_FORMAT = {"rope_kv": QuantFormat.FP8_E4M3, "comp_rows": QuantFormat.FP8_E4M3, "index_rows": QuantFormat.FP4_E2M1}
+QUANT_MBITS = {name: f.mbits for name, f in QUANT_FORMAT.items()}   # 3, 3, 1
 # An isolated code flip touches at most this fraction of a row's elements (at least one element).
 FLIP_FRACTION = 1 / 32
 
@@ -156,12 +157,16 @@ class SubopResult:
     """Local comparison of one sub-op inside the culprit layer (both engines on the reference's inputs)."""
 
     name: str
-    status: str            # ok | noise | defect
+    status: SubopStatus    # ok | noise | defect
     err: float             # largest local error over the positions judged (rel-L2, or 1 - overlap for sets)
     floor: float           # envelope floor (0 for set comparisons)
     excess: float
     position: int | None   # first position outside the envelope
-    detail: str = ""
+    detail: str = ""       # the evidence in words (for a flip: `flip_words` of `flips`)
+    flips: tuple[QuantFlip, ...] = ()   # the isolated QAT code flips behind a 'noise' status, one per capture
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", SubopStatus(self.status))   # a mistyped status is an error naming it
 
 
 def _cat(outs: Sequence[LayerOutput], name: str, engine: str, layer: int) -> np.ndarray:
@@ -214,14 +219,16 @@ class _Judge:
             i = real[0]
             what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
                     f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
-            return SubopResult(name, "defect", float(err[i]), floor, float(self.env.excess(err[i], floor)),
+            return SubopResult(name, SubopStatus.DEFECT, float(err[i]), floor, float(self.env.excess(err[i], floor)),
                                int(pos[i]), f"{name}: {what} at position {pos[i]}")
-        status = "noise" if (flips or (err > tol).any()) else "ok"
-        detail = (f"{len(flips)} isolated {QUANT_FORMAT[name]} code flip(s) in {name} from position {self.taint}"
-                  if flips else
-                  f"excess only in the cascade of a flip at position {self.taint}" if status == "noise" else "")
+        status = SubopStatus.NOISE if (flips or (err > tol).any()) else SubopStatus.OK
+        flip = ((QuantFlip(name, QUANT_FORMAT[name], len(flips), self.taint),)
+                if flips and self.taint is not None else ())   # flips set the taint
+        detail = (flip_words(flip[0]) if flip else
+                  f"excess only in the cascade of a flip at position {self.taint}" if status is SubopStatus.NOISE
+                  else "")
         return SubopResult(name, status, worst, floor, float(self.env.excess(worst, floor)),
-                           None, detail)
+                           None, detail, flip)
 
     def rows(self, name: str, ref_outs: Sequence[LayerOutput], cand_outs: Sequence[LayerOutput]) -> SubopResult:
         """Emitted rows: a row missing or extra at some chunk is a defect at the position that emits it."""
@@ -230,7 +237,7 @@ class _Judge:
             if nr != nc:
                 j = min(nr, nc)
                 pos = (j + 1) * self.ratio - 1 if self.ratio else int(self.positions[0])
-                return SubopResult(name, "defect", 1.0, 0.0, np.inf, pos,
+                return SubopResult(name, SubopStatus.DEFECT, 1.0, 0.0, np.inf, pos,
                                    f"{name}: candidate has {nc} rows, reference {nr} (row {j} missing or extra, "
                                    f"emitted at position {pos})")
         a, b = ref_outs[-1].captures[name], cand_outs[-1].captures[name]
@@ -253,9 +260,9 @@ class _Judge:
             why = "" if margin is None else (" (hash routing is a table lookup)" if not np.isfinite(margin[i])
                                              else f" at router margin {margin[i]:.3g} > noise {tol:.3g}")
             ra, rb = (sorted(set(x[i][x[i] >= 0].tolist())) for x in (a, b))
-            return SubopResult(name, "defect", float(miss[i]), 0.0, np.inf, p,
+            return SubopResult(name, SubopStatus.DEFECT, float(miss[i]), 0.0, np.inf, p,
                                f"{name} at position {p}: reference {ra}, candidate {rb}{why}")
-        status = "noise" if worst > 0 else "ok"
+        status = SubopStatus.NOISE if worst > 0 else SubopStatus.OK
         detail = f"near-tie flips (margin <= {tol:.3g}) or cascade from position {self.taint}" if worst else ""
         return SubopResult(name, status, worst, 0.0, 0.0, None, detail)
 
@@ -263,11 +270,11 @@ class _Judge:
 def _worst(results: list[SubopResult], name: str) -> SubopResult:
     """Combine the captures of one sub-op: the first defect, else the worst status."""
     for r in results:
-        if r.status == "defect":
+        if r.status is SubopStatus.DEFECT:
             return replace(r, name=name)
-    best = max(results, key=lambda r: (r.status == "noise", r.excess))
+    best = max(results, key=lambda r: (r.status is SubopStatus.NOISE, r.excess))
     return SubopResult(name, best.status, best.err, best.floor, best.excess, best.position,
-                       "; ".join(r.detail for r in results if r.detail))
+                       "; ".join(r.detail for r in results if r.detail), tuple(f for r in results for f in r.flips))
 
 
 def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], layer: int,
@@ -320,12 +327,12 @@ def null_drill_down(v: OpVerdict) -> list[SubopResult]:
             own = t is not None and t.significant and sub != struct_op
             detail = v.fit.structural if sub == struct_op else t.summary() if own else v.fit.test.summary()
             pos = t.first.position if own and t.first is not None else v.fit.position
-            out.append(SubopResult(sub, "defect", err, floor, excess, pos, f"{sub}: {detail}"))
+            out.append(SubopResult(sub, SubopStatus.DEFECT, err, floor, excess, pos, f"{sub}: {detail}"))
         elif ties or (t is not None and t.exceed):
-            out.append(SubopResult(sub, "noise", err, floor, excess, None,
+            out.append(SubopResult(sub, SubopStatus.NOISE, err, floor, excess, None,
                                    "; ".join([*ties, *([t.summary()] if t is not None and t.exceed else [])])))
         else:
-            out.append(SubopResult(sub, "ok", err, floor, excess, None))
+            out.append(SubopResult(sub, SubopStatus.OK, err, floor, excess, None))
     return out
 
 
@@ -427,7 +434,7 @@ class FreeStage:
 class LocalStage:
     """Steps 2-4: what localisation found (verdict 'defect' or 'noise')."""
 
-    verdict: str
+    verdict: BisectVerdict
     culprit: Culprit
     attribution: list[LayerAttribution]
     probes: list[SpliceProbe] = field(default_factory=list)
@@ -437,7 +444,7 @@ class LocalStage:
 
 @dataclass(frozen=True)
 class BisectReport:
-    verdict: str                   # "defect" | "no defect" | "noise"
+    verdict: BisectVerdict         # "defect" | "no defect" | "noise" (`Verdict` in bisect's words)
     summary: str
     culprit: Culprit | None
     n_prompt: int
@@ -454,6 +461,9 @@ class BisectReport:
     runs: dict[str, int] = field(default_factory=dict)     # engine runs by kind
     seconds: dict[str, float] = field(default_factory=dict)
     check: dict | None = None      # `check`'s JSON document on the same run, whose verdict this is (`bisect.by_check`)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", BisectVerdict(self.verdict))   # a mistyped word is an error naming it
 
     def to_json(self) -> dict:
         """Plain JSON-able dict (numpy arrays as nested lists)."""
@@ -555,13 +565,14 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     base = dict(n_prompt=len(prompt), decode=decode, tokens=fs.tokens, envelope=envelope, max_excess=fs.max_excess,
                 row_mismatch=fs.row_mismatch, routing=fs.routing, trajectory=fs.trajectory)
     if fs.clean:
-        report = BisectReport("no defect", _clean_summary(fs), None, runs=runs, seconds=clock.seconds, **base)
+        report = BisectReport(BisectVerdict.NO_DEFECT, _clean_summary(fs), None, runs=runs, seconds=clock.seconds,
+                              **base)
     else:
         ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, counter)
         report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
                               subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
         report = replace(report, summary=summarize(report, env))
-    if draft and report.verdict != "defect":   # the drafter: one more layer after a trunk without a defect
+    if draft and report.verdict is not BisectVerdict.DEFECT:   # the drafter: one more layer after a trunk, no defect
         report = _drafter_verdict(report, drafter_stage(ref_engine, cand, fs, draft, say), cand.name, len(prompt))
         clock.lap("drafter")
     clock.lap("verdict")
@@ -579,9 +590,9 @@ def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: 
     pos = first.test.first.position
     step, where = _where(pos, n_prompt)
     detail = f"{cand}'s draft head on the reference's trunk carriers: {first.test.summary()} (rel-L2 {first.err:.3g})"
-    return replace(report, verdict="defect", culprit=Culprit(f"drafter {first.checkpoint}", None, pos, step, detail),
-                   runs=runs, summary=f"DEFECT at drafter {first.checkpoint}, {where}: {detail}\ntrunk: "
-                                      + report.summary)
+    return replace(report, verdict=BisectVerdict.DEFECT,
+                   culprit=Culprit(f"drafter {first.checkpoint}", None, pos, step, detail), runs=runs,
+                   summary=f"DEFECT at drafter {first.checkpoint}, {where}: {detail}\ntrunk: " + report.summary)
 
 
 def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Progress) -> DraftCheck:
@@ -640,15 +651,17 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
     clock.lap("teacher_forced")
     if fs.max_excess[EMBED] > 1:
         pos = int(np.argmax(fs.errs[EMBED] > env.limit(env.floor(EMBED))))
-        return LocalStage("defect", Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs")),
-                          attribution, runs=runs)
+        return LocalStage(BisectVerdict.DEFECT,
+                          Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs")), attribution,
+                          runs=runs)
     layer, probes = mirror_bisect(ref_engine, fs.free, fs.errs, fs.ref, env, say)
     runs["splice"] = len(probes)
     clock.lap("splice")
     if layer == L:
-        return LocalStage("defect", Culprit("head", None, None, None, "layers clean; final norm / output head differ"),
+        return LocalStage(BisectVerdict.DEFECT,
+                          Culprit("head", None, None, None, "layers clean; final norm / output head differ"),
                           attribution, probes, runs=runs)
-    local = [a.layer for a in attribution if a.kind == "local"]
+    local = [a.layer for a in attribution if a.kind is LayerKind.LOCAL]
     if not local:
         return replace(_inherited_noise(ref_engine, fs, layer, env, say), attribution=attribution, probes=probes,
                        runs=runs | {"flip_check_layers": 2})
@@ -661,25 +674,27 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
         say(f"drill-down: layer {cand_layer}, {len(SUBOPS)} sub-ops")
         subs = drill_down(ref_engine, cand, fs.ref, cand_layer, env)
         runs["drill_down_layers"] += 1
-        hit = next((s for s in subs if s.status == "defect"), None)
+        hit = next((s for s in subs if s.status is SubopStatus.DEFECT), None)
         if hit or cand_layer == layer:
             subops = subs
         if hit:
             step, where = _where(hit.position, P)
             clock.lap("drill_down")
-            return LocalStage("defect", Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}"),
+            return LocalStage(BisectVerdict.DEFECT,
+                              Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}"),
                               attribution, probes, subops, runs)
     clock.lap("drill_down")
     by_null = isinstance(ref_engine, RoundoffTwins)   # `local` and the drill-down judged by the round-off null
-    if by_null or not any(s.status == "noise" for s in subops):
+    if by_null or not any(s.status is SubopStatus.NOISE for s in subops):
         pos = attribution[layer].worst_position
         step, where = _where(pos, P)
         why = ("the layer departs by the round-off null on the reference's inputs, no single captured sub-op does"
                if by_null else "no captured sub-op differs: the defect is between captures")
-        return LocalStage("defect", Culprit(layer, None, pos, step, f"{where}; {why}"), attribution, probes, subops,
-                          runs)
-    noisy = next(s for s in subops if s.status == "noise")
-    return LocalStage("noise", Culprit(layer, noisy.name, None, None, noisy.detail), attribution, probes, subops, runs)
+        return LocalStage(BisectVerdict.DEFECT, Culprit(layer, None, pos, step, f"{where}; {why}"), attribution, probes,
+                          subops, runs)
+    noisy = next(s for s in subops if s.status is SubopStatus.NOISE)
+    return LocalStage(BisectVerdict.NOISE, Culprit(layer, noisy.name, None, None, noisy.detail), attribution, probes,
+                      subops, runs)
 
 
 def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: Envelope,
@@ -690,10 +705,10 @@ def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: 
     first = _first_free_departure(fs.max_excess, ref_engine.config.n_layers)
     say(f"no local departure; naming the QAT code flip the drift tips over at layer {first}")
     flips = inherited_flips(ref_engine, fs.ref, fs.free, first, env)
-    named = [s for s in flips if s.status == "noise" and "code flip" in s.detail]
+    named = [s for s in flips if s.status is SubopStatus.NOISE and s.flips]
     why = (f"{named[0].name}: {named[0].detail}" if named else
            "no isolated QAT code flip found there (near-ties or amplification downstream)")
-    return LocalStage("noise", Culprit(first, named[0].name if named else None, None, None, (
+    return LocalStage(BisectVerdict.NOISE, Culprit(first, named[0].name if named else None, None, None, (
         f"no candidate layer departs on the reference's inputs; the excess ({fs.max_excess[worst]:.3g} at {worst}; "
         f"the splice first departs after layer {splice_layer}) is amplified sub-envelope drift; the reference's "
         f"layer {first} on the candidate's inputs shows {why}")), [])
@@ -718,9 +733,9 @@ def summarize(report: BisectReport, env: Envelope) -> str:
     """The verdict in a few lines: where, local vs propagated, noise or defect, the evidence numbers."""
     c, lines = report.culprit, []
     assert c is not None
-    head = "DEFECT" if report.verdict == "defect" else "NOISE (no defect)"
+    head = "DEFECT" if report.verdict is BisectVerdict.DEFECT else "NOISE (no defect)"
     where = f" at layer {c.layer}" if isinstance(c.layer, int) else f" at {c.layer}"
-    if report.verdict == "noise" and c.subop is None:
+    if report.verdict is BisectVerdict.NOISE and c.subop is None:
         where = ""
     lines.append(f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}")
     if isinstance(c.layer, int) and report.attribution:

@@ -1,10 +1,11 @@
 """The harness's verdict vocabulary, in one place: every verdict and status a report holds is a member of an enum
 here (str-valued, so JSON and text keep the spelling they always had), and the records decisions are made on.
 
-* `Verdict`: a run's verdict (MATCH / NOISE / DEFECT), `check`'s spelling; `Verdict.bisect_word` is `bisect`'s
-  ('no defect' / 'noise' / 'defect');
+* `Verdict`: a run's verdict (MATCH / NOISE / DEFECT), `check`'s spelling; `BisectVerdict` is the same verdict in
+  `bisect`'s words ('no defect' / 'noise' / 'defect'; `Verdict.bisect_word`, `BisectVerdict.verdict`);
 * sub-statuses: `SubopStatus` (a sub-op in a drill-down), `RowStatus` (a checkpoint row of `check`), `CauseKind`
-  (a cause of `check`), `Judged` (what `check`'s local verdict rests on), `StepVerdict` (one greedy step);
+  (a cause of `check`), `Judged` (what `check`'s local verdict rests on), `LayerKind` (a layer in `bisect`'s
+  attribution), `StepVerdict` (one greedy step);
 * `QuantFlip`: an isolated QAT code flip as numbers (format, capture, count, first position), so "is it a code
   flip, of which format" is read from fields, never from prose; `flip_words` is its printer.
 
@@ -36,17 +37,9 @@ class Verdict(StrEnum):
     DEFECT = "DEFECT"
 
     @property
-    def bisect_word(self) -> str:
+    def bisect_word(self) -> BisectVerdict:
         """`bisect`'s spelling of this verdict (its report and JSON): 'no defect', 'noise', 'defect'."""
-        return _BISECT_WORDS[self]
-
-    @classmethod
-    def of_bisect_word(cls, word: str) -> Verdict:
-        """The verdict `bisect` spells `word`; a word it never writes is an error naming it."""
-        for v, w in _BISECT_WORDS.items():
-            if w == word:
-                return v
-        raise ValueError(f"not a bisect verdict: {word!r} (one of {', '.join(map(repr, _BISECT_WORDS.values()))})")
+        return BisectVerdict[{"MATCH": "NO_DEFECT"}.get(self.name, self.name)]
 
     @classmethod
     def of_causes(cls, kinds: Iterable[CauseKind]) -> Verdict:
@@ -55,7 +48,17 @@ class Verdict(StrEnum):
         return cls.DEFECT if CauseKind.DEFECT in kinds else cls.NOISE if kinds else cls.MATCH
 
 
-_BISECT_WORDS = {Verdict.MATCH: "no defect", Verdict.NOISE: "noise", Verdict.DEFECT: "defect"}
+class BisectVerdict(StrEnum):
+    """`Verdict` as `bisect` spells it in its report and JSON (`BisectVerdict(word)` rejects any other word)."""
+
+    NO_DEFECT = "no defect"
+    NOISE = "noise"
+    DEFECT = "defect"
+
+    @property
+    def verdict(self) -> Verdict:
+        """The one verdict this word spells."""
+        return Verdict.MATCH if self is BisectVerdict.NO_DEFECT else Verdict[self.name]
 
 
 class CauseKind(StrEnum):
@@ -81,6 +84,14 @@ class RowStatus(StrEnum):
     LOCAL = "local"              # the layer departs on the candidate's own inputs
     STRUCTURAL = "structural"    # a discrete difference no round-off twin makes
     NOT_JUDGED = "not judged"    # the candidate recorded no full vectors here
+
+
+class LayerKind(StrEnum):
+    """One layer in `bisect`'s attribution: where its free-running error comes from."""
+
+    LOCAL = "local"              # the layer departs on the reference's inputs (or a visible-row count differs)
+    PROPAGATED = "propagated"    # outside free-running only: drift from upstream
+    CLEAN = "clean"
 
 
 class SubopStatus(StrEnum):
