@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import block, draft_positions, trace_checkpoints
 from parity.contract.engine import Engine, RunOptions, load_engine
 from parity.contract.errors import TraceError
@@ -617,7 +618,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
         report = check(t, model, envelope=envelope, envelope_search=envelope_search, progress=say)
     except CheckPreflightError as e:
         return CommitVerdict("skip", 125, f"not comparable (check preflight): {e}")
-    if report.verdict == "DEFECT":
+    if report.verdict == Verdict.DEFECT:
         return CommitVerdict("bad", 1, report.headline, report)
     return CommitVerdict("good", 0, report.headline, report)
 

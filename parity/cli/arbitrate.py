@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from parity.cli.common import echo_json, json_errors, json_option, model_option
+from parity.compare.verdict import Verdict
 
 
 @click.command()
@@ -58,7 +59,7 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     else:
         click.echo("\n".join(_check_lines(report.checks) + summary_lines(report)))
     if check_each:
-        raise SystemExit(1 if any(c.verdict == "DEFECT" for c in report.checks.values()) else 0)
+        raise SystemExit(1 if any(c.verdict == Verdict.DEFECT for c in report.checks.values()) else 0)
     raise SystemExit(0 if report.unanimous else 1)
 
 

@@ -24,6 +24,7 @@ from parity.cli.common import (
     usage_errors,
     warn,
 )
+from parity.compare.verdict import BisectVerdict
 
 
 def _stderr(msg: str) -> None:
@@ -155,7 +156,7 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
         from parity.compare.textcells import fit_line
 
         click.echo(report.summary if wide else "\n".join(fit_line(line) for line in report.summary.splitlines()))
-    sys.exit(1 if report.verdict == "defect" else 0)
+    sys.exit(1 if report.verdict == BisectVerdict.DEFECT else 0)
 
 
 def _figures(report: object, plot: str | None, html_path: str | None) -> None:

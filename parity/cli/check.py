@@ -16,6 +16,7 @@ from parity.cli.common import (
     usage_errors,
     write_text,
 )
+from parity.compare.verdict import Verdict
 from parity.contract.errors import ParityError
 
 
@@ -76,7 +77,7 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
     except ParityError as e:
         raise Refused(str(e)) from None
     _show(report, as_json, markdown_path, plot, html_path)
-    raise SystemExit(1 if report.verdict == "DEFECT" else 0)
+    raise SystemExit(1 if report.verdict == Verdict.DEFECT else 0)
 
 
 def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | None, html_path: str | None) -> None:

@@ -8,6 +8,7 @@ import click
 
 from parity.cli.common import echo_json, html_option, json_errors, json_option, markdown_option, write_text
 from parity.compare.textcells import fit_line
+from parity.compare.verdict import Verdict
 from parity.contract.files import atomic_write_text
 
 a_arg = click.argument("a", metavar="A", type=click.Path(exists=True, dir_okay=False))
@@ -98,7 +99,7 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
         _echo_check(checked)
         if not report and checked is None:
             click.echo(fit_line(check_hint(report, b)))
-    passed = checked.verdict != "DEFECT" if checked is not None else bool(report)
+    passed = checked.verdict != Verdict.DEFECT if checked is not None else bool(report)
     if not passed and not no_fail:
         raise SystemExit(1)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.compare.html import Section, esc, image, preformatted, table, write_html
+from parity.compare.verdict import BisectVerdict, CauseKind, RowStatus, Verdict
 
 
 def _png(plot: Callable[[Any, str], object], report: Any) -> bytes:
@@ -28,15 +29,15 @@ def check_page(path: str, report: Any) -> Path:
         sections.append(Section("Causes", table(
             ["kind", "name", "layer", "sub-op", "evidence"],
             [[c.kind, c.name, c.layer, c.subop or "-", c.evidence] for c in report.causes],
-            ["pass" if c.kind == "benign" else "fail" for c in report.causes], left=["name", "evidence"])))
+            ["pass" if c.kind == CauseKind.BENIGN else "fail" for c in report.causes], left=["name", "evidence"])))
     rows = [row_cells(r) for r in report.table]
     sections.append(Section("Per checkpoint (free-running and teacher-forced local error, excess over the envelope)",
-                            table(COLUMNS, rows, ["pass" if r.status == "ok" else "fail" for r in report.table],
+                            table(COLUMNS, rows, ["pass" if r.status == RowStatus.OK else "fail" for r in report.table],
                                   left=["checkpoint", "status"])))
     sections.append(Section("Excess per checkpoint", image(_png(plot, report), "excess over the envelope")))
     if report.notes:
         sections.append(Section("Notes", "".join(f'<p class="note">{esc(n)}</p>' for n in report.notes)))
-    return write_html(path, "v4parity check", report.headline, report.verdict != "DEFECT", sections)
+    return write_html(path, "v4parity check", report.headline, report.verdict != Verdict.DEFECT, sections)
 
 
 def bisect_page(path: str, report: Any) -> Path:
@@ -45,7 +46,8 @@ def bisect_page(path: str, report: Any) -> Path:
 
     sections = [Section("Summary", preformatted(report.summary)),
                 Section("Excess map", image(_png(plot_report, report), "bisect excess map"))]
-    return write_html(path, "v4parity bisect", report.summary.splitlines()[0], report.verdict != "defect", sections)
+    return write_html(path, "v4parity bisect", report.summary.splitlines()[0], report.verdict != BisectVerdict.DEFECT,
+                      sections)
 
 
 def validate_page(path: str, report: dict, out_dir: Path) -> Path:

@@ -23,6 +23,7 @@ import numpy as np
 
 from parity.compare.jsonvalues import json_safe
 from parity.compare.metrics import rel_l2
+from parity.compare.verdict import CauseKind, RowStatus, Verdict
 from parity.contract.checkpoints import EMBED, LOGITS, block, block_attn, checkpoint_layer, trace_checkpoints
 from parity.tracing.runner import ChunkResult, all_tokens, stack
 
@@ -111,7 +112,7 @@ def departs_from(report: Any, names: Sequence[str]) -> int | None:
     departed: None unless DEFECT; a culprit outside every block (layer None) from the embedding; a trunk layer L from
     the first checkpoint of L (or later) that the report's table does not mark `ok`, else from blk.L; a culprit after
     the trunk (the drafter) never."""
-    if report.verdict != "DEFECT":
+    if report.verdict != Verdict.DEFECT:
         return None
     c = report.culprit
     layer = c.layer if c is not None else None
@@ -122,13 +123,13 @@ def departs_from(report: Any, names: Sequence[str]) -> int | None:
     status = {r.checkpoint: r.status for r in report.table}
     later = [i for i, n in enumerate(names) if n == LOGITS or (checkpoint_layer(n) is not None
                                                              and checkpoint_layer(n) >= layer)]
-    bad = [i for i in later if status.get(names[i], "ok") != "ok"]
+    bad = [i for i in later if status.get(names[i], RowStatus.OK) != RowStatus.OK]
     return bad[0] if bad else next(i for i, n in enumerate(names) if n in (block_attn(layer), block(layer)))
 
 
 def _defect_key(engine: str, report: Any) -> str:
     """What two departing engines share when `check` names the same known fault at the same layer."""
-    name = next((c.name for c in report.causes if c.kind == "defect"), "unexplained")
+    name = next((c.name for c in report.causes if c.kind == CauseKind.DEFECT), "unexplained")
     layer = report.culprit.layer if report.culprit is not None else None
     return f"unexplained:{engine}" if name == "unexplained" else f"{name}@{layer}"
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from parity.compare.differ import DiffReport, Thresholds, diff_traces
 from parity.compare.rows import CheckpointRow
+from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import LOGITS
 from parity.contract.errors import ParityError
 from parity.tracing.records import Trace
@@ -142,10 +143,10 @@ def _case(row: CheckpointRow, th: Thresholds, require_top1: bool) -> dict[str, A
             "norm_tol": th.norm_tol}
 
 
-def with_verdict(r: GateResult, verdict: str, headline: str) -> GateResult:
+def with_verdict(r: GateResult, verdict: Verdict, headline: str) -> GateResult:
     """The gate judged by `check`'s verdict (the round-off null on the candidate's own prompt): one more case,
     `check`, and `passed` follows it (MATCH / NOISE pass, DEFECT fails); the tolerance cases stay as evidence."""
-    ok = verdict != "DEFECT"
+    ok = Verdict(verdict) is not Verdict.DEFECT
     case = {"checkpoint": "check", "passed": ok, "problems": [] if ok else [headline], "method": "round-off null",
             "verdict": verdict, "headline": headline}
     return replace(r, passed=ok, cases=(*r.cases, case))
