@@ -6,8 +6,9 @@
   committed ds4 fixtures), never from the enums themselves;
 * the JSON and text of those reports are what the code wrote before the enums (tests/fixtures/verdict_types, written
   by `python tests/verdict_cases.py DIR` at commit 4ceead2): check's byte for byte, bisect's with keys only added;
-* no `"..." in x.detail` (or `.evidence`, `.summary`, `.headline`) test remains in parity/ (an AST scan that is shown
-  to fail on a planted one).
+* no `"..." in x.detail` (or `.evidence`, `.summary`, `.headline`) test and no `x.verdict == "DEFECT"`-style
+  comparison of a verdict / status / kind attribute with a spelled verdict remains in parity/ (AST scans, each shown
+  to fail on a planted case).
 """
 
 from __future__ import annotations
@@ -165,4 +166,34 @@ def test_no_decision_searches_prose_in_parity():
     assert prose_tests('x = "FP8" not in flip.evidence\n')
     found = [hit for p in sorted((ROOT / "parity").rglob("*.py"))
              for hit in prose_tests(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not found, found
+
+
+VERDICT_ATTRS = {"verdict", "status", "kind", "judged"}
+ENUMS = (Verdict, BisectVerdict, CauseKind, Judged, LayerKind, RowStatus, StepVerdict, SubopStatus)
+
+
+def spelled_verdicts(source: str, path: str = "<string>") -> list[str]:
+    """Comparisons of a verdict-holding attribute (`x.verdict`, `.status`, `.kind`, `.judged`) with a string that
+    spells a member of one of the enums (`r.verdict == "DEFECT"`, `s.status != "ok"`, `k in ("noise", ...)`)."""
+    words = {m.value for e in ENUMS for m in e}
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        attrs = any(isinstance(x, ast.Attribute) and x.attr in VERDICT_ATTRS for x in sides)
+        consts = [c for x in sides for c in ([x] if isinstance(x, ast.Constant) else
+                                              x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [])]
+        if attrs and any(isinstance(c, ast.Constant) and c.value in words for c in consts):
+            out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_verdict_is_compared_with_its_spelling_in_parity():
+    assert spelled_verdicts('ok = report.verdict != "DEFECT"\n')   # the scan can fail
+    assert spelled_verdicts('x = [s for s in subs if s.status in ("noise", "defect")]\n')
+    assert not spelled_verdicts('ok = report.verdict != Verdict.DEFECT\n')
+    found = [hit for p in sorted((ROOT / "parity").rglob("*.py"))
+             for hit in spelled_verdicts(p.read_text(), str(p.relative_to(ROOT)))]
     assert not found, found
