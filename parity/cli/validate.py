@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from parity.cli.common import html_option, json_errors, json_option, model_option
+from parity.cli.common import html_option, json_errors, json_option, model_option, pool_args
 from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
 
 if TYPE_CHECKING:
@@ -83,34 +83,15 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
       v4parity validate --resume out/q8 --ray
     """
     from parity import api
-    from parity.validate.executors import LOCAL_RAY_CPUS
     from parity.validate.prompts import CORPUS
     from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_markdown, to_json_text
 
-    if resume:
-        extra = [p for p in ctx.params if p not in RESUMABLE
-                 and ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
-        if extra:
-            raise click.UsageError(f"--resume takes its settings from the directory; drop {', '.join(extra)}")
-        out = resume
-    else:
-        missing = [o for o, v in (("--model", model), ("--approx", approx), ("-o", output)) if v is None]
-        if missing:
-            raise click.UsageError(f"missing {', '.join(missing)} (or --resume DIR)")
-        if corpus and prompt_file:
-            raise click.UsageError("give --prompts or --corpus, not both")
-        out = output
-    workers_given = ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT
-    if ray not in (None, "local") and workers_given:
-        raise click.UsageError("--workers sets the CPUs of a local Ray instance; with --ray ADDRESS the cluster "
-                               "decides")
-    if ray == "local" and not workers_given:
-        workers = LOCAL_RAY_CPUS
+    out = Path(_out_dir(ctx, model, approx, output, resume, corpus, prompt_file))
+    workers, ray = pool_args(workers, ray)
     report = api.validate(out, model=model, exact=exact, approx=approx, n=n, decode=decode, seed=seed,
                           prompts=str(CORPUS) if corpus else prompt_file, boundary=boundary, top_k=top_k,
                           tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget, workers=workers,
                           ray=ray, resume=bool(resume), on_progress=progress_printer())
-    out = Path(out)
     if html_path:
         from parity.cli.html_pages import validate_page
 
@@ -123,6 +104,24 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
                    f"(timing.json)")
     if not report.passed:
         raise SystemExit(1)
+
+
+def _out_dir(ctx: click.Context, model: str | None, approx: str | None, output: str | None, resume: str | None,
+             corpus: bool, prompt_file: str | None) -> str:
+    """The run directory: --resume DIR (then only the RESUMABLE options may be given) or -o with --model and
+    --approx (and not both --prompts and --corpus)."""
+    if resume:
+        extra = [p for p in ctx.params if p not in RESUMABLE
+                 and ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+        if extra:
+            raise click.UsageError(f"--resume takes its settings from the directory; drop {', '.join(extra)}")
+        return resume
+    missing = [o for o, v in (("--model", model), ("--approx", approx), ("-o", output)) if v is None]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or --resume DIR)")
+    if corpus and prompt_file:
+        raise click.UsageError("give --prompts or --corpus, not both")
+    return output
 
 
 COMMANDS = [validate]
