@@ -96,19 +96,38 @@ def check_options(options: RunOptions, cache_mb: int) -> None:
         if getattr(options, name) != exact:
             raise ParityError(f"torch engine: {name}={getattr(options, name)} is not implemented "
                               f"(implemented: {exact})")
-    cpu_kernels(options)
+    engine_args(options)
+
+
+def engine_args(options: RunOptions) -> tuple[str, int | None]:
+    """The engine arguments (cpu_kernels, threads): cpu_kernels=native|torch (default native): on the CPU, dequantize
+    and multiply by the compiled kernels of `gpu_engine.cpu_kernels`, or by torch ops only; threads=N (N >= 1):
+    torch's intra-op threads, None when not given (`TorchEngine` then uses one per usable CPU). Any other engine
+    argument is refused."""
+    kernels, threads = "native", None
+    for arg in options.engine_args:
+        name, eq, value = arg.partition("=")
+        if name == "cpu_kernels" and eq and value in ("native", "torch"):
+            kernels = value
+        elif name == "threads" and eq and value.isdigit() and int(value) >= 1:
+            threads = int(value)
+        else:
+            raise ParityError(f"torch engine: unknown engine argument {arg!r}; the ones it takes are "
+                              f"cpu_kernels=native|torch and threads=N (N >= 1)")
+    return kernels, threads
 
 
 def cpu_kernels(options: RunOptions) -> str:
-    """The engine argument cpu_kernels=native|torch (default native): on the CPU, dequantize and multiply by the
-    compiled kernels of `gpu_engine.cpu_kernels`, or by torch ops only. Any other engine argument is refused."""
-    value = "native"
-    for arg in options.engine_args:
-        name, eq, value = arg.partition("=")
-        if name != "cpu_kernels" or not eq or value not in ("native", "torch"):
-            raise ParityError(f"torch engine: unknown engine argument {arg!r}; the one it takes is "
-                              f"cpu_kernels=native|torch")
-    return value
+    """The engine argument cpu_kernels=native|torch (default native); see `engine_args`."""
+    return engine_args(options)[0]
+
+
+def intra_op_threads(options: RunOptions) -> int:
+    """torch's intra-op thread count for this engine: the engine argument threads=N, else one per usable CPU
+    (`parity.contract.cpus.usable_cpus`: affinity and cgroup quota), whatever OMP_NUM_THREADS says. On a busy
+    machine the scheduler shares the cores per runnable thread, so an engine held to one thread by an inherited
+    OMP_NUM_THREADS=1 got about half the CPU time of a two-thread one (docs/bench.md "Under load")."""
+    return engine_args(options)[1] or usable_cpus()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,6 +163,9 @@ class TorchEngine:
         self.switches = Faults.parse(options.inject)
         self.device = resolve_device(options.device)
         self.act, self.mm = DTYPES[options.dtype]
+        # torch's intra-op threads: process-wide in torch, so set here and again by each forward_layer call
+        self.threads = intra_op_threads(options)
+        self._use_threads()
         self.expert_threads = expert_threads or (min(usable_cpus(), MAX_EXPERT_THREADS)
                                                  if self.device.type == "cpu" else 1)
         self._pool = ThreadPoolExecutor(self.expert_threads) if self.expert_threads > 1 else None
@@ -156,7 +178,8 @@ class TorchEngine:
                                load_kernels() if native else None, run, self.expert_threads,
                                trunk if self.drafter is None else merged_weights(trunk, self.drafter))
         kernels = ", native CPU kernels" if native else ""
-        self.version = f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type}{kernels})"
+        self.version = (f"gpu_engine {__version__} (torch {torch.__version__}, {self.device.type}{kernels}, "
+                        f"{self.threads} intra-op thread{'s' if self.threads > 1 else ''})")
         self.config = self.cfg = cfg = trunk.config
         self.identity = self.w.source.identity()
         check_qat_shapes(options, cfg.nope_dim, cfg.index_head_dim, "torch engine")
@@ -179,6 +202,11 @@ class TorchEngine:
     def cache_stats(self) -> dict[str, int]:
         """Capability `CacheStats`: the kept dequantized matrices and scratch buffers (`DeviceWeights.cache_stats`)."""
         return self.w.cache_stats()
+
+    def _use_threads(self) -> None:
+        """torch's intra-op thread count is process-wide: make it this engine's (another engine may have set it)."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def _check_hash_tables(self) -> None:
         """Every hash layer's tid2eid entry names an expert in [0, n_routed_experts) (checked once, at load)."""
@@ -250,6 +278,7 @@ class TorchEngine:
         cache = state.layers[layer]
         if cache.pos != start_pos:
             raise ParityError(f"layer {layer}: cache holds positions < {cache.pos}, call starts at {start_pos}")
+        self._use_threads()
         n = carrier.shape[0]
         if carrier.shape != (n, cfg.hc_mult, cfg.dim) or len(tokens) != n or n < 1:
             raise ParityError(f"layer {layer}: carrier {carrier.shape} / tokens {len(tokens)} do not match "

@@ -216,8 +216,8 @@ def test_trace_passes_engine_args_and_records_them(tiny_realmix, tmp_path):
     assert r.exit_code == 0, r.output
     header = read_trace(tmp_path / "t.trace").header
     assert header.flags["engine_args"] == ["cpu_kernels=torch"] and "native" not in header.engine_version
-    r = CliRunner().invoke(cli, [*base, "--engine-arg", "threads=3", "-o", str(tmp_path / "u.trace")])
-    assert isinstance(r.exception, ParityError) and "unknown engine argument 'threads=3'" in str(r.exception)
+    r = CliRunner().invoke(cli, [*base, "--engine-arg", "lcp_threads=3", "-o", str(tmp_path / "u.trace")])
+    assert isinstance(r.exception, ParityError) and "unknown engine argument 'lcp_threads=3'" in str(r.exception)
 
 
 def test_a_cpu_whose_features_cannot_be_read_gets_an_uncached_build(monkeypatch, tmp_path):

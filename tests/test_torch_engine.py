@@ -391,8 +391,8 @@ def test_unimplemented_numerics_options_are_refused(tiny_f32):
                        (RunOptions(rope_angles="recurrence"), "rope_angles=recurrence")):
         with pytest.raises(ParityError, match=f"torch engine: {what} is not implemented"):
             TorchEngine(str(tiny_f32), opts)
-    with pytest.raises(ParityError, match=r"torch engine: unknown engine argument 'lcp_flash=on'; the one it takes "
-                                          r"is cpu_kernels=native\|torch"):
+    with pytest.raises(ParityError, match=r"torch engine: unknown engine argument 'lcp_flash=on'; the ones it takes "
+                                          r"are cpu_kernels=native\|torch and threads=N \(N >= 1\)"):
         TorchEngine(str(tiny_f32), RunOptions(engine_args=("lcp_flash=on",)))
 
 

@@ -190,6 +190,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     options = RunOptions(device=spec["device"], cache_gb=spec["cache_gb"], fp8_kv=spec["qat_sims"],
                          fp4_indexer=spec["qat_sims"], engine_args=tuple(spec.get("engine_args", ())))
+    load_start = load_average()
     with MemoryWatch() as mem:
         t = time.perf_counter()
         engine = load_engine(spec["engine"], spec["model"], options)
@@ -208,7 +209,29 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "model_file_gb": Path(spec["model"]).stat().st_size / 2**30,
         "cache": engine.cache_stats() if isinstance(engine, CacheStats) else None,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "usable_cpus": usable_cpus(),
+        "threads": engine_threads(engine), "load_start": load_start, "load_end": load_average(),
     }
+
+
+def engine_threads(engine: Any) -> dict[str, int]:
+    """The thread counts the engine runs with (what its defaults chose, or its engine arguments): the reference's
+    worker threads; the torch engine's intra-op and expert threads; the CPUs torch itself would use meanwhile."""
+    import torch
+
+    out = {"torch_intra_op": torch.get_num_threads()}
+    for key, attr in (("engine", "threads"), ("expert", "expert_threads")):
+        if isinstance(getattr(engine, attr, None), int):
+            out[key] = getattr(engine, attr)
+    workers = getattr(engine, "workers", None)
+    if workers is not None and isinstance(getattr(workers, "n", None), int):
+        out["engine"] = workers.n
+    return out
+
+
+def torch_args(engine: str, threads: int | None) -> list[str]:
+    """The torch engine's intra-op thread count as its engine argument threads=N (the engine's own default, one per
+    usable CPU, where None); nothing for the other engines."""
+    return [f"threads={threads}"] if engine == "torch" and threads else []
 
 
 def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: float) -> dict[str, Any]:
@@ -512,7 +535,8 @@ def bench_tiny(cache_dir: Path, engines: tuple[str, ...], torch_threads: int | N
     for engine in engines:
         log(f"{engine} engine on the tiny F32 model (QAT simulations off): prefill 24 tokens, decode steps ...")
         spec = {"engine": engine, "model": str(path), "device": "cpu", **TINY_PLAN, "trace_prompt": 24,
-                "trace_reps": 0, "cache_gb": RunOptions.cache_gb, "qat_sims": False}
+                "trace_reps": 0, "cache_gb": RunOptions.cache_gb, "qat_sims": False,
+                "engine_args": torch_args(engine, torch_threads)}
         out[engine] = spawn_worker(spec, 1 if engine == "reference" else torch_threads, 600)
     return out
 
@@ -572,7 +596,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
             spec = {"engine": engine, "model": str(models["2layer"]), "device": dev,
                     "lengths": {n: plan["lengths"][n]}, "decode_steps": plan["decode_steps"], "trace_prompt": n,
                     "trace_reps": plan["trace_reps"] if first else 0, "cache_gb": RunOptions.cache_gb,
-                    "qat_sims": True}
+                    "qat_sims": True, "engine_args": torch_args(engine, torch_threads)}
             # the reference parallelises over experts itself; a second BLAS thread pool would only contend
             parts[engine].append(spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout))
     workers = {e: merge_workers(ws) for e, ws in parts.items()}
