@@ -22,9 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from parity.contract.engine import RunOptions
+    from parity.gguf.config import ModelConfig
 
 ALPHA = 1e-3        # the significance level of check's round-off null (docs/check.md)
 N_TWINS = 19        # round-off twins per run (docs/check.md)
@@ -223,9 +227,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
     file, one progress line per run on `log`. `done`: rows of an earlier result (its "rows"); a run of the plan with
     the same `task_key` as one of them is taken from there, not run again. `on_row(row)` is called after each new
     run (to keep partial results). Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
-    from parity import api
-    from parity.bisect.search import builtin_prompt
-    from parity.contract.engine import RunOptions, engine_faults
+    from parity.contract.engine import engine_faults
     from parity.gguf.weights import Weights
 
     faults = plan.faults if plan.faults is not None else engine_faults("torch")
@@ -243,72 +245,102 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
             rows.append(earlier[task_key(task)])
             continue
         ran += 1
-        t = time.perf_counter()
-        cfg = configs[task["model"]]
-        motif = task["kind"] == "tie" and task["seed"] == MOTIF_SEED
-        tokens = (builtin_prompt(cfg.vocab_size, cfg.bos_token_id) if motif else
-                  prompt(task["prompt"], task["seed"], cfg.vocab_size, cfg.bos_token_id))
-        model = models[task["model"]]
-        opts = RunOptions() if task["qat"] else RunOptions(fp8_kv=False, fp4_indexer=False)
-        keep = task["kind"] == "correct" and task["engine"] == "torch" and not task["qat"]
-        # a trace and its vectors side file, in a folder of their own; a clean QAT-off run is kept as the baseline
-        # of the faulty runs on the same prompt
-        folder = scratch / (f"clean-{task['model']}-0-{task['seed']}" if keep else f"cand-{i}")
-        folder.mkdir(exist_ok=True)
-        path = folder / "trace.npz"
-        expected = None
-        if task["engine"] == "llamacpp":
-            api.capture_llamacpp(model, tokens, path, decode=plan.decode)
-        elif task["kind"] == "correct":
-            api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
-                                     options=opts, subops=task.get("subops", False)), path)
-        else:
-            key = (task["model"], task["qat"], task["seed"])
-            if key not in clean:
-                base = scratch / f"clean-{task['model']}-{int(task['qat'])}-{task['seed']}" / "trace.npz"
-                if not base.exists():
-                    base.parent.mkdir(exist_ok=True)
-                    api.save_trace(api.trace("torch", model, tokens, positions="all", full="all",
-                                             decode=plan.decode, options=opts), base)
-                clean[key] = api.load_trace(base)
-            ref = clean[key]
-            forced = ref.header.tokens[len(tokens):]
-            api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
-                                     forced=forced, options=RunOptions(fp8_kv=task["qat"], fp4_indexer=task["qat"],
-                                                                       inject=(task["fault"],)),
-                                     subops=task.get("subops", False)), path)
-            faulty = api.load_trace(path)
-            expected = first_acting_layer(ref, faulty)
-            picks = changed_picks(ref, faulty, expected) if expected is not None else 0
-        report = api.check(path, model)
-        row = _row(report, **task, decode=plan.decode, wall_s=time.perf_counter() - t)
-        if task["kind"] != "correct":
-            row["expected_layer"] = expected
-        if task["kind"] == "tie":
-            row["changed_picks"] = picks
-        if not keep:
-            shutil.rmtree(folder)
-        _judge(row)
+        row = _run_task(i, task, models[task["model"]], configs[task["model"]], plan, scratch, clean)
         rows.append(row)
         if on_row is not None:
             on_row(row)
-        done = time.perf_counter() - t0
-        eta = done / ran * (todo - ran)
-        what = f"{_group(task)} T={task['prompt']}+{plan.decode}"
-        if task["kind"] != "correct":
-            what += f" fault {task['fault']} (expected layer {expected})"
-        if task["kind"] == "tie":
-            what += f", {picks} pick(s) changed: expected {row['expected']}"
-        flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
-                " (fault inert on this prompt: not counted)" if expected is None else "" if row["found"] else
-                " MISSED")
-        log(f"[{ran}/{todo}] {what} seed {task['seed']}: {row['headline'][:120]} "
-            f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}; ETA {eta / 60:.1f} min")
+        eta = (time.perf_counter() - t0) / ran * (todo - ran)
+        log(f"[{ran}/{todo}] {_progress(task, row, plan)}; ETA {eta / 60:.1f} min")
+    return {"alpha": ALPHA, "twins": N_TWINS, "plan": _plan_json(plan, faults), "rows": rows,
+            "summary": summarize(rows), "wall_s": time.perf_counter() - t0}
+
+
+def _run_task(i: int, task: dict[str, Any], model: Path, cfg: ModelConfig, plan: VerdictPlan, scratch: Path,
+              clean: dict[tuple[str, bool, int], Any]) -> dict[str, Any]:
+    """One run of the plan (the i-th task): its candidate written into a folder of `scratch`, judged by
+    `parity.api.check` from the file; the judged row. cfg: the model's config; clean: the clean torch traces
+    already loaded (filled here)."""
+    from parity import api
+    from parity.bisect.search import builtin_prompt
+    from parity.contract.engine import RunOptions
+
+    t = time.perf_counter()
+    motif = task["kind"] == "tie" and task["seed"] == MOTIF_SEED
+    tokens = (builtin_prompt(cfg.vocab_size, cfg.bos_token_id) if motif else
+              prompt(task["prompt"], task["seed"], cfg.vocab_size, cfg.bos_token_id))
+    opts = RunOptions() if task["qat"] else RunOptions(fp8_kv=False, fp4_indexer=False)
+    keep = task["kind"] == "correct" and task["engine"] == "torch" and not task["qat"]
+    # a trace and its vectors side file, in a folder of their own; a clean QAT-off run is kept as the baseline
+    # of the faulty runs on the same prompt
+    folder = scratch / (f"clean-{task['model']}-0-{task['seed']}" if keep else f"cand-{i}")
+    folder.mkdir(exist_ok=True)
+    path = folder / "trace.npz"
+    expected, picks = None, 0
+    if task["engine"] == "llamacpp":
+        api.capture_llamacpp(model, tokens, path, decode=plan.decode)
+    elif task["kind"] == "correct":
+        api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
+                                 options=opts, subops=task.get("subops", False)), path)
+    else:
+        expected, picks = _faulty_run(task, model, tokens, opts, plan, scratch, clean, path)
+    row = _row(api.check(path, model), **task, decode=plan.decode, wall_s=time.perf_counter() - t)
+    if task["kind"] != "correct":
+        row["expected_layer"] = expected
+    if task["kind"] == "tie":
+        row["changed_picks"] = picks
+    if not keep:
+        shutil.rmtree(folder)
+    _judge(row)
+    return row
+
+
+def _faulty_run(task: dict[str, Any], model: Path, tokens: Sequence[int], opts: RunOptions, plan: VerdictPlan,
+                scratch: Path, clean: dict[tuple[str, bool, int], Any], path: Path) -> tuple[int | None, int]:
+    """The faulty torch trace written to `path`, forced onto the tokens of its clean run (traced into `scratch` or
+    taken from `clean` when already there); the first layer where the fault acts (None: inert) and the router
+    picks it changed there."""
+    from parity import api
+    from parity.contract.engine import RunOptions
+
+    key = (task["model"], task["qat"], task["seed"])
+    if key not in clean:
+        base = scratch / f"clean-{task['model']}-{int(task['qat'])}-{task['seed']}" / "trace.npz"
+        if not base.exists():
+            base.parent.mkdir(exist_ok=True)
+            api.save_trace(api.trace("torch", model, tokens, positions="all", full="all",
+                                     decode=plan.decode, options=opts), base)
+        clean[key] = api.load_trace(base)
+    ref = clean[key]
+    forced = ref.header.tokens[len(tokens):]
+    api.save_trace(api.trace("torch", model, tokens, positions="all", full="all", decode=plan.decode,
+                             forced=forced, options=RunOptions(fp8_kv=task["qat"], fp4_indexer=task["qat"],
+                                                               inject=(task["fault"],)),
+                             subops=task.get("subops", False)), path)
+    faulty = api.load_trace(path)
+    expected = first_acting_layer(ref, faulty)
+    return expected, (changed_picks(ref, faulty, expected) if expected is not None else 0)
+
+
+def _progress(task: dict[str, Any], row: dict[str, Any], plan: VerdictPlan) -> str:
+    """The progress line of a judged run (without its counter and ETA)."""
+    what = f"{_group(task)} T={task['prompt']}+{plan.decode}"
+    if task["kind"] != "correct":
+        what += f" fault {task['fault']} (expected layer {row['expected_layer']})"
+    if task["kind"] == "tie":
+        what += f", {row['changed_picks']} pick(s) changed: expected {row['expected']}"
+    flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
+            " (fault inert on this prompt: not counted)" if row["expected_layer"] is None else "" if row["found"] else
+            " MISSED")
+    return (f"{what} seed {task['seed']}: {row['headline'][:120]} "
+            f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}")
+
+
+def _plan_json(plan: VerdictPlan, faults: Sequence[str]) -> dict[str, Any]:
+    """The plan as JSON values (without `extra`; prompt lengths as string keys, the faults that ran)."""
     plan_json = {k: v for k, v in asdict(plan).items() if k != "extra"}
     plan_json["torch_lengths"] = {str(k): v for k, v in plan.torch_lengths.items()}
     plan_json["faults"] = list(faults)
-    return {"alpha": ALPHA, "twins": N_TWINS, "plan": plan_json, "rows": rows, "summary": summarize(rows),
-            "wall_s": time.perf_counter() - t0}
+    return plan_json
 
 
 def upper_bound(k: int, n: int, conf: float = 0.95) -> float:
