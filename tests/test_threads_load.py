@@ -123,3 +123,18 @@ def test_trace_reader_sel_rules():
     bad[1][1] = 0  # a layer-0 row (has_sel false) holding an entry
     with pytest.raises(TraceError, match=r"has_sel false\) must hold only -1"):
         _check(_with_sel(bad))
+
+
+def test_reference_with_worker_threads_holds_openblas_to_one_thread(tiny_f32):
+    from reference_cpu.engine import ReferenceEngine
+    from reference_cpu.threads import loaded_openblas
+
+    blas = loaded_openblas()
+    if not blas:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS this process can find")
+    for set_threads, _ in blas:
+        set_threads(2)
+    ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=1",)))
+    assert [get() for _, get in blas] == [2] * len(blas)  # one worker thread: BLAS keeps its own setting
+    engine = ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=2",)))
+    assert [get() for _, get in blas] == [1] * len(blas) and engine.workers.blas_threads_before == [2] * len(blas)
