@@ -71,6 +71,23 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, file_type: str, thr
     matrix) is a ParityError carrying llama.cpp's error lines."""
     L = llama_cpp_module()
     types = file_types()
+    src, dst = _checked_paths(src, dst, file_type, types, threads)
+    params = L.llama_model_quantize_default_params()
+    params.ftype = types[file_type]
+    if threads is not None:
+        params.nthread = threads
+    rc, seconds, log = _run_quantize(L, src, dst, params)
+    if rc != 0:
+        said = [" ".join(ln.split()) for ln in log.splitlines() if any(w in ln.lower() for w in _ERROR_WORDS)]
+        tail = "\n  ".join(said[-6:]) or "llama.cpp logged no error"
+        raise ParityError(f"llama.cpp could not quantize {src.name} to {file_type} (llama_model_quantize "
+                          f"returned {rc}):\n  {tail}")
+    return {"path": dst, "file_type": file_type, "ftype": types[file_type], "seconds": seconds, "log": log}
+
+
+def _checked_paths(src: str | os.PathLike, dst: str | os.PathLike, file_type: str, types: dict[str, int],
+                   threads: int | None) -> tuple[Path, Path]:
+    """`quantize`'s arguments checked (a known file type, an existing input, another output, threads >= 1)."""
     if file_type not in types:
         raise ParityError(f"unknown llama.cpp file type {file_type!r}; valid: {', '.join(types)}")
     src, dst = Path(src), Path(dst)
@@ -80,10 +97,11 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, file_type: str, thr
         raise ParityError(f"quantize: output {dst} is the input file")
     if threads is not None and threads < 1:
         raise ParityError(f"quantize: threads={threads}; expected an integer >= 1")
-    params = L.llama_model_quantize_default_params()
-    params.ftype = types[file_type]
-    if threads is not None:
-        params.nthread = threads
+    return src, dst
+
+
+def _run_quantize(L: Any, src: Path, dst: Path, params: Any) -> tuple[int, float, str]:
+    """`llama_model_quantize` with llama.cpp's log collected: its return code, seconds and log text."""
     lines: list[str] = []
 
     @_LOG
@@ -98,11 +116,5 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, file_type: str, thr
     finally:
         seconds = time.perf_counter() - t0
         L.llama_log_set(_QUIET, None)
-    log = "".join(lines)
-    if rc != 0:
-        said = [" ".join(ln.split()) for ln in log.splitlines() if any(w in ln.lower() for w in _ERROR_WORDS)]
-        tail = "\n  ".join(said[-6:]) or "llama.cpp logged no error"
-        raise ParityError(f"llama.cpp could not quantize {src.name} to {file_type} (llama_model_quantize "
-                          f"returned {rc}):\n  {tail}")
-    return {"path": dst, "file_type": file_type, "ftype": types[file_type], "seconds": seconds, "log": log}
+    return rc, seconds, "".join(lines)
 

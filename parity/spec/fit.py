@@ -25,6 +25,7 @@ import numpy as np
 from parity.contract.checkpoints import block
 from parity.contract.engine import Engine, RunOptions, engine_class
 from parity.contract.errors import ParityError
+from parity.gguf.config import ModelConfig
 from parity.gguf.drafter import LAYOUTS, DrafterConfig, extend_config
 from parity.gguf.synth_draft import random_drafter_weights, synthesize_drafter, tiny_drafter_config
 from parity.gguf.weights import Weights
@@ -144,14 +145,7 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
         raise ParityError(f"fit: unknown drafter kind {kind!r}; choose from {', '.join(STEPS)}")
     layout = layout if layout is not None else f"ds4-{kind}"
     steps = steps if steps is not None else STEPS[kind]
-    if LAYOUTS.get(layout) != kind:
-        raise ParityError(f"fit: {layout!r} is not a {kind} layout; choose from "
-                          f"{', '.join(k for k, v in LAYOUTS.items() if v == kind)}")
-    if min(steps, prompts, prompt_len, decode, heldout) < 1:
-        raise ParityError(f"fit: steps ({steps}), prompts ({prompts}), prompt_len ({prompt_len}), decode ({decode}) "
-                          f"and heldout ({heldout}) must all be >= 1")
-    if train_prompts is not None and (not train_prompts or min(len(p) for p in train_prompts) < 1):
-        raise ParityError("fit: train_prompts must hold at least one prompt, each of at least one token")
+    _check_fit_args(kind, layout, steps, prompts, prompt_len, decode, heldout, train_prompts)
     seconds, t0 = {}, time.perf_counter()
     weights = Weights(trunk)
     cfg = weights.config
@@ -172,16 +166,7 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
         held = [greedy_trajectory(reference, p, decode, taps)
                 for p in seeded_prompts(seed, heldout, prompt_len, cfg.vocab_size, 2)]
         seconds["trajectories"], t0 = time.perf_counter() - t0, time.perf_counter()
-        init = {k: a for k, (a, _) in random_drafter_weights(dc, model_cfg, seed).items()}
-        init |= {k: weights.tensor(k) for k in TRUNK_TENSORS}
-        torch_engine = engine_class("torch")
-        if kind == "mtp":
-            fitted = torch_engine.fit_mtp(init, model_cfg, cfg.n_layers, [mtp_rows(t) for t in train], steps, seed,
-                                          depth=depth, log=log)
-        else:
-            rounds = [r for t in train for r in dspark_rounds(t, dc, cfg.window_size)]
-            fitted = torch_engine.fit_dspark(init, model_cfg, cfg.n_layers, dc.n_blocks, rounds, steps, seed,
-                                             log=log)
+        fitted = _fit_weights(kind, weights, model_cfg, dc, train, steps, seed, depth, log)
         path = synthesize_drafter(out, trunk, kind, layout, seed, quant, weights=fitted)
         seconds["fit"], t0 = time.perf_counter() - t0, time.perf_counter()
         scores = {}
@@ -193,3 +178,32 @@ def fit_drafter(trunk: str | Path, out: str | Path, kind: str, *, layout: str | 
     seconds["measure"] = time.perf_counter() - t0
     return FitReport(Path(path), kind, layout, seed, steps, {k: v[0] for k, v in scores.items()},
                      (scores["fitted"][1], scores["heldout"][1]), seconds)
+
+
+def _check_fit_args(kind: str, layout: str, steps: int, prompts: int, prompt_len: int, decode: int, heldout: int,
+                    train_prompts: Sequence[Sequence[int]] | None) -> None:
+    """`fit_drafter`'s arguments that need no trunk: a layout of `kind`, positive counts, non-empty prompts."""
+    if LAYOUTS.get(layout) != kind:
+        raise ParityError(f"fit: {layout!r} is not a {kind} layout; choose from "
+                          f"{', '.join(k for k, v in LAYOUTS.items() if v == kind)}")
+    if min(steps, prompts, prompt_len, decode, heldout) < 1:
+        raise ParityError(f"fit: steps ({steps}), prompts ({prompts}), prompt_len ({prompt_len}), decode ({decode}) "
+                          f"and heldout ({heldout}) must all be >= 1")
+    if train_prompts is not None and (not train_prompts or min(len(p) for p in train_prompts) < 1):
+        raise ParityError("fit: train_prompts must hold at least one prompt, each of at least one token")
+
+
+def _fit_weights(kind: str, weights: Weights, model_cfg: ModelConfig, dc: DrafterConfig,
+                 train: Sequence[Trajectory], steps: int, seed: int, depth: int,
+                 log: Callable[[int, float], None] | None) -> dict[str, np.ndarray]:
+    """The drafter's tensors fitted by the torch engine's `fit_mtp` / `fit_dspark` on the training trajectories,
+    from the seeded random drafter with the trunk's embedding and output head (kept fixed)."""
+    cfg = weights.config
+    init = {k: a for k, (a, _) in random_drafter_weights(dc, model_cfg, seed).items()}
+    init |= {k: weights.tensor(k) for k in TRUNK_TENSORS}
+    torch_engine = engine_class("torch")
+    if kind == "mtp":
+        return torch_engine.fit_mtp(init, model_cfg, cfg.n_layers, [mtp_rows(t) for t in train], steps, seed,
+                                    depth=depth, log=log)
+    rounds = [r for t in train for r in dspark_rounds(t, dc, cfg.window_size)]
+    return torch_engine.fit_dspark(init, model_cfg, cfg.n_layers, dc.n_blocks, rounds, steps, seed, log=log)
