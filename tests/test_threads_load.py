@@ -138,3 +138,28 @@ def test_reference_with_worker_threads_holds_openblas_to_one_thread(tiny_f32):
     assert [get() for _, get in blas] == [2] * len(blas)  # one worker thread: BLAS keeps its own setting
     engine = ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=2",)))
     assert [get() for _, get in blas] == [1] * len(blas) and engine.workers.blas_threads_before == [2] * len(blas)
+
+
+def test_bench_tables_name_the_load_beside_every_timing():
+    from test_bench import _worker
+
+    from parity.bench import measure
+
+    ref, tor = _worker("reference", [4], [8.0], [0.8]), _worker("torch", [4], [2.0], [0.2])
+    ref["runs"][0]["load"], tor["runs"][0]["load"] = 3.9, 4.1
+    ref["tracing"]["load"] = 4.4
+    ref["threads"], tor["threads"] = {"torch_intra_op": 2, "engine": 2}, {"torch_intra_op": 2, "engine": 2, "expert": 2}
+    report = {"machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
+                          "load_avg_start": [3.5, 0, 0]}, "load_end": 4.6, "device": "cpu", "wall_s": 10.0,
+              "engines": {"reference": ref, "torch": tor}, "dequant_load": 3.7,
+              "dequant": [{"type": "F32", "values": 1 << 20, "gguf_mvs": 1.0, "reference_mvs": 1.0, "torch_mvs": 1.0,
+                           "reference_speedup": 1.0, "torch_speedup": 1.0, "reference_exact": True,
+                           "torch_exact": True}],
+              "trace_diff": {"checkpoints": 88, "positions": 4096, "from_npz_s": 0.5, "load": 3.9, "cpu_s": 0.6}}
+    rows = {r[0]: r[1:] for r in measure.summary_rows(report)}
+    assert rows["model decode estimate: 43 x mean layer decode @ctx 24"][2] == "(load 3.9 / 4.1)"
+    assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 % (load 4.4)"
+    assert measure.scaling_rows(report) == [(24, ["8.000", "0.800", "2.000", "0.200", "load 3.9 / 4.1"])]
+    md = measure.render_markdown(report)
+    assert "load average at start 3.5, at end 4.6;" in md
+    assert "Threads: reference torch_intra_op 2, engine 2; torch torch_intra_op 2, engine 2, expert 2." in md

@@ -180,7 +180,7 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
         record.append(spent[0] + time.perf_counter() - t)
         forward.append(total - spent[0])
     return {"prompt": n_prompt, "reps": reps, "forward_s": _median(forward), "record_s": _median(record),
-            "overhead": _median(record) / _median(forward)}
+            "overhead": _median(record) / _median(forward), "load": load_average()}
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -549,7 +549,8 @@ def tiny_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         run = w["runs"][0]
         pre, dec = run["prefill_s"] / w["n_layers"], run["decode_s"] / w["n_layers"]
         ref = ref or (pre, dec)
-        rows.append((name, f"{1e3 * pre:.2f} ms", f"{1e3 * dec:.2f} ms", f"{ref[0] / pre:.2f}x / {ref[1] / dec:.2f}x"))
+        rows.append((name, f"{1e3 * pre:.2f} ms", f"{1e3 * dec:.2f} ms",
+                     f"{ref[0] / pre:.2f}x / {ref[1] / dec:.2f}x{_load_note(run)}"))
     return rows
 
 
@@ -617,6 +618,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     if peers:
         report["tiny_engines"] = bench_tiny(cache_dir, ("reference", "torch", *peers), torch_threads, log)
     report["wall_s"] = time.perf_counter() - t0
+    report["load_end"] = load_average()
     return report
 
 
@@ -661,12 +663,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         per_layer = float(np.mean(decode)) if decode else None
         est.append(f"{REAL_LAYERS * per_layer:.1f} s/tok = {1 / (REAL_LAYERS * per_layer):.3f} tok/s"
                    if per_layer else "-")
-    rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est, ""))
+    rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est,
+                 _loads(ref, tor, lengths[0]).strip()))
     for name, w in (("reference", ref), ("torch", tor)):
         if w and w["tracing"]:
             tr = w["tracing"]
             rows.append((f"{name}: trace recording / forward ({tr['prompt']} tok, every position)",
-                         f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "", f"{100 * tr['overhead']:+.2f} %"))
+                         f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "",
+                         f"{100 * tr['overhead']:+.2f} %{_load_note(tr)}"))
     td = report["trace_diff"]
     at = f" (CPU {td['cpu_s']:.2f} s, load {td['load']:.1f})" if "load" in td else ""
     rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
@@ -676,13 +680,18 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         run = mem["runs"][0]
         share = f"1 layer, {mem['cache']['budget'] / 2**30:.2f} GiB cache"
         rows.append((f"reference {share}: prefill {run['prompt']} / decode", fmt(run["prefill_s"]),
-                     fmt(run["decode_s"]), ""))
+                     fmt(run["decode_s"]), _load_note(run).strip()))
         rows.append((f"reference peak RSS, {share} (anon / total)",
                      f"{mem['peak_rss_anon_gb']:.2f} / {mem['peak_rss_gb']:.2f} GiB", "", ""))
     if tor:
         rows.append(("torch peak RSS, 2 layers (anon / total)",
                      "", f"{tor['peak_rss_anon_gb']:.2f} / {tor['peak_rss_gb']:.2f} GiB", ""))
     return rows
+
+
+def _load_note(run: dict[str, Any] | None) -> str:
+    """' (load X)': the 1-minute load average recorded with a run ('' where the run predates the record)."""
+    return f" (load {run['load']:.1f})" if run and "load" in run else ""
 
 
 def _loads(ref: dict[str, Any] | None, tor: dict[str, Any] | None, n: int) -> str:
@@ -709,7 +718,8 @@ def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
-    """Per prompt length: per-layer prefill and decode seconds of each engine ('a / b' over the layers)."""
+    """Per prompt length: per-layer prefill and decode seconds of each engine ('a / b' over the layers), and the
+    load averages of the two runs."""
     eng = report["engines"]
     lengths = sorted({r["prompt"] for w in (eng.get("reference"), eng.get("torch")) if w for r in w["runs"]})
     out = []
@@ -719,21 +729,32 @@ def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
             for key in ("prefill_layer_s", "decode_layer_s"):
                 times = _per_layer(w, n, key)
                 cells.append(" / ".join(f"{x:.3f}" for x in times) if times else "-")
+        cells.append(_loads(eng.get("reference"), eng.get("torch"), n).strip(" ()") or "-")
         out.append((n, cells))
     return out
+
+
+def _thread_note(report: dict[str, Any]) -> str:
+    """' Threads: ...': what each engine's worker ran with (recorded by `engine_threads`; '' for older reports)."""
+    parts = [f"{name} {', '.join(f'{k} {v}' for k, v in w['threads'].items())}"
+             for name, w in report["engines"].items() if name in ("reference", "torch") and "threads" in w]
+    return f" Threads: {'; '.join(parts)}." if parts else ""
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     """The tables of docs/bench.md: machine, per-layer times, dequantizer throughput."""
     m = report["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB; numpy {m['numpy']}, "
-             f"torch {m['torch']}; load average at start {m['load_avg_start'][0]:.1f}; "
-             f"device {report['device']}; total bench wall time {report['wall_s']:.0f} s.", "",
+             f"torch {m['torch']}; load average at start {m['load_avg_start'][0]:.1f}"
+             + (f", at end {report['load_end']:.1f}" if "load_end" in report else "")
+             + f"; device {report['device']}; total bench wall time {report['wall_s']:.0f} s."
+             + _thread_note(report), "",
              "| measure (per real layer) | reference | torch | torch speed-up |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in summary_rows(report)]
     lines += ["", "Scaling (seconds per layer, layer 0 CSA / layer 1 HCA; decode = one step at that context):", "",
-              "| prompt = context | reference prefill | reference decode | torch prefill | torch decode |",
-              "|---|---|---|---|---|"]
+              "| prompt = context | reference prefill | reference decode | torch prefill | torch decode "
+              "| load (ref / torch) |",
+              "|---|---|---|---|---|---|"]
     for n, cells in scaling_rows(report):
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     threads = thread_rows(report)
