@@ -136,68 +136,82 @@ class HFEngine:
         return torch.zeros(ok.shape, dtype=self.dtype).masked_fill(~ok, torch.finfo(self.dtype).min)[None, None]
 
     def _output(self, layer: int, out, got: dict, pe: dict, pos, state: HFState, capture: bool) -> LayerOutput:
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
-        cfg, torch, block = self.config, self.torch, self.model.model.layers[layer]
-        n, r, H = pos.shape[1], cfg.ratio(layer), cfg.hc_mult
+        cfg, block = self.config, self.model.model.layers[layer]
+        n, r = pos.shape[1], cfg.ratio(layer)
         positions = pos[0].numpy()
+        hc = [self._hc_gates(block, got, which) for which in ("attn_hc", "ffn_hc")]
+        ids, weights, margin = self._routing(layer, block, got, n)
+        sel = self._index_sel(layer, got, n)
+        diag = LayerDiag(hc_attn=hc[0], hc_ffn=hc[1], expert_ids=ids, expert_weights=weights, router_margin=margin,
+                         n_comp_visible=(positions + 1) // r if r else np.zeros(n, np.int64), index_sel=sel)
+        caps = self._captures(layer, out, got, pe, n, state, ids, weights, sel) if capture else {}
+        return LayerOutput(attn_carrier=self._np(got["blk_attn"][0]), carrier=self._np(out[0]), diag=diag,
+                           captures=caps)
 
-        def pre_gates(which: str):   # HF consumes `pre` inside its HC module: recomputed from the normed input
-            hc = getattr(block, which)
-            mix = torch.nn.functional.linear(got[f"{which}.norm"], hc.fn.float())[..., :H]
-            return self._np((torch.sigmoid(mix * hc.scale.float()[0] + hc.base.float()[:H]) + hc.hc_eps)[0])
+    def _hc_gates(self, block, got: dict, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pre, post, comb) of the block's `which` hyper-connection. HF consumes `pre` inside its HC module: it
+        is recomputed from the normed input."""
+        torch, H = self.torch, self.config.hc_mult
+        hc = getattr(block, which)
+        mix = torch.nn.functional.linear(got[f"{which}.norm"], hc.fn.float())[..., :H]
+        pre = self._np((torch.sigmoid(mix * hc.scale.float()[0] + hc.base.float()[:H]) + hc.hc_eps)[0])
+        post, comb, _ = got[which]
+        return pre, self._np(post[0]), self._np(comb[0])
 
-        hc = []
-        for which in ("attn_hc", "ffn_hc"):
-            post, comb, _ = got[which]
-            hc.append((pre_gates(which), self._np(post[0]), self._np(comb[0])))
+    def _routing(self, layer: int, block, got: dict, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The routed experts' ids and weights in selection order, and the router margin (NaN on a hash layer)."""
+        cfg = self.config
         logits, weights, ids = got["gate"]
         ids = ids.numpy().astype(np.int64)
         weights = self._np(weights)
         if cfg.is_hash_layer(layer):
-            margin = np.full(n, np.nan, weights.dtype)
-        else:   # HF picks unsorted top-k: present them in selection order (keys descending) like the reference
-            keys = self._np(block.mlp.gate.score_fn(logits) + block.mlp.gate.e_score_correction_bias)
-            order = np.argsort(-np.take_along_axis(keys, ids, axis=1), axis=1, kind="stable")
-            ids, weights = np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1)
-            ranked = -np.sort(-keys, axis=1)
-            margin = ranked[:, cfg.n_activated_experts - 1] - ranked[:, cfg.n_activated_experts]
-        sel = None
-        if cfg.has_indexer(layer):
-            picks = got["indexer"][0].numpy()
-            sel = np.full((n, cfg.index_topk), -1, np.int64)
-            for i in range(n):
-                v = np.sort(picks[i][picks[i] >= 0])
-                sel[i, : len(v)] = v
-        diag = LayerDiag(hc_attn=hc[0], hc_ffn=hc[1], expert_ids=ids, expert_weights=weights, router_margin=margin,
-                         n_comp_visible=(positions + 1) // r if r else np.zeros(n, np.int64), index_sel=sel)
-        caps: dict[str, np.ndarray] = {}
-        if capture:
-            cos, sin = pe[block.self_attn.rope_layer_type]
-            q = got["q_b_norm"]                                 # [1, nh, n, hd], before RoPE
-            kv = got["kv_norm"][:, None]                        # [1, 1, n, hd]
-            derope = got["o_a_proj"].reshape(1, n, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-            cache = state.cache.layers[layer]
-            rows = cache.compressed_kv if r else {}   # None until the layer's first block completes
-            caps = {
-                "hc_attn_pre": self._np(got["attn_hc"][2][0]), "attn_norm": self._np(got["input_layernorm"][0]),
-                "q_path": self._np(q[0].transpose(0, 1)), "kv_latent": self._np(kv[0, 0]),
-                "rope_q": self._np(apply_rotary_pos_emb(q, cos, sin)[0].transpose(0, 1)),
-                "rope_kv": self._np(apply_rotary_pos_emb(kv, cos, sin)[0, 0]),
-                "comp_rows": (self._np(rows["compressor"][0]) if r and rows["compressor"] is not None
-                              else np.zeros((0, cfg.head_dim), self.options.dtype)),
-                "index_rows": (self._np(rows["indexer"][0]) if cfg.has_indexer(layer) and rows["indexer"]
-                               is not None else np.zeros((0, cfg.index_head_dim), self.options.dtype)),
-                "index_sel": sel if sel is not None else np.full((n, cfg.index_topk), -1, np.int64),
-                "attn_heads": self._np(apply_rotary_pos_emb(derope, cos, sin)[0].transpose(0, 1)),
-                "attn_out": self._np(got["self_attn"][0][0]), "hc_attn_post": self._np(got["blk_attn"][0]),
-                "hc_ffn_pre": self._np(got["ffn_hc"][2][0]),
-                "ffn_norm": self._np(got["post_attention_layernorm"][0]),
-                "expert_ids": ids, "expert_weights": weights, "routed_out": self._np(got["experts"]),
-                "shared_out": self._np(got["shared_experts"][0]), "hc_ffn_post": self._np(out[0]),
-            }
-        return LayerOutput(attn_carrier=self._np(got["blk_attn"][0]), carrier=self._np(out[0]), diag=diag,
-                           captures=caps)
+            return ids, weights, np.full(n, np.nan, weights.dtype)
+        # HF picks unsorted top-k: present them in selection order (keys descending) like the reference
+        keys = self._np(block.mlp.gate.score_fn(logits) + block.mlp.gate.e_score_correction_bias)
+        order = np.argsort(-np.take_along_axis(keys, ids, axis=1), axis=1, kind="stable")
+        ids, weights = np.take_along_axis(ids, order, 1), np.take_along_axis(weights, order, 1)
+        ranked = -np.sort(-keys, axis=1)
+        return ids, weights, ranked[:, cfg.n_activated_experts - 1] - ranked[:, cfg.n_activated_experts]
+
+    def _index_sel(self, layer: int, got: dict, n: int) -> np.ndarray | None:
+        """The indexer's picks per row, sorted and padded with -1 to top-k (None on a layer without one)."""
+        cfg = self.config
+        if not cfg.has_indexer(layer):
+            return None
+        picks = got["indexer"][0].numpy()
+        sel = np.full((n, cfg.index_topk), -1, np.int64)
+        for i in range(n):
+            v = np.sort(picks[i][picks[i] >= 0])
+            sel[i, : len(v)] = v
+        return sel
+
+    def _captures(self, layer: int, out, got: dict, pe: dict, n: int, state: HFState, ids: np.ndarray,
+                  weights: np.ndarray, sel: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The layer's sub-op captures, read from the hooks' outputs (`got`) and the layer's cache."""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+        cfg, block, r, f = self.config, self.model.model.layers[layer], self.config.ratio(layer), self._np
+        cos, sin = pe[block.self_attn.rope_layer_type]
+        q = got["q_b_norm"]                                 # [1, nh, n, hd], before RoPE
+        kv = got["kv_norm"][:, None]                        # [1, 1, n, hd]
+        derope = got["o_a_proj"].reshape(1, n, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        rows = state.cache.layers[layer].compressed_kv if r else {}   # None until the layer's first block completes
+        return {
+            "hc_attn_pre": f(got["attn_hc"][2][0]), "attn_norm": f(got["input_layernorm"][0]),
+            "q_path": f(q[0].transpose(0, 1)), "kv_latent": f(kv[0, 0]),
+            "rope_q": f(apply_rotary_pos_emb(q, cos, sin)[0].transpose(0, 1)),
+            "rope_kv": f(apply_rotary_pos_emb(kv, cos, sin)[0, 0]),
+            "comp_rows": (f(rows["compressor"][0]) if r and rows["compressor"] is not None
+                          else np.zeros((0, cfg.head_dim), self.options.dtype)),
+            "index_rows": (f(rows["indexer"][0]) if cfg.has_indexer(layer) and rows["indexer"]
+                           is not None else np.zeros((0, cfg.index_head_dim), self.options.dtype)),
+            "index_sel": sel if sel is not None else np.full((n, cfg.index_topk), -1, np.int64),
+            "attn_heads": f(apply_rotary_pos_emb(derope, cos, sin)[0].transpose(0, 1)),
+            "attn_out": f(got["self_attn"][0][0]), "hc_attn_post": f(got["blk_attn"][0]),
+            "hc_ffn_pre": f(got["ffn_hc"][2][0]), "ffn_norm": f(got["post_attention_layernorm"][0]),
+            "expert_ids": ids, "expert_weights": weights, "routed_out": f(got["experts"]),
+            "shared_out": f(got["shared_experts"][0]), "hc_ffn_post": f(out[0]),
+        }
 
 
 def _hooks(block, got: dict) -> list:
