@@ -189,15 +189,19 @@ class TorchEngine:
         u32 = self.switches.compress_ratios_u32
         self.ratios = tuple(0 for _ in cfg.compress_ratios) if u32 else cfg.compress_ratios
         self.plans = [LayerPlan(l, r, self._freqs(r)) for l, r in enumerate(self.ratios)]
-        # FAULT@LAYERS: those faults act only in the named layers' ops (`faults.fault_layers`); the others, and the
-        # draft heads' ops, as named without layers
-        self.fault_layers = fault_layers(options.inject, cfg.n_layers)
+        self._compose_ops(run)
+        self._announce()
+
+    def _compose_ops(self, run: Callable) -> None:
+        """`ops` (the draft heads' and every layer's without FAULT@LAYERS) and `layer_ops` (per layer): the faults
+        composed with the QAT simulations, experts mapped by `run`. FAULT@LAYERS: those faults act only in the
+        named layers' ops (`faults.fault_layers`); the others, and the draft heads' ops, as named without layers."""
+        self.fault_layers = fault_layers(self.options.inject, self.cfg.n_layers)
         qat = self._qat_ops()
         self.ops = replace(compose(self.switches.without(set(self.fault_layers)), qat), expert_map=run)
         self.layer_ops = [replace(compose(self.switches.without({f for f, at in self.fault_layers.items()
                                                                  if l not in at}), qat), expert_map=run)
-                          if self.fault_layers else self.ops for l in range(cfg.n_layers)]
-        self._announce()
+                          if self.fault_layers else self.ops for l in range(self.cfg.n_layers)]
 
     def cache_stats(self) -> dict[str, int]:
         """Capability `CacheStats`: the kept dequantized matrices and scratch buffers (`DeviceWeights.cache_stats`)."""
