@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parity.compare.verdict import Verdict
+
 if TYPE_CHECKING:
     from parity.contract.engine import RunOptions
     from parity.gguf.config import ModelConfig
@@ -205,16 +207,16 @@ def _judge(row: dict[str, Any]) -> None:
     """Mark the row: a correct run is a false DEFECT when check says DEFECT; a faulty run is detected when DEFECT
     and found when, besides, the named cause is the fault at the expected layer."""
     if row["kind"] == "correct":
-        row["false_defect"] = row["verdict"] == "DEFECT"
+        row["false_defect"] = row["verdict"] == Verdict.DEFECT
     elif row["kind"] == "tie":   # one changed pick: a TIE at that layer (NOISE); >= 2: DEFECT naming the fault
         row["expected"] = "TIE" if row["changed_picks"] == 1 else "DEFECT"
         row["found"] = bool(row["expected_layer"] is not None and (
-            (row["verdict"] == "NOISE" and f"benign:tie@{row['expected_layer']}" in row["causes"])
+            (row["verdict"] == Verdict.NOISE and f"benign:tie@{row['expected_layer']}" in row["causes"])
             if row["expected"] == "TIE" else
-            (row["verdict"] == "DEFECT" and row["cause"] == row["fault"]
+            (row["verdict"] == Verdict.DEFECT and row["cause"] == row["fault"]
              and row["culprit_layer"] == row["expected_layer"])))
     else:
-        row["detected"] = row["verdict"] == "DEFECT"
+        row["detected"] = row["verdict"] == Verdict.DEFECT
         row["found"] = bool(row["detected"] and row["cause"] == row["fault"]
                             and row["culprit_layer"] == row["expected_layer"])
 
