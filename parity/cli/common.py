@@ -10,7 +10,6 @@ import functools
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import click
@@ -69,10 +68,10 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if prompt is not None:
         return prompt
-    try:
-        return Path(prompt_file).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise click.BadParameter(f"{prompt_file} is not UTF-8 (byte {e.start})") from None
+    from parity.tracing.plan import read_prompt_file
+
+    with usage_errors():
+        return read_prompt_file(prompt_file)
 
 
 def engine_arg_option() -> Callable:
