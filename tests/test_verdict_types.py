@@ -174,15 +174,17 @@ ENUMS = (Verdict, BisectVerdict, CauseKind, Judged, LayerKind, RowStatus, StepVe
 
 
 def spelled_verdicts(source: str, path: str = "<string>") -> list[str]:
-    """Comparisons of a verdict-holding attribute (`x.verdict`, `.status`, `.kind`, `.judged`) with a string that
-    spells a member of one of the enums (`r.verdict == "DEFECT"`, `s.status != "ok"`, `k in ("noise", ...)`)."""
+    """Comparisons of a verdict-holding attribute or key (`x.verdict`, `.status`, `.kind`, `.judged`, `row["verdict"]`)
+    with a string that spells a member of one of the enums (`r.verdict == "DEFECT"`, `s.status in ("noise", ...)`)."""
     words = {m.value for e in ENUMS for m in e}
     out = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
-        attrs = any(isinstance(x, ast.Attribute) and x.attr in VERDICT_ATTRS for x in sides)
+        attrs = any((isinstance(x, ast.Attribute) and x.attr in VERDICT_ATTRS)
+                    or (isinstance(x, ast.Subscript) and isinstance(x.slice, ast.Constant)
+                        and x.slice.value in VERDICT_ATTRS) for x in sides)
         consts = [c for x in sides for c in ([x] if isinstance(x, ast.Constant) else
                                               x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [])]
         if attrs and any(isinstance(c, ast.Constant) and c.value in words for c in consts):
@@ -193,6 +195,7 @@ def spelled_verdicts(source: str, path: str = "<string>") -> list[str]:
 def test_no_verdict_is_compared_with_its_spelling_in_parity():
     assert spelled_verdicts('ok = report.verdict != "DEFECT"\n')   # the scan can fail
     assert spelled_verdicts('x = [s for s in subs if s.status in ("noise", "defect")]\n')
+    assert spelled_verdicts('bad = row["verdict"] == "DEFECT"\n')
     assert not spelled_verdicts('ok = report.verdict != Verdict.DEFECT\n')
     found = [hit for p in sorted((ROOT / "parity").rglob("*.py"))
              for hit in spelled_verdicts(p.read_text(), str(p.relative_to(ROOT)))]
