@@ -604,9 +604,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
         raise ParityError(f"unknown engine {engine!r}; registered: {', '.join(sorted(available_engines()))} "
                           "(entry points are read from the installed metadata, not from the commit)")
     ids = [int(t) for t in tokens] if tokens is not None else builtin_prompt(config.vocab_size, config.bos_token_id)
-    bad = [t for t in ids if not 0 <= t < config.vocab_size]
-    if not ids or bad:
-        raise TraceError(f"token ids must be a non-empty list in [0, {config.vocab_size}); out of range: {bad[:5]}")
+    run_plan(ids, decode, vocab=config.vocab_size)   # the one token-range check, before any commit is marked
     try:
         eng = load_engine(engine, str(model), options or RunOptions())
     except Exception as e:  # any failure to import or construct: this commit cannot be tested
