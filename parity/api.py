@@ -643,8 +643,8 @@ def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str |
     if not isinstance(eng, Capturer):
         raise ParityError("the registered llamacpp engine offers no capture capability")
     dh = draft_header(eng, mtp_pairing, mtp_depth) if draft is not None else {}
-    tokens = [int(t) for t in tokens]
-    arrays = eng.capture(tokens, chunk_schedule(len(tokens), chunk), decode)
+    plan = run_plan(tokens, decode, chunk=chunk, vocab=eng.config.vocab_size)
+    arrays = eng.capture(list(plan.tokens), chunk_schedule(len(plan.tokens), chunk), decode)
     n_tensors = len(arrays) - 4
     extra = capture_draft_arrays(eng, dh, arrays) if dh else {}
     meta = {"engine": eng.name, "engine_version": eng.version, "flags": eng.options.flags(),
