@@ -16,7 +16,7 @@ from parity.bisect.check import Cause, CheckCulprit, CheckReport, CheckRow
 from parity.bisect.envelope import load_envelope
 from parity.bisect.opforce import judge_ops
 from parity.bisect.search import as_dumps, builtin_prompt, compare_subops, drill_down
-from parity.compare.arbitration import Arbitration, CheckpointClusters, judged_by_checks
+from parity.compare.arbitration import Arbitration, CheckpointClusters, departs_from, judged_by_checks
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights
 from parity.tracing.runner import run_sequence
@@ -160,3 +160,10 @@ def test_bisect_takes_checks_verdict_where_its_own_screen_sees_nothing(tiny_f32,
     assert (judged.verdict, judged.culprit.layer) == ("defect", LAYER)
     assert judged.summary.splitlines()[0] == checked.headline and judged.check["verdict"] == "DEFECT"
     assert "bisect's own screen said 'no defect'" in judged.summary
+
+
+def test_a_checkpoint_missing_from_checks_table_is_an_error_not_ok():
+    report = _report("DEFECT", 1, "sink-dropped")
+    assert departs_from(report, NAMES) == NAMES.index("blk.1.attn")
+    with pytest.raises(ValueError, match="no row for checkpoint"):
+        departs_from(report, (*NAMES[:5], "blk.2.attn", *NAMES[5:]))

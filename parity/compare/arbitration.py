@@ -123,7 +123,10 @@ def departs_from(report: Any, names: Sequence[str]) -> int | None:
     status = {r.checkpoint: r.status for r in report.table}
     later = [i for i, n in enumerate(names) if n == LOGITS or (checkpoint_layer(n) is not None
                                                              and checkpoint_layer(n) >= layer)]
-    bad = [i for i in later if status.get(names[i], RowStatus.OK) != RowStatus.OK]
+    unjudged = [names[i] for i in later if names[i] not in status]
+    if unjudged:   # the arbitration's checkpoints are the judged trace's: a gap is a mismatch, never "ok"
+        raise ValueError(f"check's table has no row for checkpoint(s) {', '.join(unjudged[:3])} of the arbitration")
+    bad = [i for i in later if status[names[i]] != RowStatus.OK]
     return bad[0] if bad else next(i for i, n in enumerate(names) if n in (block_attn(layer), block(layer)))
 
 
