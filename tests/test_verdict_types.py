@@ -130,6 +130,17 @@ def test_a_code_flip_is_a_record_and_its_words_are_printed_from_it(bisect_report
     assert (QuantFormat.FP8_E4M3.mbits, QuantFormat.FP4_E2M1.mbits) == (3, 1)   # e4m3, e2m1
 
 
+def test_checks_flip_cause_carries_the_flip_the_old_words_described(check_reports):
+    # the code before the records wrote this cause's evidence from prose (fixture); the record prints the same words
+    cause = next(c for c in check_reports["clean"].causes if c.flips)
+    want = json.loads((FIXTURES / "check_clean.json").read_text())["json"]["causes"]
+    old = next(c for c in want if c["name"] == cause.name)
+    assert (cause.name, cause.layer, cause.subop) == (old["name"], old["layer"], old["subop"]) == ("fp8-code-flip", 4,
+                                                                                                  "rope")
+    assert [f.format for f in cause.flips] == [QuantFormat.FP8_E4M3]
+    assert old["evidence"].endswith(": " + "; ".join(flip_words(f) for f in cause.flips))
+
+
 def test_verdicts_are_checked_where_they_are_built():
     from parity.bisect.check import Cause, CheckRow
     from parity.bisect.search import SubopResult

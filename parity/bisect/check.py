@@ -48,7 +48,7 @@ from parity.bisect.opforce import op_verdict
 from parity.bisect.parallel import EngineLoader
 from parity.bisect.search import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
-from parity.compare.verdict import CauseKind, Judged, QuantFormat, RowStatus, SubopStatus, Verdict
+from parity.compare.verdict import CauseKind, Judged, QuantFlip, QuantFormat, RowStatus, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
@@ -69,7 +69,8 @@ class Cause:
     name: str              # hypothesis or fault name, or "unexplained"
     layer: int | str | None  # a trunk layer, or "drafter <checkpoint>" (the draft head after the trunk)
     subop: str | None
-    evidence: str
+    evidence: str            # the cause in words (the JSON's; a flip's words are `flip_words` of `flips`)
+    flips: tuple[QuantFlip, ...] = ()   # a code-flip cause's flips as numbers (in memory; not in the JSON)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CauseKind(self.kind))   # a mistyped kind is an error naming it
@@ -484,7 +485,8 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
         return
     fp8 = any(f.format is QuantFormat.FP8_E4M3 for f in flip.flips)
     st.causes.append(Cause(CauseKind.BENIGN, "fp8-code-flip" if fp8 else "fp4-code-flip", first, flip.name,
-                           base + f"; the reference's layer {first} on the candidate's inputs: {flip.detail}"))
+                           base + f"; the reference's layer {first} on the candidate's inputs: {flip.detail}",
+                           flip.flips))
 
 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],

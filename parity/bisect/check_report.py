@@ -133,12 +133,13 @@ def to_markdown(report: CheckReport) -> str:
 
 def to_json(report: CheckReport) -> dict[str, Any]:
     """The JSON document: verdict, judged (op-level / layer-level / free-running), seconds, envelope {source
-    (a path, or "measured"), seconds}, culprit {layer, subop, position, decode_step}, causes, notes, table."""
+    (a path, or "measured"), seconds}, culprit {layer, subop, position, decode_step}, causes {kind, name, layer,
+    subop, evidence}, notes, table."""
     return json_safe({"verdict": report.verdict, "judged": report.judged, "notes": list(report.notes),
                       "seconds": report.seconds, "envelope": {"source": report.envelope_source,
                                                               "seconds": report.envelope_seconds},
                    "culprit": asdict(report.culprit) if report.culprit else None,
-                   "causes": [asdict(c) for c in report.causes],
+                   "causes": [{k: v for k, v in asdict(c).items() if k != "flips"} for c in report.causes],
                    "table": [asdict(r) for r in report.table]})
 
 
