@@ -16,8 +16,10 @@ rewritten from all of them):
   trace-ref-24    reference: 24 prompt tokens + 4 decode steps, --positions all --full all
   trace-torch-24  torch: the same
   trace-torch-2000  torch: a 2 000-token prompt, every position, fingerprints only (no full vectors)
+  diff-clean      v4parity diff of the reference and the clean torch trace (no verdict: drift per checkpoint)
   check-clean     v4parity check of the torch trace of trace-torch-24
   trace-torch-24-fault  torch with --inject comb-not-transposed@30, 24 + 4 forced onto the clean run's tokens
+  diff-fault      v4parity diff of the reference and the faulty torch trace
   check-fault     v4parity check of that trace
 
 The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)).
@@ -117,18 +119,22 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
         Step("trace-torch-2000", "torch trace, 2000-token prompt, --positions all, fingerprints only",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "-o", str(out / "torch2000.npz")],
              [out / "torch2000.npz"]),
+        Step("diff-clean", "diff reference vs clean torch (24 + 4)",
+             [exe, "diff", str(out / "ref24.npz"), str(out / "torch24.npz"), "--json", "--no-fail"], []),
         Step("check-clean", "check of the clean torch trace",
              [exe, "check", "-m", str(model), "-c", str(out / "torch24.npz"), "--json"], []),
         Step("trace-torch-24-fault", f"torch trace with --inject {FAULT}, following the clean torch trace",
              [exe, "trace", "-m", str(model), "--engine", "torch", "--follow", str(out / "torch24.npz"),
               "--full", "all", "--inject", FAULT, "-o", str(out / "torch24-fault.npz")], npz("torch24-fault")),
+        Step("diff-fault", f"diff reference vs torch with {FAULT}",
+             [exe, "diff", str(out / "ref24.npz"), str(out / "torch24-fault.npz"), "--json", "--no-fail"], []),
         Step("check-fault", f"check of the torch trace with {FAULT}",
              [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json"], []),
     ]
 
 
-STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "trace-torch-2000", "check-clean",
-         "trace-torch-24-fault", "check-fault")
+STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "trace-torch-2000", "diff-clean", "check-clean",
+         "trace-torch-24-fault", "diff-fault", "check-fault")
 
 
 def verdict(stdout: Path) -> dict[str, Any]:
@@ -142,6 +148,18 @@ def verdict(stdout: Path) -> dict[str, Any]:
     if isinstance(doc.get("envelope"), dict):
         found["envelope_source"] = doc["envelope"].get("source")
     return found
+
+
+def drift(stdout: Path) -> dict[str, Any]:
+    """diff --json's agreement, first drifting checkpoint, and each checkpoint's worst rel-L2 over positions."""
+    try:
+        doc = json.loads(stdout.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    worst = {row["checkpoint"]: row["rel_l2"] for row in doc.get("worst", [])}
+    logits = [row["rel_l2"] for row in doc.get("logits", [])]
+    return {"agree": doc.get("agree"), "first_drift": doc.get("first_drift"), "rel_l2": worst,
+            "logits_rel_l2_max": max(logits) if logits else None}
 
 
 def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float,
@@ -173,6 +191,8 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
         row |= {"what": step.what, "sizes": {p.name: p.stat().st_size for p in step.outputs if p.exists()}}
         if step.name.startswith("check"):
             row |= verdict(Path(row["log"]).with_suffix(".out"))
+        if step.name.startswith("diff"):
+            row |= drift(Path(row["log"]).with_suffix(".out"))
         print(f"[full-depth] {step.name}: exit {row['exit']}, {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
               f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB (anon {row['peak_anon'] / 2**30:.2f}), load "
               f"{row['load_before']:.1f} -> {row['load_after']:.1f}", file=sys.stderr, flush=True)
@@ -203,7 +223,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         files = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in row["sizes"].items()) or "-"
         judged = (f"{row['verdict']} ({row.get('judged')}), culprit {row.get('culprit')}, causes {row.get('causes')}"
                   if "verdict" in row else None)
-        outcome = row["killed"] or judged or row.get("error") or f"exit {row['exit']}"
+        drifted = (f"agree {row['agree']}, first drift {row['first_drift']}, worst rel-L2 final_norm "
+                   f"{row['rel_l2'].get('final_norm', float('nan')):.2e}, logits {row['logits_rel_l2_max']:.2e}"
+                   if "agree" in row and row.get("logits_rel_l2_max") is not None else None)
+        outcome = row["killed"] or judged or drifted or row.get("error") or f"exit {row['exit']}"
         lines.append(f"| {name}: {row['what']} | {row['wall_s']:.1f} s | {row['cpu_s']:.1f} s | "
                      f"{row['peak_rss'] / gib:.2f} / {row['peak_anon'] / gib:.2f} GiB | "
                      f"{row['load_before']:.1f} -> {row['load_after']:.1f} | {files} | {outcome} |")
