@@ -151,7 +151,7 @@ def test_bench_tables_name_the_load_beside_every_timing():
     ref["threads"], tor["threads"] = {"torch_intra_op": 2, "engine": 2}, {"torch_intra_op": 2, "engine": 2, "expert": 2}
     report = {"machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
                           "load_avg_start": [3.5, 0, 0]}, "load_end": 4.6, "device": "cpu", "wall_s": 10.0,
-              "engines": {"reference": ref, "torch": tor}, "dequant_load": 3.7,
+              "engines": {"reference": ref, "torch": tor}, "dequant_load": 3.7, "dequant_load_end": 3.8,
               "dequant": [{"type": "F32", "values": 1 << 20, "gguf_mvs": 1.0, "reference_mvs": 1.0, "torch_mvs": 1.0,
                            "reference_speedup": 1.0, "torch_speedup": 1.0, "reference_exact": True,
                            "torch_exact": True}],
@@ -162,4 +162,5 @@ def test_bench_tables_name_the_load_beside_every_timing():
     assert measure.scaling_rows(report) == [(24, ["8.000", "0.800", "2.000", "0.200", "load 3.9 / 4.1"])]
     md = measure.render_markdown(report)
     assert "load average at start 3.5, at end 4.6;" in md
+    assert "bit-exact vs gguf.quants; load 3.7 at the start, 3.8 at the end)" in md
     assert "Threads: reference torch_intra_op 2, engine 2; torch torch_intra_op 2, engine 2, expert 2." in md

@@ -582,6 +582,7 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
     n_values = (1 << 18) if quick else DEQUANT_VALUES
     report["dequant_load"] = load_average()
     report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
+    report["dequant_load_end"] = load_average()
     log("trace diff at real-model size (88 checkpoints x 4096 positions) ...")
     report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
     timeout = 600 if quick else 1800
@@ -766,6 +767,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in threads]
     at = f"; load {report['dequant_load']:.1f} at the start" if "dequant_load" in report else ""
+    at += f", {report['dequant_load_end']:.1f} at the end" if "dequant_load_end" in report else ""
     lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "
               f"(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants{at}):", "",
               "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact "
