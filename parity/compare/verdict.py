@@ -113,11 +113,6 @@ class QuantFormat(StrEnum):
         """Mantissa bits of the format (the size of one code step)."""
         return {QuantFormat.FP8_E4M3: 3, QuantFormat.FP4_E2M1: 1}[self]
 
-    @property
-    def family(self) -> str:
-        """'fp8' / 'fp4', as the benign hypothesis names the flip ('fp8-code-flip')."""
-        return {QuantFormat.FP8_E4M3: "fp8", QuantFormat.FP4_E2M1: "fp4"}[self]
-
 
 @dataclass(frozen=True)
 class QuantFlip:
@@ -135,6 +130,8 @@ def flip_words(flip: QuantFlip) -> str:
 
 
 class StepVerdict(StrEnum):
+    """One greedy step (the module doc: MATCH / TIE-FLIP / DRIFT / WRONG)."""
+
     MATCH = "MATCH"
     TIE_FLIP = "TIE-FLIP"
     DRIFT = "DRIFT"
