@@ -11,6 +11,7 @@ exceed the budget. Embedding rows are dequantized per token and not cached.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,7 +41,9 @@ def layer_of(key: object) -> str:
 
 class LayerCache:
     """Arrays by key under a byte budget, evicted by layer: least recently used layer first, all its arrays at once.
-    A layer that alone needs more than the budget raises TensorError (no uncached fallback)."""
+    A layer that alone needs more than the budget raises TensorError (no uncached fallback). Given the size of an
+    array before it is made (`get(..., nbytes=)`), room is made first, so the cached arrays and the one being
+    dequantized stay within the budget together (only the dequantizer's temporaries come on top)."""
 
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes <= 0:
@@ -52,7 +55,8 @@ class LayerCache:
         self.hits = self.misses = self.evictions = self.layer_evictions = 0
         self.lock = threading.Lock()  # bookkeeping only; `make` runs unlocked so experts dequantize in parallel
 
-    def get(self, key: object, make: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: object, make: Callable[[], np.ndarray], nbytes: int | None = None) -> np.ndarray:
+        """The array under `key`, made by `make()` on a miss; `nbytes`: its size when known before it is made."""
         layer = layer_of(key)
         with self.lock:
             held = self.layers.get(layer)
@@ -61,26 +65,34 @@ class LayerCache:
                 self.layers.move_to_end(layer)
                 return held[key]
             self.misses += 1
+            if nbytes is not None:
+                self._make_room(layer, nbytes)
         value = make()
         with self.lock:
             held = self.layers.get(layer, {})
             if key in held:
                 self.layers.move_to_end(layer)
                 return held[key]
-            need = self.layer_bytes.get(layer, 0) + value.nbytes
-            if need > self.budget:
-                raise TensorError(f"reference weight cache: layer {layer} needs at least {need / 2**30:.3f} GiB "
-                                  f"of dequantized weights, more than the budget cache_gb = "
-                                  f"{self.budget / 2**30:.3f} GiB; raise cache_gb (RunOptions.cache_gb)")
-            self.layers[layer] = held
-            self.layers.move_to_end(layer)
-            while self.nbytes + value.nbytes > self.budget:  # never reaches `layer` itself: need <= budget
-                self._evict_oldest()
+            self._make_room(layer, value.nbytes)
+            held = self.layers.setdefault(layer, held)
             held[key] = value
-            self.layer_bytes[layer] = need
+            self.layer_bytes[layer] = self.layer_bytes.get(layer, 0) + value.nbytes
             self.nbytes += value.nbytes
             self.peak = max(self.peak, self.nbytes)
         return value
+
+    def _make_room(self, layer: str, nbytes: int) -> None:
+        """Evict least recently used layers other than `layer` until `nbytes` more fit (lock held); a TensorError
+        when `layer` alone would exceed the budget."""
+        need = self.layer_bytes.get(layer, 0) + nbytes
+        if need > self.budget:
+            raise TensorError(f"reference weight cache: layer {layer} needs at least {need / 2**30:.3f} GiB "
+                              f"of dequantized weights, more than the budget cache_gb = "
+                              f"{self.budget / 2**30:.3f} GiB; raise cache_gb (RunOptions.cache_gb)")
+        if layer in self.layers:
+            self.layers.move_to_end(layer)
+        while self.nbytes + nbytes > self.budget:  # never reaches `layer` itself: need <= budget
+            self._evict_oldest()
 
     def _evict_oldest(self) -> None:
         old, arrays = self.layers.popitem(last=False)
@@ -182,7 +194,7 @@ class WeightStore:
             info = self.weights.info(name)
             return self._convert(dequantize(self.weights.raw(name), info.ggml_type, info.shape), name)
 
-        return self.cache.get(name, make)
+        return self.cache.get(name, make, math.prod(self.weights.info(name).shape) * self.dtype.itemsize)
 
     def table(self, name: str) -> np.ndarray:
         """An I32 tensor (e.g. ffn_gate_tid2eid) as int64."""
@@ -193,7 +205,7 @@ class WeightStore:
                 raise TensorError(f"tensor {name}: expected an integer (I32) tensor, found {info.type_name}")
             return arr.astype(np.int64)
 
-        return self.cache.get(name, make)
+        return self.cache.get(name, make, math.prod(self.weights.info(name).shape) * 8)
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` of a 2-D tensor (the embedding), dequantized row by row: [len(ids), ne0]."""
@@ -209,4 +221,4 @@ class WeightStore:
         def make() -> np.ndarray:
             return self._convert(dequantize(*self.weights.expert_raw(name, e)), f"{name}[expert {e}]")
 
-        return self.cache.get((name, e), make)
+        return self.cache.get((name, e), make, math.prod(self.weights.info(name).shape[1:]) * self.dtype.itemsize)

@@ -73,6 +73,21 @@ def test_layer_cache_evicts_least_recently_used_layer_whole():
     assert cache.stats()["bytes"] == 800  # nothing was evicted for the refused array
 
 
+def test_room_is_made_before_an_array_of_known_size_is_made():
+    cache = LayerCache(budget_bytes=1000)
+    cache.get("blk.0.a", lambda: np.zeros(600, dtype=np.uint8))
+    held_while_making = []
+
+    def make() -> np.ndarray:
+        held_while_making.append(cache.stats()["bytes"])
+        return np.zeros(500, dtype=np.uint8)
+
+    cache.get("blk.1.a", make, nbytes=500)
+    assert held_while_making == [0]  # blk.0 left before blk.1's array existed: at most 1000 bytes at any time
+    with pytest.raises(TensorError, match=r"layer blk\.1 needs at least"):
+        cache.get("blk.1.b", lambda: pytest.fail("made although it cannot fit"), nbytes=501)
+
+
 def test_reference_budget_below_the_model_evicts_by_layer_bit_identical(tiny_realmix):
     sizes = float32_bytes_by_layer(tiny_realmix)
     budget = int(max(sizes.values()) * 1.05)
