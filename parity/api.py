@@ -22,6 +22,7 @@ from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import block, draft_positions, trace_checkpoints
 from parity.contract.engine import Engine, RunOptions, load_engine
 from parity.contract.errors import TraceError
+from parity.contract.progress import SILENT, Note, ProgressSink
 from parity.tracing.drafts import draft_header, draft_names, draft_records, tapped_layers, trunk_identity
 from parity.tracing.io import read_trace, write_trace
 from parity.tracing.plan import RunPlan, TokenSource, follow_plan, refuse_with_follow, resolve_tokens, run_plan
@@ -317,8 +318,7 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
 # ---------------------------------------------------------------- envelope, bisect, check
 
 def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOptions | None = None,
-             output: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
-             counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+             output: str | os.PathLike | None = None, progress: ProgressSink = SILENT) -> Any:
     """Measure the noise envelope of `engine` on `model` (benign pairs, never with faults) and store it as a
     section of `output` (default: this model's entry in the user cache, `parity.bisect.inputs.cache_path`, where
     `check`, `bisect` and `spec` find it). Returns (Envelope, path)."""
@@ -327,7 +327,7 @@ def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOpt
 
     options = options or RunOptions()
     identity = model_identity(model)
-    env = measure_envelope(model, engine, options, progress, counter)
+    env = measure_envelope(model, engine, options, progress)
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     return env, save_envelope(output or cache_path(identity, qat, engine), env, identity)
 
@@ -340,7 +340,7 @@ def _envelope_search(model: str | os.PathLike) -> list[Path]:
 
 
 def _cached(env: Any, identity: dict, qat: dict[str, bool], engine: str, seconds: float,
-            say: Callable[[str], None]) -> Any:
+            say: Note) -> Any:
     """Keep an envelope just measured on `engine` in the user cache (announced through `say`) for the next run."""
     from parity.bisect.envelope import save_envelope
     from parity.bisect.inputs import cache_path
@@ -351,8 +351,7 @@ def _cached(env: Any, identity: dict, qat: dict[str, bool], engine: str, seconds
 
 
 def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
-                     progress: Callable[[str], None] | None = None,
-                     counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+                     progress: ProgressSink = SILENT) -> Any:
     """Benign pairs for the envelope of `engine` with `options` (faults and routing replay dropped)."""
     from dataclasses import replace
 
@@ -369,23 +368,21 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
     cand = ref.variant(clean) if same else load_engine(engine, str(model), clean)
     cand32 = load_engine(engine, str(model), replace(clean, dtype="float32")) if clean.dtype != "float32" else None
     prompt = calibration_prompt(ref.config.vocab_size, ref.config.bos_token_id)
-    return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress, counter=counter)
+    return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress)
 
 
 def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[int] | None = None,
            decode: int = 4, chunk: int | None = None, options: RunOptions | None = None,
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
-           progress: Callable[[str], None] | None = None,
-           counter: Callable[[str, int, int | None], None] | None = None,
-           draft: str | os.PathLike | None = None, mtp_depth: int = 1, mtp_pairing: str = "prev",
-           workers: int = 1, ray: str | None = None) -> Any:
+           progress: ProgressSink = SILENT, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
+           mtp_pairing: str = "prev", workers: int = 1, ray: str | None = None) -> Any:
     """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt);
     the verdict is `check`'s on the candidate's run, recorded as a trace (`parity.bisect.by_check`: one judgement).
     `draft`: a drafter GGUF both engines open; when the trunk has no defect its head is judged as one more layer
     (both heads on the reference's trunk carriers, MTP chained to `mtp_depth` with `mtp_pairing`;
     `parity.bisect.search`).
-    `progress(message)` announces the stages, `counter(stage, done, total)` counts the long passes' chunks.
-    `envelope`: a file (refused when measured on another model); default the stored envelope of this model
+    `progress.note(message)` announces the stages, `progress.count(stage, done, total)` counts the long passes'
+    chunks. `envelope`: a file (refused when measured on another model); default the stored envelope of this model
     (found by model identity, not file name: `parity.bisect.inputs.envelope_sources`), else measured now and
     cached. `workers` / `ray` (None, 'local' or a cluster address): the teacher-forced pass and its round-off
     twins on worker processes or Ray tasks (`parity.bisect.parallel`; the same result as serial)."""
@@ -397,7 +394,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     from parity.bisect.search import bisect as run_bisect
     from parity.contract.workpool import WorkPool
 
-    say = progress or (lambda _m: None)
+    say = progress.note
     options = options or RunOptions()
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
@@ -410,29 +407,26 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     router = ReplayRouter() if routing_replay else None
     # before the envelope: the engine refuses its options (an --inject layer list, FAULT@LAYERS) at no cost
     cand = load_engine(engine, str(model), replace(options, expert_override=router), draft=drafter)
-    env = _stored_or_measured(model, ref.identity, engine, options, envelope, say, counter)
+    env = _stored_or_measured(model, ref.identity, engine, options, envelope, progress)
     prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     dh = draft_header(cand, mtp_pairing, mtp_depth) if drafter is not None else None
     with WorkPool(workers, ray) as pool, parallel.active(pool) as d:
         if d is not None:
             d.register(ref, parallel.EngineLoader("reference", str(model), drafter), ref.options)
             d.register(cand, parallel.EngineLoader(engine, str(model), drafter), cand.options)
-        report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=say, replay=router,
-                            counter=counter, draft=dh)
+        report = run_bisect(ref, cand, prompt, decode, env, chunk=chunk, progress=progress, replay=router, draft=dh)
     say(f"check: {cand.name}'s run recorded as a trace and judged by `check` (the verdict is check's)")
     run = trace(cand, model, prompt, decode=decode, chunk=chunk, forced=report.tokens[len(prompt):],
                 positions="all", full="all", mtp_pairing=mtp_pairing, mtp_depth=mtp_depth)
-    checked = check(run, model, envelope=envelope, progress=say, counter=counter, draft=draft, workers=workers,
-                    ray=ray)
+    checked = check(run, model, envelope=envelope, progress=progress, draft=draft, workers=workers, ray=ray)
     return judged_by_check(report, checked)
 
 
 def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, options: RunOptions,
-                        envelope: str | os.PathLike | None, say: Callable[[str], None],
-                        counter: Callable[[str, int, int | None], None] | None) -> Any:
+                        envelope: str | os.PathLike | None, progress: ProgressSink) -> Any:
     """The envelope at `envelope`, else the one stored for this model's identity and QAT flags (user cache, model
     directory, committed traces/), else one measured now for `engine` with `options` and cached; the choice is
-    announced through `say`."""
+    announced through `progress.note`."""
     import time
 
     from parity.bisect.inputs import envelope_for
@@ -442,13 +436,13 @@ def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, o
     found = envelope_for(identity, options.dtype, envelope, search, qat, engine)
     if found is not None:
         env, path = found
-        say(f"envelope: {path} ({options.dtype})")
+        progress.note(f"envelope: {path} ({options.dtype})")
         return env
-    say(f"envelope: none stored for this model, engine and QAT flags (searched by model identity in "
+    progress.note(f"envelope: none stored for this model, engine and QAT flags (searched by model identity in "
         f"{', '.join(map(str, search))}); measuring it now")
     t0 = time.perf_counter()
-    env = measure_envelope(model, engine, options, say, counter)
-    return _cached(env, identity, qat, engine, time.perf_counter() - t0, say)
+    env = measure_envelope(model, engine, options, progress)
+    return _cached(env, identity, qat, engine, time.perf_counter() - t0, progress.note)
 
 
 def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False) -> None:
@@ -468,8 +462,7 @@ def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False)
 
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
           tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
-          fault_engines: Sequence[str] = ("torch",), progress: Callable[[str], None] | None = None,
-          counter: Callable[[str, int, int | None], None] | None = None,
+          fault_engines: Sequence[str] = ("torch",), progress: ProgressSink = SILENT,
           draft: str | os.PathLike | None = None, workers: int = 1, ray: str | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
@@ -477,7 +470,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     model's directory, the committed traces/), else measured now from the reference alone and cached (its time and
     source are the report's `envelope_seconds` / `envelope_source`). `fault_engines`: engines whose fault
     switches form the defect library;
-    `progress(message)` announces stages, `counter(stage, done, total)` counts the long passes' chunks; `draft`: the
+    `progress.note(message)` announces stages, `progress.count(stage, done, total)` counts the long passes' chunks;
+    `draft`: the
     candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.bisect.draft_check`).
     `workers` / `ray` (None, 'local' or a cluster address): the per-layer runs on worker processes or Ray tasks
     (`parity.bisect.parallel`; the report is the serial one byte for byte, but for its times).
@@ -492,7 +486,6 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
 
-    say = progress or (lambda _m: None)
     w = Weights(model)
     identity, config = w.identity(), w.config
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
@@ -509,20 +502,20 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
         notes = [*notes, f"`v4parity inspect` reports {len(problems)} contract problem(s) with this file, first: "
                  f"{problems[0]}"]
     t0 = time.perf_counter()
-    env, source = _check_envelope(model, identity, trace_, config, envelope, envelope_search, say)
+    env, source = _check_envelope(model, identity, trace_, config, envelope, envelope_search, progress)
     env_cost = {"envelope_seconds": round(time.perf_counter() - t0, 3), "envelope_source": source}
     library, draft_library = _fault_libraries(model, fault_engines, draft)
     drafter = None if draft is None else str(draft)
     with WorkPool(workers, ray, warm=(warm, (("reference", *fault_engines),))) as pool:
         report = run_check(trace_, EngineLoader("reference", str(model), drafter), env,
                            fault_engines=library, draft_fault_engines=draft_library,
-                           subops=subops, notes=notes, progress=say, counter=counter, config=config, pool=pool)
+                           subops=subops, notes=notes, progress=progress, config=config, pool=pool)
     return replace(report, **env_cost)
 
 
 def _check_envelope(model: str | os.PathLike, identity: dict, trace_: Trace, config: Any,
                     envelope: str | os.PathLike | None, envelope_search: Sequence[str | os.PathLike] | None,
-                    say: Callable[[str], None]) -> tuple[Any, str]:
+                    progress: ProgressSink) -> tuple[Any, str]:
     """`check`'s envelope for `trace_` and where it came from ('measured' or its path): `envelope`, else the stored
     one of this model with the trace's dtype and QAT flags in `envelope_search` (default `_envelope_search`), else,
     for a float32 trace, the reference's own measured now and cached (CheckPreflightError for another dtype)."""
@@ -541,12 +534,12 @@ def _check_envelope(model: str | os.PathLike, identity: dict, trace_: Trace, con
                                   f"{', '.join(map(str, search))}: measure one with `v4parity envelope --dtype "
                                   f"{trace_.header.dtype}` or pass --envelope")
     if found is not None:
-        say(f"envelope: {found[1]} ({trace_.header.dtype})")
+        progress.note(f"envelope: {found[1]} ({trace_.header.dtype})")
         return found[0], str(found[1])
-    say("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
+    progress.note("envelope: none stored for this model; measuring the reference's own (float32 vs float64, rechunked, "
         "19 round-off twins)")
-    env = _cached(measure_envelope(model, "reference", RunOptions(**qat), say), identity, qat, "reference",
-                  time.perf_counter() - t0, say)
+    env = _cached(measure_envelope(model, "reference", RunOptions(**qat), progress), identity, qat, "reference",
+                  time.perf_counter() - t0, progress.note)
     return env, "measured"
 
 
@@ -583,7 +576,7 @@ class CommitVerdict:
 def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] | None = None, decode: int = 0,
                options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
                envelope_search: Sequence[str | os.PathLike] | None = None,
-               progress: Callable[[str], None] | None = None) -> CommitVerdict:
+               progress: ProgressSink = SILENT) -> CommitVerdict:
     """`git bisect run`'s predicate for the engine registered as `engine`, as installed now (the working tree
     under bisection): trace it on `tokens` (default: the built-in prompt) + `decode` greedy steps at every position
     with full vectors, and judge the trace with `check` (its envelope rules, `envelope` / `envelope_search`).
@@ -598,7 +591,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
     from parity.contract.errors import ParityError
     from parity.gguf.weights import Weights
 
-    say = progress or (lambda _m: None)
+    say = progress.note
     config = Weights(model).config
     if engine not in available_engines():
         raise ParityError(f"unknown engine {engine!r}; registered: {', '.join(sorted(available_engines()))} "
@@ -615,7 +608,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
     except Exception as e:  # the engine loaded but its run failed: a broken commit, not an untestable one
         return CommitVerdict("bad", 1, f"engine {engine!r} raised during its run: {type(e).__name__}: {e}")
     try:
-        report = check(t, model, envelope=envelope, envelope_search=envelope_search, progress=say)
+        report = check(t, model, envelope=envelope, envelope_search=envelope_search, progress=progress)
     except CheckPreflightError as e:
         return CommitVerdict("skip", 125, f"not comparable (check preflight): {e}")
     if report.verdict == Verdict.DEFECT:
@@ -685,7 +678,7 @@ def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_typ
 
 def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence[str], *, decode: int = 0,
               chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
-              envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
+              envelope: str | os.PathLike | None = None, progress: ProgressSink = SILENT,
               check_each: bool = False) -> Any:
     """Run every engine in `engines` on `tokens` (+ `decode` steps: the first engine's greedy tokens, fed to the
     others) with the same chunks and QAT simulations, and cluster them per checkpoint -> Arbitration.
@@ -707,7 +700,7 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     if envelope is not None and not check_each:
         raise ParityError("an envelope is only the one each `check` uses: pass check_each=True (the engines are "
                           "never judged by K x the envelope's floor)")
-    say = progress or (lambda _m: None)
+    say = progress.note
     tokens = [int(t) for t in tokens]
     runs: dict[str, list[ChunkResult]] = {}
     traces: dict[str, Trace] = {}
@@ -727,7 +720,7 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
     checks = {}
     for label, t in traces.items():
         say(f"arbitrate: check {label}")
-        checks[label] = check(t, model, envelope=envelope, progress=say)
+        checks[label] = check(t, model, envelope=envelope, progress=progress)
     return judged_by_checks(report, checks) if check_each else report
 
 
@@ -752,9 +745,8 @@ def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, kind: str, *, 
 def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torch", draft: str | None = None,
          script: str | None = None, depth: int = 1, steps: int = 32, gate: str = "none", max_draft: int | None = None,
          options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
-         progress: Callable[[str], None] | None = None,
-         counter: Callable[[str, int, int | None], None] | None = None,
-         trace_out: str | os.PathLike | None = None, pairing: str | None = None) -> Any:
+         progress: ProgressSink = SILENT, trace_out: str | os.PathLike | None = None,
+         pairing: str | None = None) -> Any:
     """Speculative greedy decoding of `engine` on `model` with the drafter `draft` (MTP depth `depth` with
     `pairing` prev | same, None: prev; or one DSpark block a round), or scripted drafts (`script`: accept-all |
     reject-at:I, depth `depth`); plain decodes of the engine and the reference; every round attributed by the
@@ -769,7 +761,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     from parity.spec.drafts import parse_script
     from parity.spec.report import spec_report
 
-    say = progress or (lambda _m: None)
+    say = progress.note
     options = options or RunOptions()
     if (draft is None) == (script is None):
         raise TraceError("give exactly one of a drafter file (--draft) and scripted drafts (--script)")
@@ -777,7 +769,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
         raise TraceError(f"envelope file {envelope} does not exist")
     the_gate, reject_at = Gate.parse(gate), parse_script(script) if script is not None else None
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
-    env = _stored_or_measured(model, model_identity(model), engine, options, envelope, say, counter)
+    env = _stored_or_measured(model, model_identity(model), engine, options, envelope, progress)
     env.check_options(options)   # an envelope calibrated with other QAT flags is refused, naming the flag
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
     cand = ref if engine == "reference" and options == RunOptions(**qat) else load_engine(
@@ -787,7 +779,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     say(f"spec: {engine}, {kind} drafts, {steps} steps on {len(tokens)} prompt tokens")
     report = spec_report(cand, ref, kind, [int(t) for t in tokens], steps, env, depth=depth, gate=the_gate,
                          max_draft=max_draft, reject_at=reject_at, drafter=drafter.config if drafter else None,
-                         counter=counter, pairing=pairing)
+                         progress=progress, pairing=pairing)
     if trace_out is not None:
         from parity.spec.candidate import spec_trace
 
@@ -796,8 +788,7 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
 
 
 def spec_candidate(model: str | os.PathLike, candidate: str | os.PathLike, *, draft: str | None = None,
-                   envelope: str | os.PathLike | None = None, progress: Callable[[str], None] | None = None,
-                   counter: Callable[[str, int, int | None], None] | None = None) -> Any:
+                   envelope: str | os.PathLike | None = None, progress: ProgressSink = SILENT) -> Any:
     """`spec --candidate`: attribute the speculative run recorded in `candidate`'s spec records (a foreign
     engine's) with the reference on `model` and, with `draft`, the reference drafter (without one the recorded
     drafts are their own reference); the reference runs with the trace's QAT flags. Returns a SpecReport
@@ -805,7 +796,7 @@ def spec_candidate(model: str | os.PathLike, candidate: str | os.PathLike, *, dr
     from parity.gguf.drafter import open_drafter
     from parity.spec.candidate import candidate_report, check_candidate, qat_of, read_candidate
 
-    say = progress or (lambda _m: None)
+    say = progress.note
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
     trace_ = read_candidate(candidate)
@@ -814,8 +805,8 @@ def spec_candidate(model: str | os.PathLike, candidate: str | os.PathLike, *, dr
     ref = load_engine("reference", str(model), RunOptions(**qat), draft=draft)
     drafter = open_drafter(draft, ref.config) if draft is not None else None
     check_candidate(trace_, candidate, identity, ref.config.vocab_size, drafter.config if drafter else None)
-    env = _stored_or_measured(model, identity, "reference", RunOptions(**qat), envelope, say, counter)
+    env = _stored_or_measured(model, identity, "reference", RunOptions(**qat), envelope, progress)
     env.check_options(RunOptions(**qat))
     kind = "script" if drafter is None else drafter.config.kind
     say(f"spec --candidate: {trace_.header.engine}, {len(trace_.spec)} rounds, {kind} drafts")
-    return candidate_report(trace_, candidate, ref, kind, env, drafter.config if drafter else None, counter)
+    return candidate_report(trace_, candidate, ref, kind, env, drafter.config if drafter else None, progress)

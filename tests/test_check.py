@@ -29,6 +29,7 @@ from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, engine_faults, load_engine
 from parity.contract.errors import ParityError
+from parity.contract.progress import Recording
 from parity.gguf.weights import Weights
 from parity.tracing.runner import run_sequence
 
@@ -161,9 +162,9 @@ def test_envelope_found_by_model_hash_not_file_name(tiny_f32, clean_trace, tmp_p
     store.mkdir()
     (store / "some-other-name.envelope.json").write_text(ENV_F32.read_text())
     (store / "another-model.envelope.json").write_text((TRACES / "tiny-mxfp4.envelope.json").read_text())
-    seen = []
-    api.check(clean_trace, tiny_f32, envelope_search=[store], progress=seen.append)
-    assert any("some-other-name.envelope.json" in m for m in seen), seen
+    seen = Recording()
+    api.check(clean_trace, tiny_f32, envelope_search=[store], progress=seen)
+    assert any("some-other-name.envelope.json" in m for m in seen.notes), seen.calls
 
 
 def test_a_measured_envelope_is_cached_by_model_and_reused(tiny_f32, clean_trace, tmp_path, monkeypatch):
@@ -177,15 +178,17 @@ def test_a_measured_envelope_is_cached_by_model_and_reused(tiny_f32, clean_trace
     monkeypatch.chdir(tmp_path)
     (tmp_path / "traces").mkdir()   # the working directory is never searched, not even its traces/
     (tmp_path / "traces" / "here.envelope.json").write_text(ENV_F32.read_text())
-    first, second = [], []
-    a = api.check(clean_trace, tiny_f32, progress=first.append)
+    rec_first, rec_second = Recording(), Recording()
+    a = api.check(clean_trace, tiny_f32, progress=rec_first)
+    first = rec_first.notes
     assert any("measuring the reference's own" in m for m in first), first
     written = [m for m in first if "cached at" in m]
     assert len(written) == 1 and str(cache) in written[0], first
     assert a.envelope_source == "measured" and a.envelope_seconds > 0.5
     flat = " ".join(to_text(a).split())   # the cost line wraps at 100 columns
     assert "+ envelope" in flat and "(measured now)" in flat
-    b = api.check(clean_trace, tiny_f32, progress=second.append)
+    b = api.check(clean_trace, tiny_f32, progress=rec_second)
+    second = rec_second.notes
     assert not any("measuring" in m or "cached at" in m for m in second), second
     [used] = [m for m in second if m.startswith("envelope: ")]
     assert str(cache) in used and b.envelope_source in used and "other.envelope.json" not in used, used

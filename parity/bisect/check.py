@@ -52,14 +52,13 @@ from parity.compare.verdict import CauseKind, Judged, QuantFlip, QuantFormat, Ro
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
 from parity.contract.errors import TraceError
+from parity.contract.progress import SILENT, Count, Note, ProgressSink
 from parity.contract.workpool import WorkPool
 from parity.gguf.config import ModelConfig
 from parity.tracing.drafts import draft_names
 from parity.tracing.records import Trace
 from parity.tracing.runner import ChunkResult, forward_chunk
 
-Progress = Callable[[str], None]
-Counter = Callable[[str, int, "int | None"], None]
 EngineFactory = Callable[[RunOptions], Engine]
 
 
@@ -277,30 +276,29 @@ def _decode_step(pos: int | None, n_prompt: int) -> int | None:
 def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config: ModelConfig,
           fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           subops: Sequence[ChunkResult] | None = None, notes: Sequence[str] = (),
-          progress: Progress | None = None, counter: Counter | None = None, n_twins: int = N_TWINS,
+          progress: ProgressSink = SILENT, n_twins: int = N_TWINS,
           draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]] = (),
           pool: WorkPool | None = None) -> CheckReport:
     """Judge `trace` against the reference built by `make_reference(options)` (see the module doc).
     fault_engines: (engine name, factory(options), fault names) for the defect library; subops: the candidate's
     own run as chunk results with sub-op captures (a complete llama.cpp capture), for the drill-down;
     draft_fault_engines: as fault_engines, opened with the candidate's drafter, for its drafter faults.
-    progress(message) announces the stages; counter(stage, done, total) counts the chunks of the two long passes.
+    progress.note(message) announces the stages; progress.count(stage, done, total) counts the chunks of the two
+    long passes.
     pool: where the per-layer runs go (`parity.bisect.parallel`: worker processes or Ray; factories that are
     `EngineLoader`s can be rebuilt there); the report is the serial one, byte for byte."""
     announced: list[str] = []
     with parallel.active(pool or WorkPool(), announced):
-        return _check(trace, make_reference, env, config, fault_engines, subops, notes, progress, counter, n_twins,
+        return _check(trace, make_reference, env, config, fault_engines, subops, notes, progress, n_twins,
                       draft_fault_engines, announced)
 
 
 def _check(trace: Trace, make_reference: EngineFactory, env: Envelope, config: ModelConfig,
            fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
-           subops: Sequence[ChunkResult] | None, notes: Sequence[str], progress: Progress | None,
-           counter: Counter | None, n_twins: int,
+           subops: Sequence[ChunkResult] | None, notes: Sequence[str], progress: ProgressSink, n_twins: int,
            draft_fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
            announced: list[str]) -> CheckReport:
-    say = progress or (lambda _m: None)
-    count = counter or (lambda _s, _d, _t: None)
+    say, count = progress.note, progress.count
     t0 = time.perf_counter()
     ref_engine, make_reference, notes = _open_reference(trace, make_reference, env, config, notes, announced)
     fault_engines = [(n, _quiet(f, announced), faults) for n, f, faults in fault_engines]
@@ -345,7 +343,7 @@ def _open_reference(trace: Trace, make_reference: EngineFactory, env: Envelope, 
 
 
 def _local_stage(trace: Trace, ref_engine: Engine, cand: list[ChunkResult] | None, free: dict[str, np.ndarray],
-                 subops: Sequence[ChunkResult] | None, n_twins: int, st: _Stages, say: Progress, count: Counter
+                 subops: Sequence[ChunkResult] | None, n_twins: int, st: _Stages, say: Note, count: Count
                  ) -> tuple[list[LayerLocal], dict[int, list[LayerOutput]], dict[int, LayerNull]]:
     """Stage 3: the teacher-forced local error of every layer whose input and output the candidate recorded,
     judged op by op (with the candidate's sub-ops) or by the layer's round-off null; records its runs and the
@@ -378,7 +376,7 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
                  cand: list[ChunkResult] | None, free: dict[str, np.ndarray], tf: dict[int, list[LayerOutput]],
                  nulls: dict[int, LayerNull], n_twins: int, local: Sequence[LayerLocal], env: Envelope,
                  fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]],
-                 subops: Sequence[ChunkResult] | None, st: _Stages, say: Progress) -> None:
+                 subops: Sequence[ChunkResult] | None, st: _Stages, say: Note) -> None:
     """Stage 4: the ties of every layer, then the departing layers explained (or, with none, the tie rule and
     the free-running excess explained as amplified drift); the causes go to `st`."""
     for r in local:
@@ -404,7 +402,7 @@ def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: Judged
     return replace(report, headline=headline(report))
 
 
-def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Progress, count: Counter,
+def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Note, count: Count,
             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]]) -> list[CheckRow]:
     """The draft checkpoints, teacher-forced on the candidate's trunk carriers (`parity.bisect.draft_check`): a
     row each; the first outside the round-off null is a defect (the culprit when the trunk has none), matched
@@ -452,7 +450,7 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Pr
 
 
 def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], cand: list[ChunkResult] | None,
-                  free: dict[str, np.ndarray], env: Envelope, st: _Stages, say: Progress) -> None:
+                  free: dict[str, np.ndarray], env: Envelope, st: _Stages, say: Note) -> None:
     """No layer departs locally: a free-running excess is amplified sub-envelope drift; name its QAT flip."""
     out = [n for n in trace.header.checkpoints if n in free
            and float(env.excess_at(n, free[n].max())) > 1]
@@ -492,7 +490,7 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
              tf: dict[int, list[LayerOutput]], nulls: dict[int, LayerNull], n_twins: int,
              departing: list[LayerLocal], env: Envelope,
-             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages, say: Progress,
+             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages, say: Note,
              subops: Sequence[ChunkResult] | None = None) -> None:
     """Every locally departing layer, in order, gets the first hypothesis that explains it; the first layer
     nothing benign explains is the culprit, matched against the defect library."""
@@ -551,7 +549,7 @@ TIE_RULE_MIN = 2   # ties a known fault must break exactly as the candidate does
 def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tf: dict[int, list[LayerOutput]],
               tied: list[LayerLocal], nulls: dict[int, LayerNull], n_twins: int,
               fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-              say: Progress) -> None:
+              say: Note) -> None:
     """Ties are not defects, unless a known fault's rule breaks every one of them exactly as the candidate does
     (where the round-off twins break them either way): then the candidate follows that wrong rule."""
     st.runs.setdefault("defect_library", 0)
@@ -584,7 +582,7 @@ def _evidence_note(op_level: bool, forced: bool) -> str:
 
 def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerLocal, null: LayerNull,
             env: Envelope, fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]], st: _Stages,
-            say: Progress) -> None:
+            say: Note) -> None:
     say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
     best, n = defect_library(trace, ref_engine, cand, d.layer, null, fault_engines)
     st.runs["defect_library"] += n

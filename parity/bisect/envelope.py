@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_bytes
+from parity.contract.progress import SILENT, ProgressSink
 from parity.gguf.weights import same_model
 from parity.tracing.runner import ChunkResult, run_sequence, stack
 
@@ -248,20 +249,19 @@ def merge_floors(null: dict[str, list[float]], pairs: dict[str, dict[str, float]
 
 def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequence[int], decode: int = 0,
                      chunk: int = 5, cand_f32: Engine | None = None, n_twins: int = N_TWINS,
-                     progress: Callable[[str], None] | None = None,
-                     counter: Callable[[str, int, int | None], None] | None = None) -> Envelope:
+                     progress: ProgressSink = SILENT) -> Envelope:
     """The round-off null (`n_twins` twins of `ref32`) and the benign pairs on `prompt` (+ `decode` greedy steps
     of the float32 reference, teacher-forced on every side); floors by `merge_floors`. `cand_f32` (the candidate
-    in float32) adds the `dtype` pair for a bf16 candidate. `counter(stage, done, total)` counts finished runs."""
+    in float32) adds the `dtype` pair for a bf16 candidate. `progress.note(message)` announces the stages,
+    `progress.count(stage, done, total)` counts finished runs."""
     if not isinstance(ref32, RoundoffTwins):
         raise ParityError(f"engine {ref32.name} has no round-off twins (RoundoffTwins): no measured envelope")
-    say = progress or (lambda _m: None)
+    say = progress.note
     n_runs, done = 4 + n_twins + (cand_f32 is not None), [0]
 
     def counted(result: list[ChunkResult]) -> list[ChunkResult]:
         done[0] += 1
-        if counter is not None:
-            counter("envelope runs", done[0], n_runs)
+        progress.count("envelope runs", done[0], n_runs)
         return result
 
     say("envelope: reference float32")

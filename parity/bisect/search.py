@@ -45,6 +45,7 @@ from parity.compare.verdict import BisectVerdict, LayerKind, QuantFlip, QuantFor
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
 from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, Count, Note, ProgressSink
 from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
 
@@ -57,8 +58,6 @@ QUANT_MBITS = {name: f.mbits for name, f in QUANT_FORMAT.items()}   # 3, 3, 1
 # An isolated code flip touches at most this fraction of a row's elements (at least one element).
 FLIP_FRACTION = 1 / 32
 
-Progress = Callable[[str], None]
-Counter = Callable[[str, int, "int | None"], None]  # (stage, done, total): chunks of the long passes
 
 # Built-in prompt: BOS + a 4-token motif repeated. The repetition makes compressed rows alike, so the indexer
 # meets exactly tied scores at its top-k cut (tie-breaking gets exercised); 27 + 1 tokens put 7 CSA rows and
@@ -124,7 +123,7 @@ class SpliceProbe:
 
 
 def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: dict[str, np.ndarray],
-                  ref: Sequence[ChunkResult], env: Envelope, say: Progress) -> tuple[int, list[SpliceProbe]]:
+                  ref: Sequence[ChunkResult], env: Envelope, say: Note) -> tuple[int, list[SpliceProbe]]:
     """Smallest k with M(k) outside the envelope, minus one: the first layer where the candidate departs.
     M(k) = the candidate's run `free` below k, the reference from k on. M(k) is outside the envelope when a
     candidate checkpoint below k is (free_errs), when a reference checkpoint from k on is (the departure
@@ -517,8 +516,8 @@ class _Clock:
 
 
 def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
-               chunk: int | None, say: Progress, replay: ReplayRouter | None = None,
-               count: Counter | None = None) -> FreeStage:
+               chunk: int | None, say: Note, replay: ReplayRouter | None = None,
+               count: Count | None = None) -> FreeStage:
     """Step 1 (2 full runs): reference greedy, candidate teacher-forced on the reference's tokens."""
     L, P = cand.config.n_layers, len(prompt)
     total = len(chunk_schedule(P, chunk)) + decode
@@ -546,19 +545,19 @@ def free_stage(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: 
 
 
 def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int, env: Envelope,
-           chunk: int | None = None, progress: Progress | None = None,
-           replay: ReplayRouter | None = None, counter: Counter | None = None,
+           chunk: int | None = None, progress: ProgressSink = SILENT, replay: ReplayRouter | None = None,
            draft: dict | None = None) -> BisectReport:
     """Localise the first place where `cand` departs from `ref_engine` beyond the noise envelope.
     `replay`: the candidate's expert_override, filled here with the reference's expert choices;
-    `counter(stage, done, total)` counts the chunks of the two full runs and of the teacher-forced pass;
+    `progress.note(message)` announces the stages, `progress.count(stage, done, total)` counts the chunks of the two
+    full runs and of the teacher-forced pass;
     `draft`: a trace header's draft entry (`parity.tracing.drafts.draft_header`) when both engines were opened with
     that drafter: when the trunk has no defect (clean or noise), the drafter is judged as one more layer
     (`drafter_stage`)."""
-    say = progress or (lambda _m: None)
+    say = progress.note
     env.check_options(cand.options)
     clock = _Clock()
-    fs = free_stage(ref_engine, cand, prompt, decode, env, chunk, say, replay, counter)
+    fs = free_stage(ref_engine, cand, prompt, decode, env, chunk, say, replay, progress.count)
     clock.lap("full_runs")
     runs = {"full": 2, "teacher_forced": 0, "splice": 0, "drill_down_layers": 0, "flip_check_layers": 0}
     envelope = {"k": env.k, "eps": env.eps, "dtype": env.dtype, "calibration": env.calibration}
@@ -568,7 +567,7 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
         report = BisectReport(BisectVerdict.NO_DEFECT, _clean_summary(fs), None, runs=runs, seconds=clock.seconds,
                               **base)
     else:
-        ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, counter)
+        ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, progress.count)
         report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
                               subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
         report = replace(report, summary=summarize(report, env))
@@ -595,7 +594,7 @@ def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: 
                    summary=f"DEFECT at drafter {first.checkpoint}, {where}: {detail}\ntrunk: " + report.summary)
 
 
-def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Progress) -> DraftCheck:
+def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Note) -> DraftCheck:
     """The drafter as one more layer: both engines' draft heads on the reference's trunk carriers (every position,
     `parity.tracing.drafts.draft_records`), the candidate's records judged by the reference's round-off twins
     (`parity.bisect.draft_check.judge_records`). 2 + N_TWINS draft-head runs."""
@@ -620,7 +619,7 @@ def _clean_summary(fs: FreeStage) -> str:
 
 
 def local_departures(ref_engine: Engine, ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]],
-                     say: Progress) -> dict[int, bool] | None:
+                     say: Note) -> dict[int, bool] | None:
     """Per layer, whether the candidate's layer on the reference's inputs departs by the round-off null (the
     reference's twins on the same inputs; `check`'s test), or None when the reference has no twins."""
     if not isinstance(ref_engine, RoundoffTwins):
@@ -639,8 +638,8 @@ def local_departures(ref_engine: Engine, ref: Sequence[ChunkResult], tf: dict[in
     return out
 
 
-def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env: Envelope, say: Progress,
-             clock: _Clock, counter: Counter | None = None) -> LocalStage:
+def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env: Envelope, say: Note,
+             clock: _Clock, counter: Count | None = None) -> LocalStage:
     """Steps 2-4: teacher-forced attribution, mirror-splice bisection, drill-down (see the module doc)."""
     L, P = ref_engine.config.n_layers, n_prompt
     say("teacher-forced pass: every candidate layer on the reference's inputs")
@@ -698,7 +697,7 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
 
 
 def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: Envelope,
-                     say: Progress) -> LocalStage:
+                     say: Note) -> LocalStage:
     """No candidate layer departs locally: the excess is amplified sub-envelope drift; name the QAT code flip
     the drift tips over in the first layer outside the envelope (2 layer-runs)."""
     worst = max(fs.max_excess, key=fs.max_excess.get)

@@ -42,6 +42,7 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     Example: v4parity arbitrate -m tiny-f32.gguf --tokens 0,5,7,9 --decode 4 --engines reference,torch,llamacpp,hf
     """
     from parity import api
+    from parity.cli.progress import Lines
     from parity.cli.trace import resolve_tokens
     from parity.compare.arbitration import summary_lines
 
@@ -53,7 +54,7 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     if len(names) < 2:
         raise click.UsageError(f"--engines: arbitration needs at least two distinct engines, got {names}")
     report = api.arbitrate(model, ids, names, decode=decode, chunk=chunk, qat_sims=qat_sims, rel_tol=rel_tol,
-                           envelope=envelope_path, progress=lambda m: click.echo(m, err=True), check_each=check_each)
+                           envelope=envelope_path, progress=Lines(), check_each=check_each)
     if as_json:
         echo_json(report.to_json() | ({"check": _check_docs(report.checks)} if check_each else {}))
     else:

@@ -80,7 +80,7 @@ def envelope(model, engine, dtype, device, no_fp8_kv, no_fp4_indexer, output, as
     from parity import api
 
     env, path = api.envelope(model, engine=engine, options=_options(dtype, device, no_fp8_kv, no_fp4_indexer),
-                             output=output, progress=(bar := _progress()).note, counter=bar)
+                             output=output, progress=_progress())
     worst = max(env.checkpoints, key=env.checkpoints.get)
     if as_json:
         echo_json({"wrote": str(path), "dtype": dtype, "k": env.k, "eps": env.eps, "largest_floor":
@@ -146,8 +146,8 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
                             decode=decode, chunk=chunk, default_decode=4, builtin=True, note=warn)
     report = api.bisect(model, engine=engine, tokens=plan.tokens, decode=plan.decode, chunk=plan.chunk,
                         options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
-                        routing_replay=routing_replay, progress=(bar := _progress()).note,
-                        counter=bar, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
+                        routing_replay=routing_replay, progress=_progress(),
+                        draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
                         ray=ray)
     _figures(report, plot, html_path)
     if as_json:

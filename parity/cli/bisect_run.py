@@ -55,6 +55,7 @@ def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_
              git bisect run v4parity bisect-run -m tiny-f32.gguf --engine myengine
     """
     from parity import api
+    from parity.cli.progress import Lines
     from parity.cli.trace import read_token_list
     from parity.contract.engine import RunOptions
 
@@ -62,7 +63,7 @@ def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_
         ids = read_token_list(tokens, "--tokens") if tokens is not None else None
         result = api.bisect_run(model, engine, tokens=ids, decode=decode,
                                 options=RunOptions(engine_args=tuple(engine_arg)), envelope=envelope_path,
-                                progress=lambda m: click.echo(m, err=True))
+                                progress=Lines())
     except (ParityError, click.ClickException) as e:   # --json: printed as JSON by json_errors, exit kept
         raise SetupError(e.format_message() if isinstance(e, click.ClickException) else str(e)) from None
     if as_json:

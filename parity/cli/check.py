@@ -73,7 +73,7 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
     bar = Progress()
     try:
         report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
-                           progress=bar.note, counter=bar, draft=draft, workers=workers, ray=ray)
+                           progress=bar, draft=draft, workers=workers, ray=ray)
     except ParityError as e:
         raise Refused(str(e)) from None
     _show(report, as_json, markdown_path, plot, html_path)

@@ -219,7 +219,7 @@ def _check(candidate, model, envelope_path):
     from parity.cli.progress import Progress
 
     bar = Progress()
-    return api.check(candidate, model, envelope=envelope_path, progress=bar.note, counter=bar)
+    return api.check(candidate, model, envelope=envelope_path, progress=bar)
 
 
 def _check_dict(report) -> dict:

@@ -1,7 +1,8 @@
 """Progress of long commands: a bar with ETA on a terminal, plain periodic lines in a log.
 
-`Progress` is a callable `progress(stage, done, total)` -- the callback the API functions take -- so a
-command passes one instance down and the API never prints. On a terminal (stderr is a TTY) it redraws one
+`Progress` implements the harness's progress protocol (`parity.contract.progress.ProgressSink`): a command passes
+one instance as an API function's `progress` and the API never prints. `count(stage, done, total)` (also spelled
+`progress(stage, done, total)`) draws the counts. On a terminal (stderr is a TTY) it redraws one
 line: `stage [#####.....] done/total elapsed ETA`; otherwise it writes `stage done/total elapsed` lines,
 at most one per `interval` seconds per stage, plus the first and the last of each stage, so a CI log shows
 progress without flooding. `note(message)` serves callbacks that report stages by message only: each
@@ -15,8 +16,6 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-ProgressFn = Callable[[str, int, "int | None"], None]
-
 
 def _clock(seconds: float) -> str:
     s = int(seconds)
@@ -24,7 +23,8 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """`progress(stage, done, total)`: report that `done` of `total` units of `stage` are finished."""
+    """The terminal printer of the progress protocol: `count(stage, done, total)` draws a bar or a timed line,
+    `note(message)` prints a timed line."""
 
     def __init__(self, stream: TextIO | None = None, interval: float = 10.0, terminal: bool | None = None,
                  clock: Callable[[], float] = time.monotonic, width: int = 30) -> None:
@@ -37,7 +37,8 @@ class Progress:
         self.shown = 0  # length of the terminal line on screen
         self.first: float | None = None  # clock of the first message (`note`)
 
-    def __call__(self, stage: str, done: int, total: int | None) -> None:
+    def count(self, stage: str, done: int, total: int | None) -> None:
+        """Report that `done` of `total` units of `stage` are finished."""
         now = self.clock()
         if stage != self.stage:
             self._end_line()
@@ -55,10 +56,11 @@ class Progress:
             self.stream.flush()
             self.last_line = now
 
+    __call__ = count
+
     def note(self, message: str) -> None:
-        """A stage that has no count (a callback taking one message, as the bisect API's `progress`): the
-        message with the time since the first report, on its own line (wrapped within 100 columns, continuation
-        lines indented)."""
+        """A stage announced in words: the message with the time since the first report, on its own line (wrapped
+        within 100 columns, continuation lines indented)."""
         from parity.compare.textcells import fit_line
 
         now = self.clock()
@@ -90,3 +92,17 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Lines:
+    """The plain printer of the progress protocol: each note on its own stderr line as given (no time, no wrap);
+    counts are not shown (the commands that use it, `bisect-run` and `arbitrate`, report stages only)."""
+
+    def note(self, message: str) -> None:
+        """The message on its own stderr line."""
+        import click
+
+        click.echo(message, err=True)
+
+    def count(self, stage: str, done: int, total: int | None) -> None:
+        """Not shown."""

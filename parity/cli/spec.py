@@ -96,15 +96,14 @@ def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_fil
     bar = Progress()
     try:
         if candidate is not None:
-            report = api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar.note,
-                                        counter=bar)
+            report = api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar)
         else:
             plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), note=warn)
             options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
                                  inject=tuple(inject))
             report = api.spec(model, plan.tokens, engine=engine, draft=draft, script=script, depth=depth,
                               steps=steps, gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
-                              progress=bar.note, counter=bar, trace_out=trace_out, pairing=pairing)
+                              progress=bar, trace_out=trace_out, pairing=pairing)
     except ParityError as e:
         raise Refused(str(e)) from None
     finally:

@@ -10,13 +10,13 @@ teacher-forced on the candidate's drafts; DSpark: its own block); scripted draft
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
+from parity.contract.progress import SILENT, ProgressSink
 from parity.spec.accept import Slot, first_max, label
 from parity.spec.drafts import DSparkSource, MTPSource, need_snapshots
 from parity.spec.driver import Round, SpecRun, state_view
@@ -82,12 +82,13 @@ def label_round(r: Round, rho: np.ndarray, margins: np.ndarray, ties: np.ndarray
 
 
 def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun, env: Envelope,
-              counter: Callable[[str, int, int | None], None] | None = None, own_inputs: bool = False
+              progress: ProgressSink = SILENT, own_inputs: bool = False
               ) -> tuple[list[RoundAttribution], StateDivergence | None]:
     """One `RoundAttribution` per round of `run`, and the first round whose committed state differs from the
     reference's (when the run recorded its states). `source`: the reference engine's drafter of the run's kind
     (None for scripted drafts). `own_inputs`: the reference drafter drafts on the reference trunk's own rows of the
-    committed prefix (a run read from a trace, which records no drafter inputs) instead of `run.inputs`."""
+    committed prefix (a run read from a trace, which records no drafter inputs) instead of `run.inputs`.
+    `progress.count` counts the attributed rounds."""
     snapshot, restore = need_snapshots(ref).snapshot, ref.restore
     state = ref.new_state()
     rows = forward_chunk(ref, state, np.asarray(run.prompt, np.int64), 0)
@@ -121,8 +122,7 @@ def attribute(ref: Engine, source: MTPSource | DSparkSource | None, run: SpecRun
                 if shown is not None else None
             found = found or anchor_difference(r, rho, gaps, ties)
             divergence = StateDivergence(n, r.start_pos, *found) if found else None
-        if counter:
-            counter("reference attribution", n + 1, len(run.rounds))
+        progress.count("reference attribution", n + 1, len(run.rounds))
     return out, divergence
 
 

@@ -13,7 +13,6 @@ is None and `state_note` says why). `spec_trace` writes a live run's rounds as s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.contract.errors import TraceError
+from parity.contract.progress import SILENT, ProgressSink
 from parity.gguf.drafter import DrafterConfig
 from parity.spec.attribution import attribute
 from parity.spec.drafts import DSparkSource, MTPSource
@@ -125,20 +125,19 @@ def spec_trace(report: SpecReport, engine: Engine) -> Trace:
 
 def candidate_report(trace: Trace, path: str | Path, ref: Engine, kind: str, env: Envelope,
                      drafter: DrafterConfig | None,
-                     counter: Callable[[str, int, int | None], None] | None = None) -> SpecReport:
+                     progress: ProgressSink = SILENT) -> SpecReport:
     """Attribute the trace's run with `ref` (`kind`: mtp | dspark with the drafter's config, or script: the
-    recorded drafts are their own reference) and report it as `spec_report` does."""
+    recorded drafts are their own reference) and report it as `spec_report` does (`progress.count` counts)."""
     h = trace.header
     run = records_to_run(trace)
     width = max((len(r.drafts) for r in run.rounds), default=0)
     t0 = time.perf_counter()
     ref_tokens, ref_logits = reference_decode(ref, run.prompt, h.decode)
     t1 = time.perf_counter()
-    if counter:
-        counter("reference plain decode", h.decode, h.decode)
+    progress.count("reference plain decode", h.decode, h.decode)
     source = (None if kind == "script" or not run.rounds else MTPSource(ref, width) if kind == "mtp"
               else DSparkSource(ref, drafter))
-    attrs, _ = attribute(ref, source, run, env, counter, own_inputs=True)
+    attrs, _ = attribute(ref, source, run, env, progress, own_inputs=True)
     t2 = time.perf_counter()
     cuts = sorted({r.cut for r in run.rounds if r.cut})
     options = {"engine": f"{h.engine} {h.engine_version}", "candidate": str(path), "flags": h.flags,

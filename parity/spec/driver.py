@@ -14,13 +14,14 @@ A round, with the committed prefix ending in the anchor t_{c+1} (the trunk has r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from parity.contract.engine import Engine, PartialStateView, StateView, VerifyPicks
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, ProgressSink
 from parity.spec.accept import Gate, accept_length, first_max
 from parity.spec.drafts import DSparkSource, MTPSource, Proposal, ScriptSource, need_snapshots
 from parity.tracing.runner import forward_chunk
@@ -96,8 +97,9 @@ def cut_drafts(proposal: Proposal, gate: Gate, max_draft: int | None, budget: in
 
 
 def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int, gate: Gate,
-              max_draft: int | None = None, counter: Callable[[str, int, int | None], None] | None = None) -> SpecRun:
-    """Generate `steps` tokens after `prompt` by speculative greedy rounds (module docstring)."""
+              max_draft: int | None = None, progress: ProgressSink = SILENT) -> SpecRun:
+    """Generate `steps` tokens after `prompt` by speculative greedy rounds (module docstring); `progress.count`
+    counts the generated tokens."""
     if steps < 1:
         raise ParityError(f"--steps must be >= 1, got {steps}")
     if max_draft is not None and max_draft < 0:
@@ -141,8 +143,7 @@ def speculate(engine: Engine, source: Source, prompt: Sequence[int], steps: int,
             shown, run.state_scope = engine.visible_state(state)
             run.states.append(shown)
         first = c + 1
-        if counter:
-            counter("spec rounds", min(len(run.generated), steps), steps)
+        progress.count("spec rounds", min(len(run.generated), steps), steps)
     run.tokens = run.tokens[: len(run.prompt) + steps]
     return run
 

@@ -4,7 +4,7 @@ Printers live in parity/spec/printers.py."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import numpy as np
 from parity.bisect.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, ProgressSink
 from parity.gguf.drafter import DrafterConfig
 from parity.spec.accept import DEFECT_LABELS, LABELS, Gate
 from parity.spec.attribution import RoundAttribution, StateDivergence, attribute, offline_per_slot, online_per_slot
@@ -114,12 +115,12 @@ class SpecReport:
 def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], steps: int, env: Envelope, *,
                 depth: int = 1, gate: Gate | None = None, max_draft: int | None = None,
                 reject_at: int | None = None, drafter: DrafterConfig | None = None,
-                counter: Callable[[str, int, int | None], None] | None = None,
-                pairing: str | None = None) -> SpecReport:
+                progress: ProgressSink = SILENT, pairing: str | None = None) -> SpecReport:
     """Run `cand` speculatively (`kind`: mtp | dspark | script), decode plainly with `cand` and `ref`, attribute
     every round with `ref`. `drafter`: the drafter's `DrafterConfig` (DSpark taps and B); scripts draft the
     reference's greedy continuation, the `reject_at`-th draft of each round made wrong (None: accept-all).
-    `pairing`: the MTP pairing prev | same (spec §2.3; None: prev), refused for other kinds."""
+    `pairing`: the MTP pairing prev | same (spec §2.3; None: prev), refused for other kinds. `progress.count` counts
+    the decodes, the rounds and their attribution."""
     import time
 
     if steps < 1:
@@ -132,13 +133,11 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
     t0 = time.perf_counter()
     ref_tokens, ref_logits = reference_decode(ref, prompt, steps)
     t1 = time.perf_counter()
-    if counter:
-        counter("reference plain decode", steps, steps)
+    progress.count("reference plain decode", steps, steps)
     cand_plain = ref_tokens if cand is ref else [int(np.argmax(r.logits[-1])) for r in run_sequence(cand, prompt,
                                                                                                    steps - 1)]
     t2 = time.perf_counter()
-    if counter:
-        counter("plain decode", steps, steps)
+    progress.count("plain decode", steps, steps)
     if kind == "script":
         source: Any = ScriptSource([*prompt, *ref_tokens], depth, reject_at, cand.config.vocab_size)
         ref_source = None
@@ -147,9 +146,9 @@ def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], ste
         source, ref_source = MTPSource(cand, depth, pairing), MTPSource(ref, depth, pairing)
     else:
         source, ref_source = DSparkSource(cand, drafter), DSparkSource(ref, drafter)
-    run = speculate(cand, source, prompt, steps, gate, max_draft, counter)
+    run = speculate(cand, source, prompt, steps, gate, max_draft, progress)
     t3 = time.perf_counter()
-    attrs, state_div = attribute(ref, ref_source, run, env, counter)
+    attrs, state_div = attribute(ref, ref_source, run, env, progress)
     t4 = time.perf_counter()
     width = max((len(r.drafts) for r in run.rounds), default=0)
     options = {"engine": cand.name, "flags": cand.options.flags(), "drafter": kind,
