@@ -1,14 +1,16 @@
-"""Printers of a `CheckReport`: the headline, plain text, Markdown, JSON and a figure. No computation here."""
+"""Printers of a `CheckReport`: the headline, plain text, Markdown, JSON, a figure and an HTML page. No computation
+here."""
 
 from __future__ import annotations
 
 import textwrap
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import md_cell, table_lines
-from parity.compare.verdict import CauseKind, Judged, Verdict
+from parity.compare.verdict import CauseKind, Judged, RowStatus, Verdict
 from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
@@ -168,3 +170,24 @@ def plot(report: CheckReport, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
+
+
+def to_html(path: str, report: CheckReport) -> Path:
+    """`check --html`: one self-contained page, the verdict first, the causes, the per-checkpoint table (status
+    colours), the figure of `plot`, the notes."""
+    from parity.compare.html import Section, esc, image, plot_png, table, write_html
+
+    sections = []
+    if report.causes:
+        sections.append(Section("Causes", table(
+            ["kind", "name", "layer", "sub-op", "evidence"],
+            [[c.kind, c.name, c.layer, c.subop or "-", c.evidence] for c in report.causes],
+            ["pass" if c.kind == CauseKind.BENIGN else "fail" for c in report.causes], left=["name", "evidence"])))
+    rows = [row_cells(r) for r in report.table]
+    sections.append(Section("Per checkpoint (free-running and teacher-forced local error, excess over the envelope)",
+                            table(COLUMNS, rows, ["pass" if r.status == RowStatus.OK else "fail" for r in report.table],
+                                  left=["checkpoint", "status"])))
+    sections.append(Section("Excess per checkpoint", image(plot_png(plot, report), "excess over the envelope")))
+    if report.notes:
+        sections.append(Section("Notes", "".join(f'<p class="note">{esc(n)}</p>' for n in report.notes)))
+    return write_html(path, "v4parity check", report.headline, report.verdict != Verdict.DEFECT, sections)

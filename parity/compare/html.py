@@ -3,8 +3,9 @@
 Verdict first, then the sections in order. `diff_sections(report)` gives the sections of a trace diff (the
 per-checkpoint table with pass/fail colours, the drift plot, routing/indexer/HC diagnostics, the two run
 headers side by side); other commands (check, bisect, validate) build their own `Section`s with `table`,
-`image`, `preformatted` and `headers_side_by_side`, and call `write_html` (or pass `extra=` to
-`write_report` to append them to a diff).
+`image` (`plot_png` renders a report's figure), `preformatted` and `headers_side_by_side`, and call `write_html`
+(or pass `extra=` to `write_report` to append them to a diff): their pages are printers beside their other ones
+(`parity.bisect.check_report.to_html`, `parity.bisect.bisect_report.to_html`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import base64
 import html
 import json
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], row_classes: Se
 def image(png: bytes, alt: str) -> str:
     """A PNG inlined as a data: URI."""
     return f'<img alt="{esc(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+
+
+def plot_png(plot: Callable[[Any, str], object], report: Any) -> bytes:
+    """A report's figure as PNG bytes for `image`: `plot(report, path)` (a printer that writes a file) run into a
+    temporary directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plot.png"
+        plot(report, str(path))
+        return path.read_bytes()
 
 
 def preformatted(text: str) -> str:
