@@ -30,6 +30,7 @@ from parity.tracing.recorder import Recorder, resolve_full
 from parity.tracing.records import Trace, TraceHeader
 from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
 from parity.tracing.subops import RECORD_NAMES, SubopRecorder
+from parity.validate.result import ValidateReport
 
 TraceLike = Trace | str | os.PathLike
 
@@ -293,11 +294,13 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
              prompts: str | os.PathLike | None = None, boundary: bool = False, top_k: int = 20,
              tie_margin: float | None = None, drift_tol: float | None = None, pins: int = 4,
              budget: str | os.PathLike | None = None, workers: int = 1, ray: str | None = None,
-             resume: bool = False, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
+             resume: bool = False, progress: ProgressSink = SILENT) -> ValidateReport:
     """Validate the approximate path `approx` (ENGINE[:key=value,...]) against `exact` over n prompts into `out`
     (results.jsonl as they arrive, report.json / report.md / validate.png at the end); `resume=True` continues the
     run stored in `out` (the other run settings come from there). `ray`: None, 'local' or a cluster address.
-    Returns the report (`report['passed']`, `report['findings']`)."""
+    `progress.count` counts the finished tasks (`parity.validate.driver.run_validation`).
+    Returns the frozen `parity.validate.result.ValidateReport` (`report.passed`, `report.findings`; report.json is
+    its `to_dict()`)."""
     from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
     from parity.validate.driver import Executor, new_config, run_validation
 
@@ -312,7 +315,7 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
                             boundary, top_k, TIE_MARGIN if tie_margin is None else tie_margin,
                             DRIFT_TOL if drift_tol is None else drift_tol, pins,
                             None if budget is None else str(budget))
-    return run_validation(out, config, Executor(workers, ray), on_progress=on_progress)
+    return run_validation(out, config, Executor(workers, ray), progress)
 
 
 # ---------------------------------------------------------------- envelope, bisect, check

@@ -2,34 +2,45 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from parity.cli.common import html_option, json_errors, json_option, model_option, pool_args
+from parity.cli.progress import Progress
 from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN
-
-if TYPE_CHECKING:
-    from parity.validate.driver import Tick
 
 RESUMABLE = ("resume", "workers", "ray", "as_json", "html_path")
 
 
-def progress_printer() -> Callable[[Tick], None]:
-    """The shared progress bar (with ETA) on a terminal; off a terminal a line with the ETA every 5 %."""
-    from parity.cli.progress import Progress
+class TaskProgress:
+    """validate's printer of the progress protocol: the shared bar (with ETA) on a terminal; off a terminal a line
+    with the ETA every 5 %. The first count (the driver's, before this session's first task) starts the clock; the
+    ETA is at this session's rate."""
 
-    bar = Progress()
+    def __init__(self, bar: Progress | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.bar, self.clock = bar or Progress(), clock
+        self.start: tuple[float, int] | None = None   # (clock, tasks done) when this session's first task started
 
-    def show(t: Tick) -> None:
-        if bar.terminal:
-            bar("validate", t.done, t.total)
-        elif t.done % max(1, t.total // 20) == 0 or t.done == t.total:
-            bar.note(f"validate: {t.done}/{t.total} tasks ({100 * t.done / t.total:.0f}%), {t.elapsed:.0f} s, "
-                     f"ETA {t.eta:.0f} s")
-    return show
+    def note(self, message: str) -> None:
+        """A stage in words, as the bar prints it."""
+        self.bar.note(message)
+
+    def count(self, stage: str, done: int, total: int | None) -> None:
+        """`done` of `total` tasks finished."""
+        now = self.clock()
+        if self.start is None:
+            self.start = (now, done)
+            return
+        if self.bar.terminal or total is None:
+            self.bar.count(stage, done, total)
+        elif done % max(1, total // 20) == 0 or done == total:
+            elapsed = now - self.start[0]
+            eta = elapsed / (done - self.start[1]) * (total - done)
+            self.bar.note(f"{stage}: {done}/{total} tasks ({100 * done / total:.0f}%), {elapsed:.0f} s, "
+                          f"ETA {eta:.0f} s")
 
 
 @click.command()
@@ -91,7 +102,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     report = api.validate(out, model=model, exact=exact, approx=approx, n=n, decode=decode, seed=seed,
                           prompts=str(CORPUS) if corpus else prompt_file, boundary=boundary, top_k=top_k,
                           tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget, workers=workers,
-                          ray=ray, resume=bool(resume), on_progress=progress_printer())
+                          ray=ray, resume=bool(resume), progress=TaskProgress())
     if html_path:
         from parity.cli.html_pages import validate_page
 

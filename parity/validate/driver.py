@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from parity.contract.engine import engine_class
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, ProgressSink
 from parity.gguf.weights import Weights
 from parity.validate import executors, stats
 from parity.validate.budget import check_names, parse_budget
@@ -27,6 +27,7 @@ from parity.validate.worker import MAIN, PIN, Job, Task
 
 FORMAT, VERSION = "v4parity-validate", 1
 TIMES = ("seconds", "cpu_seconds")  # per-record timings: timing.json only, never report.json
+STAGE = "validate"   # the progress stage: tasks (main and pin) done of all the run's tasks
 
 
 @dataclass(frozen=True)
@@ -38,16 +39,6 @@ class Executor:
         if self.ray is None:
             return "in-process" if self.workers == 1 else f"{self.workers} worker processes"
         return f"Ray ({'local, ' + str(self.workers) + ' CPUs' if self.ray == 'local' else self.ray})"
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Progress after each finished task (eta: seconds left at this session's rate)."""
-
-    done: int
-    total: int
-    elapsed: float
-    eta: float
 
 
 def new_config(model: str, exact: str, approx: str, n: int, decode: int, seed: int, prompt_file: str | None,
@@ -88,9 +79,11 @@ def _sources(prompts: list[Prompt]) -> str:
 
 
 def run_validation(out: str | os.PathLike, config: dict | None, executor: Executor,
-                   on_progress: Callable[[Tick], None] | None = None) -> ValidateReport:
+                   progress: ProgressSink = SILENT) -> ValidateReport:
     """Run (config given) or resume (config None: read from `out`) a validation; writes report.json, report.md,
-    validate.png and timing.json into `out` (`parity.validate.report.write_files`) and returns the report."""
+    validate.png and timing.json into `out` (`parity.validate.report.write_files`) and returns the report.
+    `progress.count(STAGE, done, total)` counts the tasks: once before the first task of this session (the tasks a
+    resumed run already has), then after each."""
     out = Path(out)
     cfg = read_config(out) if config is None else config
     job, prompts, identity = _preflight(cfg)
@@ -110,6 +103,7 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
     tasks = [Task(MAIN, p) for p in prompts] + [Task(PIN, p) for p in prompts[: cfg["pins"]]]
     todo = [t for t in tasks if (t.kind, t.prompt.index) not in have]
     records = list(done)
+    progress.count(STAGE, len(tasks) - len(todo), len(tasks))
     t0 = time.perf_counter()
     if not todo:
         stream = iter(())
@@ -124,10 +118,7 @@ def run_validation(out: str | os.PathLike, config: dict | None, executor: Execut
         for i, rec in enumerate(stream, 1):
             writer.add(rec)
             records.append(rec)
-            if on_progress:
-                elapsed = time.perf_counter() - t0
-                on_progress(Tick(len(tasks) - len(todo) + i, len(tasks), elapsed,
-                                     elapsed / i * (len(todo) - i)))
+            progress.count(STAGE, len(tasks) - len(todo) + i, len(tasks))
     finally:
         writer.close()
     wall = time.perf_counter() - t0
