@@ -1,5 +1,6 @@
 """`v4parity bench` as one call: check the choices, run the performance tables and/or the verdict benchmark,
-write OUT/bench.json, bench.md, verdicts.json, verdicts.md; the CLI only prints what `run_bench_command` returns."""
+write OUT/bench.json, bench.md, verdicts.json, verdicts.md; the CLI only prints what `run_bench_command` returns
+(frozen section reports, `parity.bench.reports`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from parity.bench.reports import PerfReport, VerdictsReport
 from parity.contract.errors import ParityError
 
 ENGINES = ("reference", "torch")
@@ -19,9 +20,9 @@ class BenchRun:
     """What one `bench` run measured and wrote: the performance `report` and its Markdown `table` (None with
     verdicts only), the verdict benchmark's report and Markdown (None without it), and the files written."""
 
-    report: dict[str, Any] | None
+    report: PerfReport | None
     table: str | None
-    verdicts: dict[str, Any] | None
+    verdicts: VerdictsReport | None
     verdicts_markdown: str | None
     files: tuple[Path, ...]
 
@@ -63,7 +64,6 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
     """Everything `v4parity bench` does but print: the performance tables unless `verdicts_only` (progress to
     `log`), the verdict benchmark when `verdicts` or `verdicts_only` (progress to `verdict_log`)."""
     from parity.bench.measure import render_markdown, run_bench
-    from parity.compare.jsonvalues import json_safe
     from parity.contract.files import atomic_write_text
 
     chosen, peer_names = bench_choices(engines, peers, torch_threads)
@@ -73,8 +73,9 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
     report = table = None
     files: list[Path] = []
     if not verdicts_only:
-        report = run_bench(cache, device, quick, chosen, torch_threads or None, log=log, peers=peer_names)
-        atomic_write_text(out / "bench.json", json.dumps(json_safe(report), indent=2, allow_nan=False))
+        report = PerfReport.from_dict(run_bench(cache, device, quick, chosen, torch_threads or None, log=log,
+                                                peers=peer_names))
+        atomic_write_text(out / "bench.json", json.dumps(report.to_dict(), indent=2, allow_nan=False))
         table = render_markdown(report)
         atomic_write_text(out / "bench.md", table)
         files += [out / "bench.json", out / "bench.md"]
@@ -86,7 +87,7 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
 
 
 def _verdicts(cache_dir: Path, quick: bool, out: Path,
-              log: Callable[[str], None]) -> tuple[dict[str, Any], str, list[Path]]:
+              log: Callable[[str], None]) -> tuple[VerdictsReport, str, list[Path]]:
     """The verdict benchmark (parity.bench.verdicts): runs it, writes OUT/verdicts.json and verdicts.md; returns
     (its report, its Markdown tables, the two paths)."""
     import tempfile
@@ -99,4 +100,4 @@ def _verdicts(cache_dir: Path, quick: bool, out: Path,
         result = run_verdicts(models, plan, Path(scratch), log)
     result["plan_name"] = "quick" if quick else "default"
     js, md = write_verdicts(result, out)
-    return result, render_verdicts_markdown(result), [Path(js), Path(md)]
+    return VerdictsReport.from_dict(result), render_verdicts_markdown(result), [Path(js), Path(md)]

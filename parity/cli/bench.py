@@ -57,8 +57,9 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
                             log=lambda m: console.print(f"[dim]{m}[/dim]"),
                             verdict_log=lambda m: console.print(m, markup=False, highlight=False))
     if as_json:
-        echo_json(run.verdicts if run.report is None else
-                  {**run.report, "verdicts": run.verdicts} if run.verdicts else run.report)
+        verdicts = None if run.verdicts is None else run.verdicts.to_dict()
+        echo_json(verdicts if run.report is None else
+                  {**run.report.to_dict(), "verdicts": verdicts} if verdicts else run.report.to_dict())
         return
     if run.verdicts_markdown is not None:
         Console().print(Markdown(run.verdicts_markdown))
