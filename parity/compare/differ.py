@@ -390,6 +390,7 @@ def _first_drift(table: pd.DataFrame, th: Thresholds) -> dict[str, Any] | None:
 LAYER_COLUMNS = ["layer", "hc_max_abs", "expert_flips", "first_flip_pos", "weight_max_abs", "order_mismatch",
                  "margin_max_abs", "n_comp_mismatch", "sel_mismatch", "unmatched", "sel_dup_a", "sel_dup_b"]
 _BLOCK = 1024  # rows per block when comparing [rows, S] indexer selections (temporaries stay in cache)
+_HC_BLOCK = 8192  # rows per block of HC gate differences
 _NO_DIFF = {"hc_max_abs": 0.0, "expert_flips": 0, "first_flip_pos": -1, "weight_max_abs": 0.0, "order_mismatch": 0,
             "margin_max_abs": 0.0, "n_comp_mismatch": 0, "sel_mismatch": 0, "unmatched": 0}
 
@@ -434,10 +435,14 @@ def _layer_diags(a: Trace, b: Trace, positions: list[int]) -> pd.DataFrame:
 def _hc_diags(a: Trace, b: Trace, ia: np.ndarray, ib: np.ndarray, entries: Any) -> None:
     layers, starts = _runs(a.hc["layer"][ia])
     hc_max = np.zeros(len(layers))
+    row_max = np.empty(len(ia))
     for c in ("pre", "post", "comb"):
-        d = np.abs(np.subtract(a.hc[c].take(ia, axis=0), b.hc[c].take(ib, axis=0), dtype=np.float64))
-        d[np.isnan(d)] = np.inf
-        hc_max = np.maximum(hc_max, np.maximum.reduceat(d.reshape(-1), starts * d.shape[1]))
+        for i in range(0, len(ia), _HC_BLOCK):  # float64 differences a block of rows at a time (they stay in cache)
+            ja, jb = ia[i:i + _HC_BLOCK], ib[i:i + _HC_BLOCK]
+            d = np.abs(np.subtract(a.hc[c].take(ja, axis=0), b.hc[c].take(jb, axis=0), dtype=np.float64))
+            d[np.isnan(d)] = np.inf
+            row_max[i:i + _HC_BLOCK] = d.max(axis=1, initial=0.0)
+        hc_max = np.maximum(hc_max, np.maximum.reduceat(row_max, starts))
     for e, v in zip(entries(layers), hc_max.tolist(), strict=True):
         e["hc_max_abs"] = v
 
