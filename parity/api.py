@@ -25,7 +25,15 @@ from parity.contract.errors import TraceError
 from parity.contract.progress import SILENT, Note, ProgressSink
 from parity.tracing.drafts import draft_header, draft_names, draft_records, tapped_layers, trunk_identity
 from parity.tracing.io import read_trace, write_trace
-from parity.tracing.plan import RunPlan, TokenSource, follow_plan, refuse_with_follow, resolve_tokens, run_plan
+from parity.tracing.plan import (
+    RunPlan,
+    TokenSource,
+    check_token_range,
+    follow_plan,
+    refuse_with_follow,
+    resolve_tokens,
+    run_plan,
+)
 from parity.tracing.recorder import Recorder, resolve_full
 from parity.tracing.records import Trace, TraceHeader
 from parity.tracing.runner import ChunkResult, chunk_schedule, run_sequence
@@ -33,6 +41,9 @@ from parity.tracing.subops import RECORD_NAMES, SubopRecorder
 from parity.validate.result import ValidateReport
 
 TraceLike = Trace | str | os.PathLike
+Tokens = Sequence[int] | TokenSource | None
+"""A run's prompt as the API takes it: token ids, or the sources a command was given (`TokenSource`, resolved by
+`plan_run`), or None (a command's default: the built-in prompt where there is one)."""
 
 
 def load_trace(path: str | os.PathLike, load_vectors: bool = True) -> Trace:
@@ -47,6 +58,37 @@ def save_trace(trace: Trace, path: str | os.PathLike, form: str | None = None) -
 
 def _as_trace(t: TraceLike) -> Trace:
     return t if isinstance(t, Trace) else read_trace(t)
+
+
+def convert(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """`v4parity convert`: the trace `source` re-encoded at `dest` (text or .npz by its extension, full vectors
+    copied to its side file)."""
+    return save_trace(load_trace(source), dest)
+
+
+def import_trace(kind: str, source: str | os.PathLike, model: str | os.PathLike, output: str | os.PathLike, *,
+                 tokens: Tokens = None, start_pos: int = 0, top_k: int = 20) -> dict[str, Any]:
+    """`v4parity import`: another engine's tensor dumps as a trace of `model`, written to `output`. `kind` ds4
+    (`source`: the dump prefix) or llama.cpp (`source`: a capture file, which carries its token ids, or a directory
+    of eval-callback tensors whose first row is at `start_pos`); `tokens`: the run's ids or a TokenSource of them
+    (exactly one source; none only for a capture file). Returns {wrote, checkpoints, positions, dropped}."""
+    from parity.contract.errors import ParityError
+    from parity.gguf.weights import Weights
+    from parity.tracing.importers import import_ds4, import_llamacpp
+
+    if kind not in ("ds4", "llama.cpp"):
+        raise ParityError(f"import kind {kind!r}: ds4 or llama.cpp")
+    capture_file = kind == "llama.cpp" and Path(source).is_file()  # a capture carries its input_ids
+    ids = ([int(t) for t in tokens] if tokens is not None and not isinstance(tokens, TokenSource)
+           else resolve_tokens(model, tokens or TokenSource(), required=not capture_file))
+    cfg, ident = Weights(model).config, model_identity(model)
+    if kind == "ds4":
+        t = import_ds4(source, tokens=ids, config=cfg, model=ident, top_k=top_k)
+    else:
+        t = import_llamacpp(source, tokens=ids, config=cfg, model=ident, start_pos=start_pos, top_k=top_k)
+    path = save_trace(t, output)
+    return {"wrote": str(path), "checkpoints": t.header.checkpoints, "positions": t.header.positions,
+            "dropped": t.header.flags["import_dropped"]}
 
 
 def model_identity(model: str | os.PathLike) -> dict[str, Any]:
@@ -113,15 +155,21 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
     return Trace(header, **rec.tables(), vectors=rec.vectors(), subops=sub.arrays() if sub else None)
 
 
-def trace_to_file(engine: str, model: str | os.PathLike, plan: RunPlan, output: str | os.PathLike, *,
+def trace_to_file(engine: str, model: str | os.PathLike, tokens: RunPlan | Tokens, output: str | os.PathLike, *,
+                  follow: TraceLike | None = None, decode: int | None = None, chunk: int | None = None,
+                  positions: str | Sequence[int] | None = None, note: Callable[[str], None] | None = None,
                   options: RunOptions | None = None, full: str | Sequence[str] | None = None, top_k: int = 20,
                   subops: bool = False, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
                   mtp_pairing: str = "prev", dump_logprobs: tuple[str | os.PathLike, int] | None = None,
                   counter: Callable[[str, int, int | None], None] | None = None) -> dict[str, Any]:
-    """`v4parity trace`: run `engine` on `plan` (`plan_run`), write the trace to `output` and, with
+    """`v4parity trace`: run `engine` on a plan, write the trace to `output` and, with
     `dump_logprobs` = (path, ctx), a ds4 --dump-logprobs JSON recording that ctx (ds4 semantics: step 0 = the last
     prompt row, step i = the row after feeding step i-1's token); `counter(stage, done, total)` counts the chunks.
+    The plan: `tokens` when it is a RunPlan, else `plan_run` of `tokens` (ids or a TokenSource), `follow`, `decode`,
+    `chunk` and `positions` (the token range is checked against the engine's vocabulary by `trace`; `note` hears a
+    tokenizer disagreement).
     Returns {wrote, checkpoint_records, positions, tokens, n_prompt, decode[, logprobs: {wrote, steps, top_k, ctx}]}."""
+    plan = _plan_of(model, tokens, follow=follow, decode=decode, chunk=chunk, positions=positions, note=note)
     count = counter or (lambda _s, _d, _t: None)
     n_prompt, rows, done = len(plan.tokens), [], [0]
     total = n_chunks(n_prompt, plan.decode, plan.chunk)
@@ -144,6 +192,17 @@ def trace_to_file(engine: str, model: str | os.PathLike, plan: RunPlan, output: 
     if dump_logprobs is not None:
         report["logprobs"] = _dump_logprobs(*dump_logprobs, model, rows, t.header.n_prompt, top_k)
     return report
+
+
+def _plan_of(model: str | os.PathLike, tokens: RunPlan | Tokens, **run: Any) -> RunPlan:
+    """`tokens` when it is a RunPlan (then no other run option in `run` may be set), else `plan_run` of `tokens` and
+    `run` without the range check (`trace` checks it against the engine's vocabulary)."""
+    if not isinstance(tokens, RunPlan):
+        return plan_run(model, tokens, check_range=False, **run)
+    given = [k for k, v in run.items() if v is not None and k != "note"]
+    if given:
+        raise TraceError(f"a RunPlan is the whole run: drop {', '.join(given)}")
+    return tokens
 
 
 def _dump_logprobs(path: str | os.PathLike, ctx: int, model: str | os.PathLike, rows: list, n_prompt: int,
@@ -182,22 +241,25 @@ def _check_traceable(plan: RunPlan, dh: dict, dnames: Sequence[str], subops: boo
                          f"trace with --positions all, not {len(pos)} of {n_total} positions")
 
 
-def plan_run(model: str | os.PathLike, source: TokenSource | None = None, *, follow: TraceLike | None = None,
+def plan_run(model: str | os.PathLike, source: Tokens = None, *, follow: TraceLike | None = None,
              decode: int | None = None, chunk: int | None = None, positions: str | Sequence[int] | None = None,
              default_decode: int = 0, builtin: bool = False, check_range: bool = True,
              note: Callable[[str], None] | None = None) -> RunPlan:
     """The frozen plan of a command's run: with `follow` (a trace or its path) the followed run, and then no token
     source, `decode`, `chunk` or `positions` may be given (refused by flag name); else the tokens of `source`
-    (exactly one of its sources; with `builtin`, none means the built-in prompt of `parity.bisect.search`),
+    (token ids, or a `TokenSource`: exactly one of its sources; with `builtin`, none means the built-in prompt of
+    `parity.bisect.search`),
     `decode` (None: `default_decode`) and `positions` (None: `parity.tracing.plan.default_positions`), ids checked
     against the model's vocabulary when `check_range`. `note` hears a tokenizer disagreement on a prompt.
     Raises PlanError (a usage error) on contradicting or missing options."""
-    source = source or TokenSource()
+    ids_given = source is not None and not isinstance(source, TokenSource)
     if follow is not None:
         flags = {"--decode": decode, "--chunk": chunk, "--positions": positions}
-        refuse_with_follow([*source.given(), *(f for f, v in flags.items() if v is not None)])
+        given = ["--tokens"] if ids_given else (source or TokenSource()).given()
+        refuse_with_follow([*given, *(f for f, v in flags.items() if v is not None)])
         return follow_plan((follow if isinstance(follow, Trace) else read_trace(follow, False)).header)
-    ids = resolve_tokens(model, source, note, required=not builtin)
+    ids = [int(t) for t in source] if ids_given else resolve_tokens(model, source or TokenSource(), note,
+                                                                     required=not builtin)
     vocab = None
     if ids is None or check_range:
         from parity.gguf.weights import Weights
@@ -374,12 +436,15 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
     return measure(ref, ref64, cand, prompt, CALIBRATION_DECODE, cand_f32=cand32, progress=progress)
 
 
-def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[int] | None = None,
-           decode: int = 4, chunk: int | None = None, options: RunOptions | None = None,
+def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Tokens = None,
+           decode: int | None = None, chunk: int | None = None, follow: TraceLike | None = None,
+           note: Callable[[str], None] | None = None, options: RunOptions | None = None,
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
            progress: ProgressSink = SILENT, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
            mtp_pairing: str = "prev", workers: int = 1, ray: str | None = None) -> Any:
-    """Localise where `engine` departs from the reference on `model` (`tokens`: default the built-in prompt);
+    """Localise where `engine` departs from the reference on `model`; the run is `plan_run`'s of `tokens` (ids or a
+    TokenSource; none: the built-in prompt), `decode` (None: 4), `chunk` or `follow` (a trace whose run is replayed;
+    `note` hears a tokenizer disagreement);
     the verdict is `check`'s on the candidate's run, recorded as a trace (`parity.bisect.by_check`: one judgement).
     `draft`: a drafter GGUF both engines open; when the trunk has no defect its head is judged as one more layer
     (both heads on the reference's trunk carriers, MTP chained to `mtp_depth` with `mtp_pairing`;
@@ -393,7 +458,7 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
 
     from parity.bisect import parallel
     from parity.bisect.by_check import judged_by_check
-    from parity.bisect.search import ReplayRouter, builtin_prompt
+    from parity.bisect.search import ReplayRouter
     from parity.bisect.search import bisect as run_bisect
     from parity.contract.workpool import WorkPool
 
@@ -401,6 +466,9 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     options = options or RunOptions()
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
+    plan = plan_run(model, tokens, follow=follow, decode=decode, chunk=chunk, default_decode=4, builtin=True,
+                    note=note)
+    prompt, decode, chunk = list(plan.tokens), plan.decode, plan.chunk
     _check_injectable(engine, options.inject, draft is not None)  # before any work: a misspelt name costs nothing
     if draft is not None and routing_replay:
         raise TraceError("--routing-replay replays trunk layers; the draft heads do not take it: drop one")
@@ -411,7 +479,6 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Sequence[
     # before the envelope: the engine refuses its options (an --inject layer list, FAULT@LAYERS) at no cost
     cand = load_engine(engine, str(model), replace(options, expert_override=router), draft=drafter)
     env = _stored_or_measured(model, ref.identity, engine, options, envelope, progress)
-    prompt = list(tokens) if tokens is not None else builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id)
     dh = draft_header(cand, mtp_pairing, mtp_depth) if drafter is not None else None
     with WorkPool(workers, ray) as pool, parallel.active(pool) as d:
         if d is not None:
@@ -464,11 +531,12 @@ def _check_injectable(engine: str, inject: Sequence[str], drafted: bool = False)
 
 
 def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.PathLike | None = None,
-          tokens: Sequence[int] | None = None, envelope_search: Sequence[str | os.PathLike] | None = None,
+          tokens: Tokens = None, envelope_search: Sequence[str | os.PathLike] | None = None,
           fault_engines: Sequence[str] = ("torch",), progress: ProgressSink = SILENT,
           draft: str | os.PathLike | None = None, workers: int = 1, ray: str | None = None) -> Any:
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
-    then gives their token ids). The envelope: `envelope`, else the first stored one measured on this model (by
+    then gives their token ids, or a TokenSource of them). The envelope: `envelope`, else the first stored one
+    measured on this model (by
     size + header hash) in `envelope_search` (default `parity.bisect.inputs.envelope_sources`: the user cache, the
     model's directory, the committed traces/), else measured now from the reference alone and cached (its time and
     source are the report's `envelope_seconds` / `envelope_source`). `fault_engines`: engines whose fault
@@ -489,6 +557,8 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
 
+    if isinstance(tokens, TokenSource):   # imported dumps' token ids, at most one source (a trace has its own)
+        tokens = resolve_tokens(model, tokens, required=False)
     w = Weights(model)
     identity, config = w.identity(), w.config
     trace_ = candidate if isinstance(candidate, Trace) else load_candidate(candidate, config, identity, tokens)
@@ -576,12 +646,13 @@ class CommitVerdict:
     report: Any = None
 
 
-def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] | None = None, decode: int = 0,
+def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Tokens = None, decode: int = 0,
                options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
                envelope_search: Sequence[str | os.PathLike] | None = None,
                progress: ProgressSink = SILENT) -> CommitVerdict:
     """`git bisect run`'s predicate for the engine registered as `engine`, as installed now (the working tree
-    under bisection): trace it on `tokens` (default: the built-in prompt) + `decode` greedy steps at every position
+    under bisection): trace it on `tokens` (ids or a TokenSource, `plan_run`; none: the built-in prompt) + `decode`
+    greedy steps at every position
     with full vectors, and judge the trace with `check` (its envelope rules, `envelope` / `envelope_search`).
 
     good (0): MATCH or NOISE; bad (1): DEFECT, or the engine raised during its run; skip (125): the engine did not
@@ -589,18 +660,15 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
     every commit (no such model, an unregistered engine name, token ids outside the vocabulary, an unreadable
     envelope) raises ParityError instead: the caller aborts the bisection rather than mark commits."""
     from parity.bisect.inputs import CheckPreflightError
-    from parity.bisect.search import builtin_prompt
     from parity.contract.engine import available_engines
     from parity.contract.errors import ParityError
-    from parity.gguf.weights import Weights
 
     say = progress.note
-    config = Weights(model).config
+    # the model, the token sources and the one token-range check, before any commit is marked
+    ids = list(plan_run(model, tokens, decode=decode, builtin=True).tokens)
     if engine not in available_engines():
         raise ParityError(f"unknown engine {engine!r}; registered: {', '.join(sorted(available_engines()))} "
                           "(entry points are read from the installed metadata, not from the commit)")
-    ids = [int(t) for t in tokens] if tokens is not None else builtin_prompt(config.vocab_size, config.bos_token_id)
-    run_plan(ids, decode, vocab=config.vocab_size)   # the one token-range check, before any commit is marked
     try:
         eng = load_engine(engine, str(model), options or RunOptions())
     except Exception as e:  # any failure to import or construct: this commit cannot be tested
@@ -621,33 +689,36 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Sequence[int] |
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration
 
-def capture_llamacpp(model: str | os.PathLike, tokens: Sequence[int], out: str | os.PathLike, *, decode: int = 0,
+def capture_llamacpp(model: str | os.PathLike, tokens: Tokens, out: str | os.PathLike, *, decode: int = 0,
                      chunk: int | None = None, options: RunOptions | None = None,
                      draft: str | os.PathLike | None = None, mtp_depth: int = 1,
-                     mtp_pairing: str = "prev") -> dict[str, Any]:
+                     mtp_pairing: str = "prev", note: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run llama.cpp (engine `llamacpp`) greedily on `tokens` (+ `decode` steps, prefill in pieces of `chunk`) and
     write its capture file (`parity.tracing.importers`). `draft`: llama.cpp's MTP file; its graph then runs on the
     run's carriers as `trace --engine llamacpp --draft` runs it and the draft checkpoints are stored too
-    (`parity.tracing.capture_draft`). Returns {path, n_tensors, n_draft, tokens, flags, draft}."""
+    (`parity.tracing.capture_draft`). The run is `plan_run`'s of `tokens` (ids or a TokenSource; `note` hears a
+    tokenizer disagreement), `decode` and `chunk`, its ids checked against the engine's vocabulary.
+    Returns {path, n_tensors, n_draft, tokens (prompt + decode), n_prompt, decode, flags, draft}."""
     from parity.contract.errors import ParityError
     from parity.gguf.llamacpp import Capturer
     from parity.tracing.capture_draft import capture_draft_arrays
     from parity.tracing.importers import write_llamacpp_capture
 
+    plan = plan_run(model, tokens, decode=decode, chunk=chunk, check_range=False, note=note)
     options = options or RunOptions(fp8_kv=False, fp4_indexer=False)
     eng = load_engine("llamacpp", str(model), options, draft=None if draft is None else str(draft))
     if not isinstance(eng, Capturer):
         raise ParityError("the registered llamacpp engine offers no capture capability")
     dh = draft_header(eng, mtp_pairing, mtp_depth) if draft is not None else {}
-    plan = run_plan(tokens, decode, chunk=chunk, vocab=eng.config.vocab_size)
-    arrays = eng.capture(list(plan.tokens), chunk_schedule(len(plan.tokens), chunk), decode)
+    check_token_range(plan.tokens, eng.config.vocab_size)
+    arrays = eng.capture(list(plan.tokens), chunk_schedule(len(plan.tokens), plan.chunk), plan.decode)
     n_tensors = len(arrays) - 4
     extra = capture_draft_arrays(eng, dh, arrays) if dh else {}
     meta = {"engine": eng.name, "engine_version": eng.version, "flags": eng.options.flags(),
             "model": model_identity(model), **({"draft": dh} if dh else {})}
     path = write_llamacpp_capture(out, {**arrays, **extra}, meta)
     return {"path": path, "n_tensors": n_tensors, "n_draft": len(extra) // 2, "tokens": arrays["input_ids"].tolist(),
-            "flags": meta["flags"], "draft": dh or None}
+            "n_prompt": len(plan.tokens), "decode": plan.decode, "flags": meta["flags"], "draft": dh or None}
 
 
 def llamacpp_quantizer() -> Any:
@@ -679,12 +750,13 @@ def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_typ
             "problems": list(validate(tensors, w.config).problems)}
 
 
-def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence[str], *, decode: int = 0,
+def arbitrate(model: str | os.PathLike, tokens: Tokens, engines: Sequence[str], *, decode: int = 0,
               chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
               envelope: str | os.PathLike | None = None, progress: ProgressSink = SILENT,
-              check_each: bool = False) -> Any:
-    """Run every engine in `engines` on `tokens` (+ `decode` steps: the first engine's greedy tokens, fed to the
-    others) with the same chunks and QAT simulations, and cluster them per checkpoint -> Arbitration.
+              check_each: bool = False, note: Callable[[str], None] | None = None) -> Any:
+    """Run every engine in `engines` on `tokens` (ids or a TokenSource: `plan_run`; `note` hears a tokenizer
+    disagreement) (+ `decode` steps: the first engine's greedy tokens, fed to the others) with the same chunks and
+    QAT simulations, and cluster them per checkpoint -> Arbitration.
     An engine spelled `NAME+FAULT[+FAULT...]` runs with those faults injected (labelled as spelled).
     Two engines agree where their largest per-position rel-L2 is <= `rel_tol`. `check_each`: each engine's run is
     also recorded as a trace (every position, full vectors) and judged by `check` against `model` (with `envelope`
@@ -704,7 +776,8 @@ def arbitrate(model: str | os.PathLike, tokens: Sequence[int], engines: Sequence
         raise ParityError("an envelope is only the one each `check` uses: pass check_each=True (the engines are "
                           "never judged by K x the envelope's floor)")
     say = progress.note
-    tokens = [int(t) for t in tokens]
+    plan = plan_run(model, tokens, decode=decode, chunk=chunk, note=note)
+    tokens, decode, chunk = list(plan.tokens), plan.decode, plan.chunk
     runs: dict[str, list[ChunkResult]] = {}
     traces: dict[str, Trace] = {}
     forced = None
@@ -745,7 +818,8 @@ def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, kind: str, *, 
     return fit(model, out, kind, layout=layout, seed=seed, steps=steps, depth=depth, quant=quant, log=log)
 
 
-def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torch", draft: str | None = None,
+def spec(model: str | os.PathLike, tokens: Tokens = None, *, engine: str = "torch", draft: str | None = None,
+         candidate: str | os.PathLike | None = None, note: Callable[[str], None] | None = None,
          script: str | None = None, depth: int = 1, steps: int = 32, gate: str = "none", max_draft: int | None = None,
          options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
          progress: ProgressSink = SILENT, trace_out: str | os.PathLike | None = None,
@@ -755,7 +829,9 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     reject-at:I, depth `depth`); plain decodes of the engine and the reference; every round attributed by the
     reference (parity.spec). The tie threshold comes from the envelope (`envelope`, else the stored one of this
     model with these QAT flags, else measured now).
-    `trace_out`: write the run's rounds as a trace of spec records (what `spec_candidate` reads).
+    `trace_out`: write the run's rounds as a trace of spec records (what `spec_candidate` reads). The prompt:
+    `tokens` (ids or a TokenSource, `plan_run`; `note` hears a tokenizer disagreement). `candidate`: a foreign
+    engine's trace with spec records, attributed by `spec_candidate` instead of a run (it gives the prompt).
     Returns a `parity.spec.report.SpecReport`."""
     from dataclasses import replace
 
@@ -764,12 +840,16 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
     from parity.spec.drafts import parse_script
     from parity.spec.report import spec_report
 
+    if candidate is not None:
+        _no_run_with_candidate(tokens)
+        return spec_candidate(model, candidate, draft=draft, envelope=envelope, progress=progress)
     say = progress.note
     options = options or RunOptions()
     if (draft is None) == (script is None):
         raise TraceError("give exactly one of a drafter file (--draft) and scripted drafts (--script)")
     if envelope is not None and not Path(envelope).exists():
         raise TraceError(f"envelope file {envelope} does not exist")
+    tokens = list(plan_run(model, tokens, note=note).tokens)
     the_gate, reject_at = Gate.parse(gate), parse_script(script) if script is not None else None
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     env = _stored_or_measured(model, model_identity(model), engine, options, envelope, progress)
@@ -788,6 +868,13 @@ def spec(model: str | os.PathLike, tokens: Sequence[int], *, engine: str = "torc
 
         save_trace(spec_trace(report, cand), trace_out, "text")
     return report
+
+
+def _no_run_with_candidate(tokens: Tokens) -> None:
+    """With a candidate trace the trace gives the prompt: tokens given too are refused, naming their source."""
+    given = tokens.given() if isinstance(tokens, TokenSource) else ([] if tokens is None else ["tokens"])
+    if given:
+        raise TraceError(f"a candidate trace gives the run's prompt: drop {', '.join(given)}")
 
 
 def spec_candidate(model: str | os.PathLike, candidate: str | os.PathLike, *, draft: str | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from parity.cli.common import echo_json, json_errors, json_option, model_option
+from parity.cli.common import echo_json, json_errors, json_option, model_option, usage_errors, warn
 from parity.compare.verdict import Verdict
 
 
@@ -43,18 +43,19 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
     """
     from parity import api
     from parity.cli.progress import Lines
-    from parity.cli.trace import resolve_tokens
     from parity.compare.arbitration import summary_lines
+    from parity.tracing.plan import TokenSource
 
     if envelope_path is not None and not check_each:
         raise click.UsageError("--envelope needs --check: each engine's run is then judged by `check` (the round-off "
                                "null on this prompt), never by K x the envelope's floor")
-    ids = resolve_tokens(model, tokens, tokens_file, None, None)
     names = list(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
     if len(names) < 2:
         raise click.UsageError(f"--engines: arbitration needs at least two distinct engines, got {names}")
-    report = api.arbitrate(model, ids, names, decode=decode, chunk=chunk, qat_sims=qat_sims, rel_tol=rel_tol,
-                           envelope=envelope_path, progress=Lines(), check_each=check_each)
+    with usage_errors():   # the run plan's errors (token sources, token range) are usage errors
+        report = api.arbitrate(model, TokenSource(tokens, tokens_file), names, decode=decode, chunk=chunk, note=warn,
+                               qat_sims=qat_sims, rel_tol=rel_tol, envelope=envelope_path,
+                               progress=Lines(), check_each=check_each)
     if as_json:
         echo_json(report.to_json() | ({"check": _check_docs(report.checks)} if check_each else {}))
     else:

@@ -141,14 +141,13 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
         raise click.BadParameter(f"{envelope_path} does not exist", param_hint="--envelope")
     check_draft_options(draft)
     workers, ray = pool_args(workers, ray)
-    with usage_errors():
-        plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), follow=follow,
-                            decode=decode, chunk=chunk, default_decode=4, builtin=True, note=warn)
-    report = api.bisect(model, engine=engine, tokens=plan.tokens, decode=plan.decode, chunk=plan.chunk,
-                        options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject), envelope=envelope_path,
-                        routing_replay=routing_replay, progress=_progress(),
-                        draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
-                        ray=ray)
+    source = TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer)
+    with usage_errors():   # the run plan's errors (token sources, --follow) are usage errors
+        report = api.bisect(model, engine=engine, tokens=source, follow=follow, decode=decode, chunk=chunk, note=warn,
+                            options=_options(dtype, device, no_fp8_kv, no_fp4_indexer, inject),
+                            envelope=envelope_path, routing_replay=routing_replay, progress=_progress(),
+                            draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, workers=workers,
+                            ray=ray)
     _figures(report, plot, html_path)
     if as_json:
         echo_json(report.to_json())

@@ -56,12 +56,11 @@ def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_
     """
     from parity import api
     from parity.cli.progress import Lines
-    from parity.cli.trace import read_token_list
     from parity.contract.engine import RunOptions
+    from parity.tracing.plan import TokenSource
 
-    try:
-        ids = read_token_list(tokens, "--tokens") if tokens is not None else None
-        result = api.bisect_run(model, engine, tokens=ids, decode=decode,
+    try:   # a token list that does not read is a setup error (a PlanError), as every other one
+        result = api.bisect_run(model, engine, tokens=TokenSource(tokens), decode=decode,
                                 options=RunOptions(engine_args=tuple(engine_arg)), envelope=envelope_path,
                                 progress=Lines())
     except (ParityError, click.ClickException) as e:   # --json: printed as JSON by json_errors, exit kept

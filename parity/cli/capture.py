@@ -59,17 +59,17 @@ def llamacpp(model, tokens, tokens_file, prompt, decode, chunk, kv_cache, engine
     from parity.tracing.plan import TokenSource
 
     check_draft_options(draft)
-    with usage_errors():
-        plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt), decode=decode, chunk=chunk, note=warn)
     options = RunOptions(fp8_kv=False, fp4_indexer=False, kv_cache=kv_cache, engine_args=tuple(engine_arg))
-    info = api.capture_llamacpp(model, plan.tokens, output, decode=plan.decode, chunk=plan.chunk, options=options,
-                                draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing)
+    with usage_errors():   # the run plan's errors (token sources, token range) are usage errors
+        info = api.capture_llamacpp(model, TokenSource(tokens, tokens_file, prompt), output, decode=decode,
+                                    chunk=chunk, options=options, draft=draft, mtp_depth=mtp_depth,
+                                    mtp_pairing=mtp_pairing, note=warn)
     if as_json:
         echo_json({**info, "path": str(info["path"])})
     else:
         drafted = f" + {info['n_draft']} draft checkpoints" if info["draft"] else ""
         click.echo(f"wrote {info['path']}: {info['n_tensors']} tensors{drafted}, {len(info['tokens'])} tokens "
-                   f"({len(plan.tokens)} prompt + {plan.decode} decode); "
+                   f"({info['n_prompt']} prompt + {info['decode']} decode); "
                    f"{', '.join(info['flags'].get('engine_args', []))}")
 
 

@@ -65,15 +65,15 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
     """
     from parity import api
     from parity.cli.progress import Progress
-    from parity.tracing.plan import TokenSource, resolve_tokens
+    from parity.tracing.plan import TokenSource
 
-    with usage_errors():  # imported dumps' token ids (a trace carries its own)
-        ids = resolve_tokens(model, TokenSource(tokens, tokens_file), required=False)
     workers, ray = pool_args(workers, ray)
     bar = Progress()
     try:
-        report = api.check(candidate, model, envelope=envelope_path, tokens=ids, fault_engines=fault_engines,
-                           progress=bar, draft=draft, workers=workers, ray=ray)
+        with usage_errors():  # imported dumps' token ids (a trace carries its own): a bad source is a usage error
+            report = api.check(candidate, model, envelope=envelope_path, tokens=TokenSource(tokens, tokens_file),
+                               fault_engines=fault_engines,
+                               progress=bar, draft=draft, workers=workers, ray=ray)
     except ParityError as e:
         raise Refused(str(e)) from None
     _show(report, as_json, markdown_path, plot, html_path)

@@ -93,17 +93,13 @@ def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_fil
 
     if candidate is not None:
         _candidate_only(click.get_current_context())
+    options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device, inject=tuple(inject))
     bar = Progress()
-    try:
-        if candidate is not None:
-            report = api.spec_candidate(model, candidate, draft=draft, envelope=envelope_path, progress=bar)
-        else:
-            plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), note=warn)
-            options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, device=device,
-                                 inject=tuple(inject))
-            report = api.spec(model, plan.tokens, engine=engine, draft=draft, script=script, depth=depth,
-                              steps=steps, gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
-                              progress=bar, trace_out=trace_out, pairing=pairing)
+    try:   # with --candidate the trace gives the run (api.spec attributes it with spec_candidate)
+        report = api.spec(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), note=warn,
+                          candidate=candidate, engine=engine, draft=draft, script=script, depth=depth, steps=steps,
+                          gate=gate, max_draft=max_draft, options=options, envelope=envelope_path,
+                          progress=bar, trace_out=trace_out, pairing=pairing)
     except ParityError as e:
         raise Refused(str(e)) from None
     finally:

@@ -23,26 +23,6 @@ from parity.cli.common import (
     warn,
 )
 
-
-def read_token_list(text: str, source: str) -> list[int]:
-    """`parity.tracing.plan.read_token_list` with its error as a usage error (for cli/bisect_run.py)."""
-    from parity.tracing.plan import read_token_list as read
-
-    with usage_errors():
-        return read(text, source)
-
-
-def resolve_tokens(model: str, tokens: str | None, tokens_file: str | None, prompt: str | None,
-                   prompt_file: str | None, tokenizer: str = "model") -> list[int]:
-    """Exactly one of the four token sources -> ids (`parity.tracing.plan.resolve_tokens`, its errors as usage
-    errors, a tokenizer note on stderr; for cli/arbitrate.py until it calls `api.plan_run`)."""
-    from parity.tracing.plan import TokenSource
-    from parity.tracing.plan import resolve_tokens as resolve
-
-    with usage_errors():
-        return resolve(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), warn)
-
-
 TRACE_FORMATS = (".trace", ".npz")
 
 
@@ -111,17 +91,15 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
 
     output = _trace_path(output)
     _pairs(draft, subops, follow, positions, dump_logprobs, dump_ctx)
-    with usage_errors():  # the token range is checked against the engine's vocabulary by api.trace
-        plan = api.plan_run(model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer), follow=follow,
-                            decode=decode, chunk=chunk, positions=positions, check_range=False, note=warn)
     options = RunOptions(fp8_kv=not no_fp8_kv, fp4_indexer=not no_fp4_indexer, dtype=dtype, device=device,
                          inject=tuple(inject), act_quant=act_quant, kv_cache=kv_cache, rope_angles=rope_angles,
                          engine_args=tuple(engine_arg))
-    with Progress() as bar:
-        report = api.trace_to_file(engine, model, plan, output, options=options, full=full, top_k=top_k,
-                                   subops=subops, draft=draft, mtp_depth=mtp_depth, mtp_pairing=mtp_pairing,
-                                   dump_logprobs=None if dump_logprobs is None else (dump_logprobs, dump_ctx),
-                                   counter=bar)
+    with usage_errors(), Progress() as bar:   # the plan's errors (and the token range) are usage errors
+        report = api.trace_to_file(engine, model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer),
+                                   output, follow=follow, decode=decode, chunk=chunk, positions=positions, note=warn,
+                                   options=options, full=full, top_k=top_k, subops=subops, draft=draft,
+                                   mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, counter=bar,
+                                   dump_logprobs=None if dump_logprobs is None else (dump_logprobs, dump_ctx))
     if as_json:
         echo_json(report)
         return
@@ -166,26 +144,17 @@ def import_(kind, source, model, tokens, tokens_file, start_pos, top_k, output, 
                (hc_init, hc_attn_post-N, l_last-N, result_norm, result_output)
     Example:   v4parity import ds4 dumps/run -m ds4flash.gguf --tokens-file ids.txt -o ds4.trace
     """
-    from parity.api import model_identity, save_trace
-    from parity.gguf.weights import Weights
-    from parity.tracing.importers import import_ds4, import_llamacpp
+    from parity import api
+    from parity.tracing.plan import TokenSource
 
-    output = _trace_path(output)
-    capture_file = kind == "llama.cpp" and Path(source).is_file()  # a capture carries its input_ids
-    ids = (None if capture_file and tokens is None and tokens_file is None
-           else resolve_tokens(model, tokens, tokens_file, None, None))
-    cfg, ident = Weights(model).config, model_identity(model)
-    if kind == "ds4":
-        t = import_ds4(source, tokens=ids, config=cfg, model=ident, top_k=top_k)
-    else:
-        t = import_llamacpp(source, tokens=ids, config=cfg, model=ident, start_pos=start_pos, top_k=top_k)
-    path = save_trace(t, output)
-    dropped = t.header.flags["import_dropped"]
+    with usage_errors():   # the token sources (none only for a llama.cpp capture file, which carries its ids)
+        done = api.import_trace(kind, source, model, _trace_path(output), tokens=TokenSource(tokens, tokens_file),
+                                start_pos=start_pos, top_k=top_k)
     if as_json:
-        echo_json({"wrote": str(path), "checkpoints": t.header.checkpoints, "positions": t.header.positions,
-                   "dropped": dropped})
+        echo_json(done)
         return
-    click.echo(f"wrote {path}: {len(t.header.checkpoints)} checkpoints x {len(t.header.positions)} position(s)"
+    dropped = done["dropped"]
+    click.echo(f"wrote {done['wrote']}: {len(done['checkpoints'])} checkpoints x {len(done['positions'])} position(s)"
                + (f"; dropped (incomplete): {', '.join(dropped)}" if dropped else ""))
 
 
@@ -200,9 +169,9 @@ def convert(source, dest, as_json) -> None:
     Full vectors are copied to DEST's side file (<stem>.vectors.npz).
     Example: v4parity convert big.trace big.npz
     """
-    from parity.api import load_trace, save_trace
+    from parity import api
 
-    path = save_trace(load_trace(source), _trace_path(dest, "DEST"))
+    path = api.convert(source, _trace_path(dest, "DEST"))
     if as_json:
         echo_json({"wrote": str(path)})
     else:
