@@ -21,7 +21,7 @@ import numpy as np
 from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import block, draft_positions, trace_checkpoints
 from parity.contract.engine import Engine, RunOptions, load_engine
-from parity.contract.errors import TraceError
+from parity.contract.errors import ParityError, TraceError
 from parity.contract.progress import SILENT, Note, ProgressSink
 from parity.tracing.drafts import draft_header, draft_names, draft_records, tapped_layers, trunk_identity
 from parity.tracing.io import read_trace, write_trace
@@ -161,16 +161,16 @@ def trace_to_file(engine: str, model: str | os.PathLike, tokens: RunPlan | Token
                   options: RunOptions | None = None, full: str | Sequence[str] | None = None, top_k: int = 20,
                   subops: bool = False, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
                   mtp_pairing: str = "prev", dump_logprobs: tuple[str | os.PathLike, int] | None = None,
-                  counter: Callable[[str, int, int | None], None] | None = None) -> dict[str, Any]:
+                  progress: ProgressSink = SILENT) -> dict[str, Any]:
     """`v4parity trace`: run `engine` on a plan, write the trace to `output` and, with
     `dump_logprobs` = (path, ctx), a ds4 --dump-logprobs JSON recording that ctx (ds4 semantics: step 0 = the last
-    prompt row, step i = the row after feeding step i-1's token); `counter(stage, done, total)` counts the chunks.
+    prompt row, step i = the row after feeding step i-1's token); `progress.count(stage, done, total)` counts the
+    chunks.
     The plan: `tokens` when it is a RunPlan, else `plan_run` of `tokens` (ids or a TokenSource), `follow`, `decode`,
     `chunk` and `positions` (the token range is checked against the engine's vocabulary by `trace`; `note` hears a
     tokenizer disagreement).
     Returns {wrote, checkpoint_records, positions, tokens, n_prompt, decode[, logprobs: {wrote, steps, top_k, ctx}]}."""
     plan = _plan_of(model, tokens, follow=follow, decode=decode, chunk=chunk, positions=positions, note=note)
-    count = counter or (lambda _s, _d, _t: None)
     n_prompt, rows, done = len(plan.tokens), [], [0]
     total = n_chunks(n_prompt, plan.decode, plan.chunk)
     stage = f"trace {engine}: {n_prompt} tokens + {plan.decode} decode"
@@ -179,9 +179,9 @@ def trace_to_file(engine: str, model: str | os.PathLike, tokens: RunPlan | Token
         if dump_logprobs is not None:
             rows.extend(r.logits[max(0, n_prompt - 1 - r.start_pos):])
         done[0] += 1
-        count(stage, done[0], total)
+        progress.count(stage, done[0], total)
 
-    count(stage, 0, total)
+    progress.count(stage, 0, total)
     t = trace(engine, model, full=full, top_k=top_k, options=options, on_chunk=on_chunk, subops=subops, draft=draft,
               mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, **plan.kwargs())
     if dump_logprobs is not None:  # an older dump never stays beside the new trace (a killed run leaves none)
@@ -305,6 +305,44 @@ def golden(out: str | os.PathLike, echo: Callable[[str], None] = print) -> list[
     return paths
 
 
+DEMO_FAULT = "compress-ratios-u32"  # the paper's root cause 1: the ratio array read with the wrong width
+DEMO_EXPECTED_LAYER = 2             # the first compressed layer of the tiny schedule (0, 0, 4, 128, 4, 128)
+
+
+def demo(out: str | os.PathLike, echo: Callable[[str], None] = print) -> bool:
+    """`v4parity demo` into the directory `out`: synthesize the tiny model, trace reference and torch, diff (agree),
+    trace torch with `DEMO_FAULT`, diff (drift at `DEMO_EXPECTED_LAYER`), plot; the steps and both reports go to
+    `echo`. Returns True when both verdicts are the expected ones."""
+    import time
+
+    from parity.compare.printers import print_report
+    from parity.gguf.synth import synthesize
+
+    t0, out = time.perf_counter(), Path(out)
+    model = synthesize(out / "tiny-f32.gguf", "tiny", "f32", 0)
+    echo(f"[1/5] synthesized {model} (tiny preset: 6 layers, compress ratios 0,0,4,128,4,128)")
+    ref = trace("reference", model, GOLDEN_PROMPT, positions="all", decode=GOLDEN_DECODE)
+    save_trace(ref, out / "reference.trace")
+    echo(f"[2/5] traced the NumPy reference: {len(ref.header.tokens)} tokens -> {out / 'reference.trace'}")
+    run = follow(ref)
+    torch_ok = trace("torch", model, **run)
+    save_trace(torch_ok, out / "torch.trace")
+    echo(f"[3/5] traced the torch engine on the same tokens -> {out / 'torch.trace'}\n")
+    clean = diff(ref, torch_ok)
+    print_report(clean, echo=echo)
+    faulty = trace("torch", model, options=RunOptions(inject=(DEMO_FAULT,)), **run)
+    save_trace(faulty, out / "torch-fault.trace")
+    echo(f"\n[4/5] traced the torch engine with --inject {DEMO_FAULT} -> {out / 'torch-fault.trace'}\n")
+    bad = diff(ref, faulty)
+    print_report(bad, echo=echo)
+    figure = plot(bad, out / "drift.png")
+    echo(f"\n[5/5] drift profile written to {figure}  ({time.perf_counter() - t0:.1f} s total)")
+    ok = bool(clean) and bad.first_drift is not None and bad.first_drift["layer"] == DEMO_EXPECTED_LAYER
+    echo("demo verdict: " + ("OK: the clean engines agree and the fault is located at its first compressed layer "
+                             f"(blk.{DEMO_EXPECTED_LAYER})" if ok else "UNEXPECTED: see the reports above"))
+    return ok
+
+
 def n_chunks(n_prompt: int, decode: int, chunk: int | None) -> int:
     """How many forward chunks a run takes (for progress bars)."""
     return len(chunk_schedule(n_prompt, chunk)) + decode
@@ -335,6 +373,58 @@ def gate(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike 
     from parity.compare.gate import run_gate
 
     return run_gate(*_both_traces(golden, candidate), tolerances, force=force)
+
+
+@dataclass(frozen=True)
+class Compared:
+    """What `compare` and `gate_checked` return: `report` (the DiffReport, or the GateResult), `checked` (`check`'s
+    CheckReport of the candidate against a model; None when none was given) and `figure` (the drift plot's path;
+    None when none was asked for)."""
+
+    report: Any
+    checked: Any = None
+    figure: Path | None = None
+
+
+def compare(a: TraceLike, b: TraceLike, *, force: bool = False, rel_tol: float | None = None,
+            norm_tol: float | None = None, figure: str | os.PathLike | None = None,
+            check_model: str | os.PathLike | None = None, envelope: str | os.PathLike | None = None,
+            progress: ProgressSink = SILENT) -> Compared:
+    """`v4parity diff | plot | report`: `diff` of `a` and `b` (its PreflightError first, before anything runs), the
+    drift plot at `figure` when given, and with `check_model` `check`'s verdict on `b` against that model (`envelope`:
+    the one `check` uses; refused without `check_model`: no judgement by K x the envelope's floor)."""
+    _envelope_needs_model(envelope, check_model)
+    report = diff(a, b, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
+    path = None if figure is None else plot(report, figure)
+    checked = None if check_model is None else check(b, check_model, envelope=envelope, progress=progress)
+    return Compared(report, checked, path)
+
+
+def gate_checked(golden: TraceLike, candidate: TraceLike, tolerances: str | os.PathLike | dict | None = None, *,
+                 force: bool = False, names: tuple[str, str] | None = None,
+                 check_model: str | os.PathLike | None = None, envelope: str | os.PathLike | None = None,
+                 progress: ProgressSink = SILENT) -> Compared:
+    """`v4parity gate`: the GateResult of `candidate` against `golden` (`names`: how its cases name the two; default
+    golden, candidate) and, with `check_model`, `check`'s verdict on the candidate, which then decides
+    (`parity.compare.gate.with_verdict`; the tolerance cases stay as evidence). `envelope` as in `compare`."""
+    from parity.bisect.check_report import headline
+    from parity.compare.gate import run_gate, with_verdict
+
+    _envelope_needs_model(envelope, check_model)
+    result = run_gate(*_both_traces(golden, candidate), tolerances, force=force, names=names or ("golden", "candidate"))
+    if check_model is None:
+        return Compared(result)
+    checked = check(candidate, check_model, envelope=envelope, progress=progress)
+    return Compared(with_verdict(result, checked.verdict, headline(checked)), checked)
+
+
+def _envelope_needs_model(envelope: str | os.PathLike | None, check_model: str | os.PathLike | None) -> None:
+    """An envelope only chooses the one `check` uses: without a model to check against it is refused."""
+    if envelope is not None and check_model is None:
+        from parity.contract.errors import ParityError
+
+        raise ParityError("an envelope is only the one `check` uses: give check_model (the verdict is check's "
+                          "round-off null on the candidate's own prompt, never K x the envelope's floor)")
 
 
 def export(t: TraceLike, out: str | os.PathLike) -> Path:
@@ -733,16 +823,24 @@ def llamacpp_quantizer() -> Any:
     return cls
 
 
+class UnknownFileTypeError(ParityError):
+    """A llama.cpp file type the quantizer does not offer (the message lists the ones it does): a usage error."""
+
+
 def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_type: str, *,
                       threads: int | None = None) -> dict[str, Any]:
     """Quantize `model` to `out` with llama.cpp's own quantizer (`llama_model_quantize`, default parameters) at
     llama.cpp file type `file_type` (`Q4_K_M`, `MXFP4_MOE`, ...; `llamacpp_quantizer().file_types()` lists
-    them). Returns {path, file_type, ftype, seconds, bytes, type_mix, problems} (problems: the written file's
-    contract problems, `parity.gguf.inventory.validate`)."""
+    them; another name is refused with UnknownFileTypeError, listing them). Returns {path, file_type, ftype, seconds,
+    bytes, type_mix, problems} (problems: the written file's contract problems, `parity.gguf.inventory.validate`)."""
     from parity.gguf.inventory import type_mix, validate
     from parity.gguf.weights import Weights
 
-    info = llamacpp_quantizer().quantize(str(model), str(out), file_type, threads)
+    quantizer = llamacpp_quantizer()
+    types = quantizer.file_types()
+    if file_type not in types:
+        raise UnknownFileTypeError(f"unknown --type {file_type!r}; valid: {', '.join(types)}")
+    info = quantizer.quantize(str(model), str(out), file_type, threads)
     w = Weights(info["path"])
     tensors = w.tensor_infos()
     return {"path": Path(info["path"]), "file_type": info["file_type"], "ftype": info["ftype"],

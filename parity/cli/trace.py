@@ -98,7 +98,7 @@ def trace(engine, model, tokens, tokens_file, prompt, prompt_file, tokenizer, fo
         report = api.trace_to_file(engine, model, TokenSource(tokens, tokens_file, prompt, prompt_file, tokenizer),
                                    output, follow=follow, decode=decode, chunk=chunk, positions=positions, note=warn,
                                    options=options, full=full, top_k=top_k, subops=subops, draft=draft,
-                                   mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, counter=bar,
+                                   mtp_depth=mtp_depth, mtp_pairing=mtp_pairing, progress=bar,
                                    dump_logprobs=None if dump_logprobs is None else (dump_logprobs, dump_ctx))
     if as_json:
         echo_json(report)
