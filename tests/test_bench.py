@@ -240,11 +240,13 @@ def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> Non
     """The smallest verdict plan end to end: a clean torch run and a faulty one on tiny F32, judged from files;
     the JSON has every row field, and the aggregates are those of the rows."""
     from parity.bench import verdicts
+    from parity.contract.progress import Recording
 
     plan = verdicts.VerdictPlan(torch_lengths={40: 1}, torch_models=("f32",), llamacpp_types=(),
                                 faults=("no-decode-compression",), fault_prompts=1, fault_qat=(True,), decode=4)
-    lines: list[str] = []
-    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path / "scratch", lines.append)
+    rec = Recording()
+    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path / "scratch", rec)
+    lines = rec.notes
     js, md = verdicts.write_verdicts(result, tmp_path / "out")
     def no_constants(name: str) -> None:
         raise AssertionError(f"non-strict JSON constant {name}")

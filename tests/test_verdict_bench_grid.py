@@ -4,6 +4,7 @@ result are taken from it instead of running again (issue 22, P5)."""
 from __future__ import annotations
 
 from parity.bench import verdicts
+from parity.contract.progress import Recording
 
 
 def test_default_plan_injects_every_fault_into_both_tiny_models_with_qat_on_and_off():
@@ -28,9 +29,9 @@ def test_cells_of_an_earlier_result_are_not_run_again(tiny_f32, tmp_path):
     for r in earlier:
         verdicts._judge(r)
     earlier[0].pop("subops")         # a row written before `subops` existed is the same cell as subops=False
-    logged, new = [], []
-    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path, logged.append, done=earlier, on_row=new.append)
-    assert [r["marker"] for r in result["rows"]] == list(range(len(tasks))) and not logged and not new
+    logged, new = Recording(), []
+    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path, logged, done=earlier, on_row=new.append)
+    assert [r["marker"] for r in result["rows"]] == list(range(len(tasks))) and not logged.calls and not new
     assert verdicts.task_key(earlier[0]) == verdicts.task_key(tasks[0])
     assert verdicts.task_key({**tasks[0], "seed": 99}) != verdicts.task_key(tasks[0])
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, Note, ProgressSink
 
 BENCH_VERSION = 1            # part of the cached file names: bump when synth_real's output changes
 DEQUANT_VALUES = 1 << 23     # 8 M values per type = one 2048 x 4096 routed expert
@@ -476,7 +477,7 @@ def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str
 # Orchestration
 
 
-def bench_models(cache_dir: Path, quick: bool, log: Callable[[str], None]) -> dict[str, Path]:
+def bench_models(cache_dir: Path, quick: bool, log: Note) -> dict[str, Path]:
     """The benchmark GGUFs, written once and cached: real-dimension 1- and 2-layer files (quick: tiny synth)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     if quick:
@@ -522,7 +523,7 @@ TINY_PLAN = {"lengths": {24: 3}, "decode_steps": 3}  # peers: the tiny model, ev
 
 
 def bench_tiny(cache_dir: Path, engines: tuple[str, ...], torch_threads: int | None,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Note) -> dict[str, Any]:
     """Every engine (ours and the peers llama.cpp / transformers) on the tiny F32 model with the QAT simulations
     off (the peers omit them), one worker process each: prefill 24 tokens and decode steps."""
     from parity.contract.engine import RunOptions
@@ -566,12 +567,13 @@ def merge_workers(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = None,
-              log: Callable[[str], None] = print, peers: tuple[str, ...] = ()) -> dict[str, Any]:
-    """All measurements of `v4parity bench`; returns the report (also the JSON written by the command)."""
+              progress: ProgressSink = SILENT, peers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """All measurements of `v4parity bench` (each stage announced through `progress.note`); returns the report (also
+    the JSON written by the command, `parity.bench.reports.PerfReport`)."""
     from parity.contract.cpus import usable_cpus
     from parity.contract.engine import RunOptions
 
-    t0 = time.perf_counter()
+    t0, log = time.perf_counter(), progress.note
     # torch's intra-op threads, always set for the worker (an inherited OMP_NUM_THREADS=1 would otherwise decide)
     torch_threads = torch_threads or usable_cpus()
     report: dict[str, Any] = {"bench_version": BENCH_VERSION, "quick": quick, "device": device,

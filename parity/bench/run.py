@@ -5,12 +5,12 @@ write OUT/bench.json, bench.md, verdicts.json, verdicts.md; the CLI only prints 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from parity.bench.reports import PerfReport, VerdictsReport
 from parity.contract.errors import ParityError
+from parity.contract.progress import SILENT, ProgressSink
 
 ENGINES = ("reference", "torch")
 
@@ -60,9 +60,10 @@ def bench_choices(engines: str, peers: str, torch_threads: int) -> tuple[tuple[s
 
 def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str, quick: bool, engines: str,
                       peers: str, torch_threads: int, verdicts: bool, verdicts_only: bool,
-                      log: Callable[[str], None], verdict_log: Callable[[str], None]) -> BenchRun:
-    """Everything `v4parity bench` does but print: the performance tables unless `verdicts_only` (progress to
-    `log`), the verdict benchmark when `verdicts` or `verdicts_only` (progress to `verdict_log`)."""
+                      progress: ProgressSink = SILENT, verdict_progress: ProgressSink = SILENT) -> BenchRun:
+    """Everything `v4parity bench` does but print: the performance tables unless `verdicts_only` (stages through
+    `progress`), the verdict benchmark when `verdicts` or `verdicts_only` (stages through `verdict_progress`; the
+    command prints the two differently)."""
     from parity.bench.measure import render_markdown, run_bench
     from parity.contract.files import atomic_write_text
 
@@ -73,7 +74,7 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
     report = table = None
     files: list[Path] = []
     if not verdicts_only:
-        report = PerfReport.from_dict(run_bench(cache, device, quick, chosen, torch_threads or None, log=log,
+        report = PerfReport.from_dict(run_bench(cache, device, quick, chosen, torch_threads or None, progress,
                                                 peers=peer_names))
         atomic_write_text(out / "bench.json", json.dumps(report.to_dict(), indent=2, allow_nan=False))
         table = render_markdown(report)
@@ -81,13 +82,13 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
         files += [out / "bench.json", out / "bench.md"]
     verdict_report = markdown = None
     if verdicts or verdicts_only:
-        verdict_report, markdown, written = _verdicts(cache, quick, out, verdict_log)
+        verdict_report, markdown, written = _verdicts(cache, quick, out, verdict_progress)
         files += written
     return BenchRun(report, table, verdict_report, markdown, tuple(files))
 
 
 def _verdicts(cache_dir: Path, quick: bool, out: Path,
-              log: Callable[[str], None]) -> tuple[VerdictsReport, str, list[Path]]:
+              progress: ProgressSink) -> tuple[VerdictsReport, str, list[Path]]:
     """The verdict benchmark (parity.bench.verdicts): runs it, writes OUT/verdicts.json and verdicts.md; returns
     (its report, its Markdown tables, the two paths)."""
     import tempfile
@@ -95,9 +96,9 @@ def _verdicts(cache_dir: Path, quick: bool, out: Path,
     from parity.bench.verdicts import PLANS, render_verdicts_markdown, run_verdicts, verdict_models, write_verdicts
 
     plan = PLANS["quick" if quick else "default"]
-    models = verdict_models(cache_dir / "verdicts", plan, log)
+    models = verdict_models(cache_dir / "verdicts", plan, progress.note)
     with tempfile.TemporaryDirectory(prefix="v4parity-verdicts-") as scratch:
-        result = run_verdicts(models, plan, Path(scratch), log)
+        result = run_verdicts(models, plan, Path(scratch), progress)
     result["plan_name"] = "quick" if quick else "default"
     js, md = write_verdicts(result, out)
     return VerdictsReport.from_dict(result), render_verdicts_markdown(result), [Path(js), Path(md)]

@@ -33,6 +33,7 @@ from typing import Any
 
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_text
+from parity.contract.progress import SILENT, Note, Notes, ProgressSink
 
 PROMPT_STREAM = 3                         # seeded_prompts stream of the benchmark prompts (the fit uses 1 and 2)
 CORRECT = ("ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED")   # the only labels a correct engine may get (sims off)
@@ -69,7 +70,7 @@ def parse_head(head: str) -> tuple[str, int]:
 
 
 def fit_drafters(trunk: Path, out_dir: Path, plan: SpecBenchPlan, prompts: Sequence[Sequence[int]],
-                 say: Callable[[str], None]) -> dict[str, Any]:
+                 say: Note) -> dict[str, Any]:
     """One fitted drafter per kind the heads need (MTP to the largest depth), on `prompts`' greedy continuations
     of `plan.steps` tokens; kind -> {path, steps, agreement, counted, seconds} (kept beside the file as
     fitted-KIND.json; `plan.reuse_fits`: a kept fit of the same prompts, steps and seed is reused)."""
@@ -140,12 +141,13 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "seconds": sum(r["seconds"] for r in rows)}
 
 
-def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, say: Callable[[str], None] = lambda _m: None,
+def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: ProgressSink = SILENT,
                    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
                    envelope: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
     """Fit the drafters, run the grid, aggregate. `trunk`: the tiny F32 GGUF; `work`: where the fitted drafters go;
-    `on_row(rows)` after every run (e.g. to keep partial results); `envelope(engine, options)` gives the tie
-    threshold's envelope (None: measured now, `parity.api.measure_envelope`, as `spec` does when none is stored)."""
+    `progress.note` announces the fits and every run; `on_row(rows)` after every run (e.g. to keep partial results);
+    `envelope(engine, options)` gives the tie threshold's envelope (None: measured now,
+    `parity.api.measure_envelope`, as `spec` does when none is stored)."""
     from parity.api import measure_envelope
     from parity.contract.engine import RunOptions, engine_class
     from parity.gguf.weights import Weights
@@ -158,6 +160,7 @@ def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, say: Callable[[
     prompts = [[int(t) for t in p] for p in seeded_prompts(plan.seed, plan.prompts, plan.prompt_len,
                                                                Weights(trunk).config.vocab_size, PROMPT_STREAM)]
     fit_on = prompts[: plan.fit_prompts] if plan.fit_prompts is not None else prompts
+    say = progress.note
     fits = fit_drafters(trunk, work, plan, fit_on, say)
     rows, envelopes = [], {}
     for sims in plan.sims:
@@ -272,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "spec_acceptance.partial.json"
-    result = run_spec_bench(trunk, work, plan, say=lambda m: print(m, file=sys.stderr, flush=True),
+    result = run_spec_bench(trunk, work, plan, progress=Notes(lambda m: print(m, file=sys.stderr, flush=True)),
                             on_row=lambda rows: atomic_write_text(partial, json.dumps(rows, default=str)))
     _, md = write_spec_bench(out, result)
     print(md.read_text())

@@ -17,7 +17,6 @@ import json
 import math
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.compare.verdict import Verdict
+from parity.contract.progress import SILENT, Note, ProgressSink
 
 if TYPE_CHECKING:
     from parity.contract.engine import RunOptions
@@ -94,7 +94,7 @@ def prompt(n: int, seed: int, vocab_size: int, bos: int) -> list[int]:
     return [int(bos)] + [int(x) for x in rng.integers(2, vocab_size, n - 1)]
 
 
-def verdict_models(cache_dir: Path, plan: VerdictPlan, log: Callable[[str], None]) -> dict[str, Path]:
+def verdict_models(cache_dir: Path, plan: VerdictPlan, log: Note) -> dict[str, Path]:
     """The tiny models the plan needs, written once into cache_dir: 'f32', 'real-mix' and one llama.cpp
     quantization of the F32 file per file type (keys 'lcp-<TYPE>')."""
     from parity import api
@@ -222,13 +222,13 @@ def _judge(row: dict[str, Any]) -> None:
 
 
 def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
-                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                 progress: ProgressSink = SILENT,
                  done: Sequence[dict[str, Any]] = (),
                  on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the plan: trace (or capture) each candidate into `scratch`, judge it with `parity.api.check` from the
-    file, one progress line per run on `log`. `done`: rows of an earlier result (its "rows"); a run of the plan with
-    the same `task_key` as one of them is taken from there, not run again. `on_row(row)` is called after each new
-    run (to keep partial results). Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
+    file, one progress line per run through `progress.note`. `done`: rows of an earlier result (its "rows"); a run
+    of the plan with the same `task_key` as one of them is taken from there, not run again. `on_row(row)` is called
+    after each new run (to keep partial results). Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
     from parity.contract.engine import engine_faults
     from parity.gguf.weights import Weights
 
@@ -252,7 +252,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
         if on_row is not None:
             on_row(row)
         eta = (time.perf_counter() - t0) / ran * (todo - ran)
-        log(f"[{ran}/{todo}] {_progress(task, row, plan)}; ETA {eta / 60:.1f} min")
+        progress.note(f"[{ran}/{todo}] {_progress(task, row, plan)}; ETA {eta / 60:.1f} min")
     return {"alpha": ALPHA, "twins": N_TWINS, "plan": _plan_json(plan, faults), "rows": rows,
             "summary": summarize(rows), "wall_s": time.perf_counter() - t0}
 

@@ -50,12 +50,13 @@ def bench(device: str, out_dir: str, cache_dir: str, engines: str, peers: str, t
     from rich.markdown import Markdown
 
     from parity.bench.run import run_bench_command
+    from parity.contract.progress import Notes
 
     console = Console(stderr=True)
     run = run_bench_command(cache_dir, out_dir, device=device, quick=quick, engines=engines, peers=peers,
                             torch_threads=torch_threads, verdicts=verdicts, verdicts_only=verdicts_only,
-                            log=lambda m: console.print(f"[dim]{m}[/dim]"),
-                            verdict_log=lambda m: console.print(m, markup=False, highlight=False))
+                            progress=Notes(lambda m: console.print(f"[dim]{m}[/dim]")),
+                            verdict_progress=Notes(lambda m: console.print(m, markup=False, highlight=False)))
     if as_json:
         verdicts = None if run.verdicts is None else run.verdicts.to_dict()
         echo_json(verdicts if run.report is None else

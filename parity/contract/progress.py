@@ -7,8 +7,9 @@ one `progress` object and reports through two methods:
 - `count(stage, done, total)`: `done` of `total` units of `stage` finished (`total` None: unknown).
 
 `SILENT` (the default everywhere) drops both; `parity.cli.progress.Progress` prints them (a bar on a terminal,
-timed lines in a log); `Recording` keeps every call in order (tests, or a caller that prints later). The API never
-prints: the command that wants output passes a printer.
+timed lines in a log); `Recording` keeps every call in order (tests, or a caller that prints later); `Notes(show)`
+hands the notes to a one-message printer (scripts, stage-only commands). The API never prints: the command that
+wants output passes a printer.
 """
 
 from __future__ import annotations
@@ -65,3 +66,18 @@ class Recording:
     def notes(self) -> list[str]:
         """The stage messages, in order."""
         return [c[1] for c in self.calls if c[0] == "note"]
+
+
+class Notes:
+    """The protocol over a one-message printer: `note(message)` calls `show(message)`; counts are not shown (for
+    the commands and scripts that print stage lines only, each in its own style)."""
+
+    def __init__(self, show: Note) -> None:
+        self.show = show
+
+    def note(self, message: str) -> None:
+        """`show(message)`."""
+        self.show(message)
+
+    def count(self, stage: str, done: int, total: int | None) -> None:
+        """Not shown."""

@@ -1,0 +1,75 @@
+"""`parity.bench.reports` (issue 26.3): `v4parity bench`'s sections as frozen typed reports. bench.json and the
+Markdown table stay what the dict-based run wrote (the expected bytes are the old code's spelling, computed here),
+the command's stage notes go through the progress protocol, and a document with a missing or unknown key is
+refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_bench import _worker
+
+from parity.bench import measure
+from parity.bench.reports import PerfReport, VerdictsReport
+from parity.bench.run import run_bench_command
+from parity.compare.jsonvalues import json_safe
+from parity.contract.errors import ParityError
+from parity.contract.progress import Recording
+
+
+def _document() -> dict:
+    """A complete bench.json document in the order `run_bench` builds it (values hand-made; one inf)."""
+    return {
+        "bench_version": 3, "quick": True, "device": "cpu", "torch_threads": 2,
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
+                    "load_avg_start": [0.5, 0, 0]},
+        "models": {"2layer": {"path": "/tmp/m2.gguf", "gib": 1.5}},
+        "dequant_load": 0.5,
+        "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
+                     "torch_mvs": 50.0, "reference_speedup": 6.0, "torch_speedup": float("inf"),
+                     "reference_exact": True, "torch_exact": False, "reference_mvs_2t": 900.0, "torch_mvs_2t": 90.0}],
+        "dequant_load_end": 0.7,
+        "trace_diff": {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716},
+        "engines": {"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "usable_cpus": 2},
+                    "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]),
+                    "reference_1layer_memory": _worker("reference", [4], [3.0], [0.5])},
+        "wall_s": 100.0, "load_end": 0.9,
+    }
+
+
+def test_bench_json_and_table_are_unchanged_and_the_report_is_frozen(tmp_path, monkeypatch):
+    doc = _document()
+
+    def fake_run_bench(cache, device, quick, engines, threads, progress, peers=()):
+        progress.note("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
+        return doc
+
+    monkeypatch.setattr(measure, "run_bench", fake_run_bench)
+    rec = Recording()
+    run = run_bench_command(tmp_path / "cache", tmp_path / "out", device="cpu", quick=True, engines="reference",
+                            peers="", torch_threads=0, verdicts=False, verdicts_only=False, progress=rec)
+    old_json = json.dumps(json_safe(doc), indent=2, allow_nan=False)      # what the dict-based run wrote
+    assert (tmp_path / "out" / "bench.json").read_text() == old_json
+    assert run.table == measure.render_markdown(doc) == (tmp_path / "out" / "bench.md").read_text()
+    assert isinstance(run.report, PerfReport) and run.verdicts is None
+    assert list(run.report.to_dict()) == list(doc) and run.report.to_dict()["dequant"][0]["torch_speedup"] == "inf"
+    assert "tiny_engines" not in run.report and run.report.get("tiny_engines", {}) == {}
+    with pytest.raises(KeyError):
+        run.report["tiny_engines"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.report.wall_s = 0.0  # type: ignore[misc]
+    assert rec.calls == [("note", "dequantizer throughput (reference NumPy / torch / gguf.quants) ...")]
+
+
+def test_a_document_with_a_missing_or_unknown_key_is_refused_by_name():
+    doc = _document()
+    del doc["wall_s"]
+    named = r"PerfReport: unknown key\(s\) \['walltime'\], missing key\(s\) \['wall_s'\]"
+    with pytest.raises(ParityError, match=named):
+        PerfReport.from_dict({**doc, "walltime": 1.0})
+    verdicts = {"alpha": 0.05, "twins": 19, "plan": {}, "rows": [], "summary": {}, "wall_s": 1.0}
+    with pytest.raises(ParityError, match=r"missing key\(s\) \['plan_name'\]"):
+        VerdictsReport.from_dict(verdicts)
+    assert VerdictsReport.from_dict({**verdicts, "plan_name": "quick"}).to_dict() == {**verdicts, "plan_name": "quick"}
