@@ -157,7 +157,7 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
 
 def trace_to_file(engine: str, model: str | os.PathLike, tokens: RunPlan | Tokens, output: str | os.PathLike, *,
                   follow: TraceLike | None = None, decode: int | None = None, chunk: int | None = None,
-                  positions: str | Sequence[int] | None = None, note: Callable[[str], None] | None = None,
+                  positions: str | Sequence[int] | None = None, note: Note | None = None,
                   options: RunOptions | None = None, full: str | Sequence[str] | None = None, top_k: int = 20,
                   subops: bool = False, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
                   mtp_pairing: str = "prev", dump_logprobs: tuple[str | os.PathLike, int] | None = None,
@@ -244,7 +244,7 @@ def _check_traceable(plan: RunPlan, dh: dict, dnames: Sequence[str], subops: boo
 def plan_run(model: str | os.PathLike, source: Tokens = None, *, follow: TraceLike | None = None,
              decode: int | None = None, chunk: int | None = None, positions: str | Sequence[int] | None = None,
              default_decode: int = 0, builtin: bool = False, check_range: bool = True,
-             note: Callable[[str], None] | None = None) -> RunPlan:
+             note: Note | None = None) -> RunPlan:
     """The frozen plan of a command's run: with `follow` (a trace or its path) the followed run, and then no token
     source, `decode`, `chunk` or `positions` may be given (refused by flag name); else the tokens of `source`
     (token ids, or a `TokenSource`: exactly one of its sources; with `builtin`, none means the built-in prompt of
@@ -528,7 +528,7 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
 
 def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Tokens = None,
            decode: int | None = None, chunk: int | None = None, follow: TraceLike | None = None,
-           note: Callable[[str], None] | None = None, options: RunOptions | None = None,
+           note: Note | None = None, options: RunOptions | None = None,
            envelope: str | os.PathLike | None = None, routing_replay: bool = False,
            progress: ProgressSink = SILENT, draft: str | os.PathLike | None = None, mtp_depth: int = 1,
            mtp_pairing: str = "prev", workers: int = 1, ray: str | None = None) -> Any:
@@ -782,7 +782,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Tokens = None, 
 def capture_llamacpp(model: str | os.PathLike, tokens: Tokens, out: str | os.PathLike, *, decode: int = 0,
                      chunk: int | None = None, options: RunOptions | None = None,
                      draft: str | os.PathLike | None = None, mtp_depth: int = 1,
-                     mtp_pairing: str = "prev", note: Callable[[str], None] | None = None) -> dict[str, Any]:
+                     mtp_pairing: str = "prev", note: Note | None = None) -> dict[str, Any]:
     """Run llama.cpp (engine `llamacpp`) greedily on `tokens` (+ `decode` steps, prefill in pieces of `chunk`) and
     write its capture file (`parity.tracing.importers`). `draft`: llama.cpp's MTP file; its graph then runs on the
     run's carriers as `trace --engine llamacpp --draft` runs it and the draft checkpoints are stored too
@@ -851,7 +851,7 @@ def quantize_llamacpp(model: str | os.PathLike, out: str | os.PathLike, file_typ
 def arbitrate(model: str | os.PathLike, tokens: Tokens, engines: Sequence[str], *, decode: int = 0,
               chunk: int | None = None, qat_sims: bool = False, rel_tol: float = 1e-4,
               envelope: str | os.PathLike | None = None, progress: ProgressSink = SILENT,
-              check_each: bool = False, note: Callable[[str], None] | None = None) -> Any:
+              check_each: bool = False, note: Note | None = None) -> Any:
     """Run every engine in `engines` on `tokens` (ids or a TokenSource: `plan_run`; `note` hears a tokenizer
     disagreement) (+ `decode` steps: the first engine's greedy tokens, fed to the others) with the same chunks and
     QAT simulations, and cluster them per checkpoint -> Arbitration.
@@ -917,7 +917,7 @@ def fit_drafter(model: str | os.PathLike, out: str | os.PathLike, kind: str, *, 
 
 
 def spec(model: str | os.PathLike, tokens: Tokens = None, *, engine: str = "torch", draft: str | None = None,
-         candidate: str | os.PathLike | None = None, note: Callable[[str], None] | None = None,
+         candidate: str | os.PathLike | None = None, note: Note | None = None,
          script: str | None = None, depth: int = 1, steps: int = 32, gate: str = "none", max_draft: int | None = None,
          options: RunOptions | None = None, envelope: str | os.PathLike | None = None,
          progress: ProgressSink = SILENT, trace_out: str | os.PathLike | None = None,

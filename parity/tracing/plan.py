@@ -9,12 +9,13 @@ command's options; `parity.api.trace` validates its own arguments through `run_p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from parity.contract.errors import TraceError
+from parity.contract.progress import Note
 from parity.tracing.recorder import resolve_positions
 from parity.tracing.records import TraceHeader
 from parity.tracing.runner import chunk_schedule
@@ -132,7 +133,7 @@ def read_prompt_file(path: str) -> str:
         raise PlanError(f"{path} is not UTF-8 (byte {e.start})") from None
 
 
-def resolve_tokens(model: str | Path, source: TokenSource, note: Callable[[str], None] | None = None,
+def resolve_tokens(model: str | Path, source: TokenSource, note: Note | None = None,
                    required: bool = True) -> list[int] | None:
     """Exactly one source (at most one when not `required`: None for none) -> ids. When the model's and ds4's
     tokenizers disagree on a prompt, `note` hears one line saying so."""
