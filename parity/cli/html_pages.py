@@ -6,9 +6,13 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Any
 
 from parity.compare.html import Section, esc, image, preformatted, table, write_html
+
+if TYPE_CHECKING:
+    from parity.validate.result import ValidateReport
 from parity.compare.verdict import BisectVerdict, CauseKind, RowStatus, Verdict
 
 
@@ -50,14 +54,14 @@ def bisect_page(path: str, report: Any) -> Path:
                       sections)
 
 
-def validate_page(path: str, report: dict, out_dir: Path) -> Path:
-    """`validate`: pass/fail with the findings, the Markdown report as text, the plot written to the run dir."""
-    from parity.validate.report import NO_BUDGET, render_markdown
+def validate_page(path: str, report: ValidateReport) -> Path:
+    """`validate`: pass/fail with the findings, the Markdown report as text, the per-step figure, all from the
+    report (`parity.validate.report`'s printers; nothing is read back from the run directory)."""
+    from parity.compare.html import plot_png
+    from parity.validate.report import NO_BUDGET, plot_report, render_markdown
 
-    judged = "every budget bound and pin holds" if report["budget"] else NO_BUDGET
-    verdict = judged if report["passed"] else "; ".join(report["findings"])
-    sections = [Section("Report", preformatted(render_markdown(report)))]
-    png = out_dir / "validate.png"
-    if png.exists():
-        sections.append(Section("Per step", image(png.read_bytes(), "validation plot")))
-    return write_html(path, "v4parity validate", verdict, bool(report["passed"]), sections)
+    judged = "every budget bound and pin holds" if report.budget else NO_BUDGET
+    verdict = judged if report.passed else "; ".join(report.findings)
+    sections = [Section("Report", preformatted(render_markdown(report))),
+                Section("Per step", image(plot_png(plot_report, report), "validation plot"))]
+    return write_html(path, "v4parity validate", verdict, report.passed, sections)

@@ -106,7 +106,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     if html_path:
         from parity.cli.html_pages import validate_page
 
-        validate_page(html_path, report, out)
+        validate_page(html_path, report)
     if as_json:
         click.echo(to_json_text(report), nl=False)
     else:
