@@ -28,12 +28,14 @@ check_opt = click.option("--check-model", "check_model", type=click.Path(exists=
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
-def _diff(a, b, force, rel_tol, norm_tol, as_json=False):
+def _compare(a: str, b: str, as_json: bool, **options: object) -> object:
+    """`parity.api.compare` of A and B with `options` (the diff's, --plot's figure, --check-model's check); two
+    traces that cannot be compared exit 2, naming both (`_preflight_exit`)."""
     from parity import api
     from parity.compare.differ import PreflightError
 
     try:
-        return api.diff(a, b, force=force, rel_tol=rel_tol, norm_tol=norm_tol)
+        return api.compare(a, b, **options)
     except PreflightError as e:
         _preflight_exit(e, as_json, a, b)
 
@@ -81,17 +83,19 @@ def diff(a, b, force, rel_tol, norm_tol, wide, as_json, markdown_path, html_path
     Example: v4parity diff ref.trace torch.trace --markdown diff.md
     Example: v4parity diff ref.trace torch.trace --check-model tiny-f32.gguf
     """
+    from parity.cli.progress import Progress
     from parity.compare.printers import check_hint, print_report, to_markdown, worst_rows
 
     _envelope_needs_model(envelope_path, check_model)
-    report = _diff(a, b, force, rel_tol, norm_tol, as_json)
+    done = _compare(a, b, as_json, force=force, rel_tol=rel_tol, norm_tol=norm_tol, check_model=check_model,
+                    envelope=envelope_path, progress=Progress())
+    report, checked = done.report, done.checked
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
     if html_path:
         from parity.compare.html import write_report
 
         write_report(html_path, report)
-    checked = _check(b, check_model, envelope_path)
     if as_json:
         echo_json({**report.to_dict(), "worst": worst_rows(report)} | _check_dict(checked))
     elif markdown_path != "-":
@@ -119,12 +123,10 @@ def plot(a, b, output, force, rel_tol, norm_tol, as_json) -> None:
 
     Example: v4parity plot ref.trace torch.trace -o drift.png
     """
-    from parity import api
     from parity.compare.printers import check_hint, verdict_line
 
-    output = _plot_path(output)
-    report = _diff(a, b, force, rel_tol, norm_tol, as_json)
-    path = api.plot(report, output)
+    done = _compare(a, b, as_json, force=force, rel_tol=rel_tol, norm_tol=norm_tol, figure=_plot_path(output))
+    report, path = done.report, done.figure
     if as_json:
         echo_json({"wrote": str(path), "agree": bool(report), "verdict": verdict_line(report)})
     else:
@@ -154,7 +156,7 @@ def report(a, b, output, force, rel_tol, norm_tol, as_json, no_fail) -> None:
     from parity.compare.html import write_report
     from parity.compare.printers import check_hint, verdict_line
 
-    rep = _diff(a, b, force, rel_tol, norm_tol, as_json)
+    rep = _compare(a, b, as_json, force=force, rel_tol=rel_tol, norm_tol=norm_tol).report
     path = write_report(output, rep)
     if as_json:
         echo_json({"wrote": str(path), "agree": bool(rep), "verdict": verdict_line(rep)})
@@ -184,21 +186,18 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --junit gate.xml
     Example: v4parity gate --golden traces/tiny-f32.trace --candidate my.trace --check-model tiny-f32.gguf
     """
-    from parity.api import load_trace
+    from parity import api
+    from parity.cli.progress import Progress
     from parity.compare import gate as g
     from parity.compare.differ import PreflightError
 
     _envelope_needs_model(envelope_path, check_model)
-    try:
-        result = g.run_gate(load_trace(golden), load_trace(candidate), tolerances, force=force,
-                            names=(golden, candidate))
+    try:   # with --check-model, check's verdict decides (api.gate_checked)
+        done = api.gate_checked(golden, candidate, tolerances, force=force, names=(golden, candidate),
+                                check_model=check_model, envelope=envelope_path, progress=Progress())
     except PreflightError as e:
         _preflight_exit(e, as_json, golden, candidate)
-    checked = _check(candidate, check_model, envelope_path)
-    if checked is not None:
-        from parity.bisect.check_report import headline
-
-        result = g.with_verdict(result, checked.verdict, headline(checked))
+    result, checked = done.report, done.checked
     md = g.markdown(result)
     if junit:
         atomic_write_text(junit, g.junit_xml(result))
@@ -209,17 +208,6 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
     elif markdown_path != "-":
         click.echo(md)
     raise SystemExit(0 if result.passed else 1)
-
-
-def _check(candidate, model, envelope_path):
-    """`check`'s report for the candidate trace against `model` (progress on stderr), or None without a model."""
-    if model is None:
-        return None
-    from parity import api
-    from parity.cli.progress import Progress
-
-    bar = Progress()
-    return api.check(candidate, model, envelope=envelope_path, progress=bar)
 
 
 def _check_dict(report) -> dict:

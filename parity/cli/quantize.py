@@ -32,10 +32,10 @@ def quantize(model: str, file_type: str, threads: int | None, output: str, as_js
     """
     from parity import api
 
-    types = api.llamacpp_quantizer().file_types()
-    if file_type not in types:
-        raise click.UsageError(textwrap.fill(f"unknown --type {file_type!r}; valid: {', '.join(types)}", 92))
-    info = api.quantize_llamacpp(model, output, file_type, threads=threads)
+    try:
+        info = api.quantize_llamacpp(model, output, file_type, threads=threads)
+    except api.UnknownFileTypeError as e:   # a usage error, the valid types listed
+        raise click.UsageError(textwrap.fill(str(e), 92)) from None
     if as_json:
         echo_json({**info, "path": str(info["path"])})
         return
