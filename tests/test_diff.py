@@ -303,7 +303,7 @@ def test_long_titles_wrap_instead_of_being_cut():
 def test_bisect_plot_title_is_wrapped_not_cut(tmp_path):
     from types import SimpleNamespace
 
-    from parity.bisect.search import plot_report
+    from parity.bisect.bisect_report import plot as plot_report
 
     line = "DEFECT at layer 2, sub-op compressor_rows: decode step 3 (position 31); " * 3
     report = SimpleNamespace(summary=line.strip() + "\nmore", trajectory=None, attribution=[], culprit=None)

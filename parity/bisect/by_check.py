@@ -13,21 +13,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from parity.bisect.bisect_report import BisectReport, Culprit, judged_summary
 from parity.bisect.check import CheckReport
 from parity.bisect.check_report import to_json
-from parity.bisect.search import BisectReport, Culprit
 from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
 
 
 def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
     """`report` with `checked`'s verdict (in bisect's words, `Verdict.bisect_word`), culprit and headline; bisect's
-    own summary follows as evidence, and the check report is kept (`BisectReport.check`, its JSON)."""
+    own summary follows as evidence (the text by `bisect_report.judged_summary`), and the check report is kept
+    (`BisectReport.check`, its JSON)."""
     verdict = Verdict(checked.verdict).bisect_word
-    lines = [checked.headline]
-    if report.verdict != verdict:
-        lines.append(f"  (bisect's own screen said {report.verdict.value!r}; the verdict is check's, on the same run)")
-    lines += ["bisect's localisation (evidence):", *("  " + ln for ln in report.summary.splitlines())]
-    return replace(report, verdict=verdict, culprit=_culprit(report, checked), summary="\n".join(lines),
+    return replace(report, verdict=verdict, culprit=_culprit(report, checked),
+                   summary=judged_summary(checked.headline, report.verdict, verdict, report.summary),
                    check=to_json(checked))
 
 

@@ -17,13 +17,16 @@ Algorithm (L layers, T positions, every run on the reference's chunk schedule an
    decode step. A layer that departs by the null is a defect there even when no single op does (as `check`
    calls a departing layer that no benign variant explains). Only a reference without round-off twins falls
    back to the envelope's floors (`compare_subops`, K x floor).
+
+The report (`BisectReport`, its `Culprit`, `SpliceProbe` and `SubopResult` records) and every printer of it (the
+text summary, JSON, figure, HTML page) are in `parity.bisect.bisect_report`; this module holds the algorithm.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +38,16 @@ from parity.bisect.attribution import (
     layer_input,
     routing,
     teacher_forced,
+)
+from parity.bisect.bisect_report import (
+    BisectReport,
+    Culprit,
+    SpliceProbe,
+    SubopResult,
+    clean_summary,
+    drafter_clean_summary,
+    drafter_defect_summary,
+    summarize,
 )
 from parity.bisect.draft_check import DraftCheck, judge_records
 from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors
@@ -114,14 +127,6 @@ def splice_output(lower: Sequence[ChunkResult], upper: Engine, k: int,
     return errs, first_visibility_mismatch(ref, [c.diags for c in lower], range(k))
 
 
-@dataclass(frozen=True)
-class SpliceProbe:
-    k: int                 # candidate below k, reference from k
-    excess: float          # max excess over the candidate's checkpoints below k and the spliced ones from k on
-    clean: bool
-    row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
-
-
 def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: dict[str, np.ndarray],
                   ref: Sequence[ChunkResult], env: Envelope, say: Note) -> tuple[int, list[SpliceProbe]]:
     """Smallest k with M(k) outside the envelope, minus one: the first layer where the candidate departs.
@@ -150,23 +155,6 @@ def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: di
 
 
 # ---------------------------------------------------------------- drill-down
-
-@dataclass(frozen=True)
-class SubopResult:
-    """Local comparison of one sub-op inside the culprit layer (both engines on the reference's inputs)."""
-
-    name: str
-    status: SubopStatus    # ok | noise | defect
-    err: float             # largest local error over the positions judged (rel-L2, or 1 - overlap for sets)
-    floor: float           # envelope floor (0 for set comparisons)
-    excess: float
-    position: int | None   # first position outside the envelope
-    detail: str = ""       # the evidence in words (for a flip: `flip_words` of `flips`)
-    flips: tuple[QuantFlip, ...] = ()   # the isolated QAT code flips behind a 'noise' status, one per capture
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "status", SubopStatus(self.status))   # a mistyped status is an error naming it
-
 
 def _cat(outs: Sequence[LayerOutput], name: str, engine: str, layer: int) -> np.ndarray:
     for o in outs:
@@ -402,15 +390,6 @@ class ReplayRouter:
 
 
 @dataclass(frozen=True)
-class Culprit:
-    layer: int | str               # layer index, or "embed" / "head"
-    subop: str | None
-    position: int | None
-    decode_step: int | None        # 0-based decode step when the position is past the prompt
-    detail: str
-
-
-@dataclass(frozen=True)
 class FreeStage:
     """Step 1: the reference's greedy run and the candidate teacher-forced on its tokens, judged per checkpoint."""
 
@@ -439,59 +418,6 @@ class LocalStage:
     probes: list[SpliceProbe] = field(default_factory=list)
     subops: list[SubopResult] = field(default_factory=list)
     runs: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BisectReport:
-    verdict: BisectVerdict         # "defect" | "no defect" | "noise" (`Verdict` in bisect's words)
-    summary: str
-    culprit: Culprit | None
-    n_prompt: int
-    decode: int
-    tokens: list[int]
-    envelope: dict                 # k, eps, dtype, calibration
-    max_excess: dict[str, float]   # checkpoint -> free-running max excess
-    row_mismatch: tuple[int, int] | None = None   # free run: first (layer, position) with another visible-row count
-    attribution: list[LayerAttribution] = field(default_factory=list)
-    routing: list[LayerRouting] = field(default_factory=list)
-    probes: list[SpliceProbe] = field(default_factory=list)
-    subops: list[SubopResult] = field(default_factory=list)
-    trajectory: Trajectory | None = None
-    runs: dict[str, int] = field(default_factory=dict)     # engine runs by kind
-    seconds: dict[str, float] = field(default_factory=dict)
-    check: dict | None = None      # `check`'s JSON document on the same run, whose verdict this is (`bisect.by_check`)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "verdict", BisectVerdict(self.verdict))   # a mistyped word is an error naming it
-
-    def to_json(self) -> dict:
-        """Plain JSON-able dict (numpy arrays as nested lists)."""
-        def conv(x):
-            if isinstance(x, np.ndarray):
-                return conv(x.tolist())
-            if isinstance(x, dict):
-                return {str(k): conv(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return [conv(v) for v in x]
-            if isinstance(x, float) and not np.isfinite(x):
-                return str(x)
-            if hasattr(x, "value") and not isinstance(x, (int, float, str)):
-                return x.value
-            return x
-
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["culprit"] = asdict(self.culprit) if self.culprit else None
-        d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
-        d["probes"] = [asdict(p) for p in self.probes]
-        d["routing"] = [asdict(r) for r in self.routing]
-        d["subops"] = [asdict(s) for s in self.subops]
-        if self.trajectory is not None:
-            t = self.trajectory
-            fd = t.first_divergent
-            d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
-                               "first_divergent_step": fd.step if fd else None,
-                               "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
-        return conv(d)
 
 
 def _where(pos: int | None, n_prompt: int) -> tuple[int | None, str]:
@@ -564,13 +490,14 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     base = dict(n_prompt=len(prompt), decode=decode, tokens=fs.tokens, envelope=envelope, max_excess=fs.max_excess,
                 row_mismatch=fs.row_mismatch, routing=fs.routing, trajectory=fs.trajectory)
     if fs.clean:
-        report = BisectReport(BisectVerdict.NO_DEFECT, _clean_summary(fs), None, runs=runs, seconds=clock.seconds,
-                              **base)
+        report = BisectReport(BisectVerdict.NO_DEFECT, "", None, runs=runs, seconds=clock.seconds, **base)
+        worst = max(fs.max_excess, key=fs.max_excess.get)
+        report = replace(report, summary=clean_summary(report, int(fs.errs[worst].argmax())))
     else:
         ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, progress.count)
         report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
                               subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
-        report = replace(report, summary=summarize(report, env))
+        report = replace(report, summary=summarize(report))
     if draft and report.verdict is not BisectVerdict.DEFECT:   # the drafter: one more layer after a trunk, no defect
         report = _drafter_verdict(report, drafter_stage(ref_engine, cand, fs, draft, say), cand.name, len(prompt))
         clock.lap("drafter")
@@ -584,14 +511,13 @@ def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: 
     runs = {**report.runs, "drafter": 2 + N_TWINS}
     first = dc.first
     if first is None or first.test.first is None:
-        return replace(report, runs=runs, summary=report.summary + "\ndrafter: every draft checkpoint within its "
-                                                                   f"{N_TWINS} round-off twins")
+        return replace(report, runs=runs, summary=drafter_clean_summary(report.summary, N_TWINS))
     pos = first.test.first.position
     step, where = _where(pos, n_prompt)
     detail = f"{cand}'s draft head on the reference's trunk carriers: {first.test.summary()} (rel-L2 {first.err:.3g})"
-    return replace(report, verdict=BisectVerdict.DEFECT,
-                   culprit=Culprit(f"drafter {first.checkpoint}", None, pos, step, detail), runs=runs,
-                   summary=f"DEFECT at drafter {first.checkpoint}, {where}: {detail}\ntrunk: " + report.summary)
+    culprit = Culprit(f"drafter {first.checkpoint}", None, pos, step, detail)
+    return replace(report, verdict=BisectVerdict.DEFECT, culprit=culprit, runs=runs,
+                   summary=drafter_defect_summary(culprit, where, report.summary))
 
 
 def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Note) -> DraftCheck:
@@ -608,14 +534,6 @@ def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, 
 
     return judge_records(ref_engine, draft_names(draft), run, run(cand),
                          lambda name: draft_positions(name, positions, draft.get("pairing")))
-
-
-def _clean_summary(fs: FreeStage) -> str:
-    worst = max(fs.max_excess, key=fs.max_excess.get)
-    flips = sum(r.flips for r in fs.routing)
-    return (f"NO DEFECT: every checkpoint within the envelope (max excess {fs.max_excess[worst]:.2g} at "
-            f"{worst}, position {int(fs.errs[worst].argmax())}); steps {_counts(fs.trajectory)}"
-            + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
 
 
 def local_departures(ref_engine: Engine, ref: Sequence[ChunkResult], tf: dict[int, list[LayerOutput]],
@@ -722,93 +640,3 @@ def _first_free_departure(excess: dict[str, float], n_layers: int) -> int:
 def _step_detail(pos: int, n_prompt: int, what: str) -> tuple[int | None, str]:
     step, where = _where(pos, n_prompt)
     return step, f"{where}; {what}"
-
-
-def _counts(traj: Trajectory) -> str:
-    return ", ".join(f"{n} {v}" for v, n in traj.counts.items() if n) or "none"
-
-
-def summarize(report: BisectReport, env: Envelope) -> str:
-    """The verdict in a few lines: where, local vs propagated, noise or defect, the evidence numbers."""
-    c, lines = report.culprit, []
-    assert c is not None
-    head = "DEFECT" if report.verdict is BisectVerdict.DEFECT else "NOISE (no defect)"
-    where = f" at layer {c.layer}" if isinstance(c.layer, int) else f" at {c.layer}"
-    if report.verdict is BisectVerdict.NOISE and c.subop is None:
-        where = ""
-    lines.append(f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}")
-    if isinstance(c.layer, int) and report.attribution:
-        a = report.attribution[c.layer]
-        lines.append(f"  layer {a.layer}: local (teacher-forced) rel-L2 {a.local:.3g}, free-running {a.free:.3g}, "
-                     f"envelope floor {a.floor:.3g} (k={env.k:g}) -> local excess {a.local_excess:.3g}, "
-                     f"free excess {a.free_excess:.3g}: {a.kind}"
-                     + (f" (visible compressed-row count differs from position {a.row_mismatch})"
-                        if a.row_mismatch is not None else ""))
-        sub = next((s for s in report.subops if s.name == c.subop), None)
-        if sub is not None and sub.floor > 0:
-            lines.append(f"  sub-op {sub.name}: local error {sub.err:.3g} vs floor {sub.floor:.3g} "
-                         f"(excess {sub.excess:.3g})")
-    if report.probes:
-        pr = ", ".join(f"k={p.k} " + ("clean" if p.clean else f"excess {p.excess:.2g}" if p.row_mismatch is None
-                       else "visible-row count differs at layer {} position {}".format(*p.row_mismatch))
-                       for p in report.probes)
-        lines.append(f"  mirror splice (candidate below k, reference from k): {pr}")
-    flips = [r for r in report.routing if r.flips or r.index_diffs]
-    if flips:
-        def one(r: LayerRouting) -> str:
-            parts = [f"{r.flips} expert-set flips ({r.noise_flips} within router-margin noise, largest margin "
-                     f"{r.largest_flip_margin:.3g})"] if r.flips else []
-            parts += [f"{r.index_diffs} indexer-selection differences"] if r.index_diffs else []
-            return f"layer {r.layer}: " + ", ".join(parts)
-
-        lines.append("  routing (free-running): " + "; ".join(one(r) for r in flips[:3]))
-    t = report.trajectory
-    if t is not None:
-        fd = t.first_divergent
-        first = "no divergent step"
-        if fd:
-            hot = t.first_layer_at(fd.step)
-            cause = f"layer excursion from layer {hot}" if hot is not None else "no layer outside the envelope"
-            first = (f"first divergent step {fd.step} ({fd.verdict.value}, reference margin {fd.ref_margin:.3g} vs "
-                     f"tie margin {fd.tie_margin:.3g}; {cause})")
-        lines.append(f"  trajectory: {len(t.steps)} steps ({_counts(t)}); {first}; "
-                     f"divergence rate {t.divergence_rate:.2f}")
-    return "\n".join(lines)
-
-
-def plot_report(report: BisectReport, path: str) -> object:
-    """Two panels from the report only: the step x layer excess map, and local vs free excess per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    t = report.trajectory
-    if t is not None:
-        im = ax1.imshow(np.log10(np.maximum(t.step_layer_excess, 1e-3)), aspect="auto", cmap="magma",
-                        vmin=-3, vmax=max(1.0, float(np.log10(max(t.step_layer_excess.max(), 1e-3)))))
-        fig.colorbar(im, ax=ax1, label="log10 excess over envelope")
-        ax1.set_xlabel("layer")
-        ax1.set_ylabel("generated step")
-        ax1.set_title("free-running excess (> 0 = outside the envelope)")
-    if report.attribution:
-        ls = [a.layer for a in report.attribution]
-        ax2.semilogy(ls, [max(a.local_excess, 1e-3) for a in report.attribution], "o-", label="local (teacher-forced)")
-        ax2.semilogy(ls, [max(a.free_excess, 1e-3) for a in report.attribution], "s--", label="free-running")
-        ax2.axhline(1, color="gray", lw=1)
-        if report.culprit is not None and isinstance(report.culprit.layer, int):
-            ax2.axvline(report.culprit.layer, color="red", lw=1, label=f"culprit: layer {report.culprit.layer}")
-        ax2.set_xlabel("layer")
-        ax2.set_ylabel("excess over envelope")
-        ax2.legend()
-    else:
-        ax2.text(0.5, 0.5, "no attribution needed:\nevery checkpoint inside the envelope", ha="center", va="center")
-        ax2.set_axis_off()
-    from parity.compare.plot import wrapped_title
-    from parity.contract.files import save_figure
-
-    fig.suptitle(wrapped_title(report.summary.splitlines()[0]), fontsize=9)  # wrapped, never cut
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110)
-    return fig

@@ -150,7 +150,9 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
                             ray=ray)
     _figures(report, plot, html_path)
     if as_json:
-        echo_json(report.to_json())
+        from parity.bisect.bisect_report import to_json
+
+        echo_json(to_json(report))
     else:
         from parity.compare.textcells import fit_line
 
@@ -160,15 +162,14 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
 
 def _figures(report: object, plot: str | None, html_path: str | None) -> None:
     """--plot (step x layer / layer PNG) and --html, each announced on stderr."""
-    if plot:
-        from parity.bisect.search import plot_report
+    from parity.bisect.bisect_report import plot as plot_report
+    from parity.bisect.bisect_report import to_html
 
+    if plot:
         plot_report(report, plot)
         _stderr(f"plot: {plot}")
     if html_path:
-        from parity.cli.html_pages import bisect_page
-
-        bisect_page(html_path, report)
+        to_html(html_path, report)
         _stderr(f"html: {html_path}")
 
 

@@ -84,16 +84,14 @@ def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | 
     """--markdown FILE ('-': stdout), --plot PNG, --html FILE, then the report as JSON or text on stdout (none when
     the Markdown went there)."""
     from parity.bisect.check_report import plot as plot_report
-    from parity.bisect.check_report import to_json, to_markdown, to_text
+    from parity.bisect.check_report import to_html, to_json, to_markdown, to_text
 
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
     if plot:
         plot_report(report, plot)
     if html_path:
-        from parity.cli.html_pages import check_page
-
-        check_page(html_path, report)
+        to_html(html_path, report)
     if as_json:
         echo_json(to_json(report))
     elif markdown_path != "-":
