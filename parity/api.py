@@ -2,10 +2,12 @@
 `envelope`, `bisect`, `check` (among others).
 
 Everything here returns data (Trace, DiffReport with a pandas `.table`, GateResult, BisectReport, CheckReport); the CLI
-commands only parse options, call one of these and print. A command that runs an engine on tokens builds its run first
-with `plan_run` (a frozen `parity.tracing.plan.RunPlan`: token sources, --follow, default positions, the token-range
-check), `trace` itself validates through the same plan. Importing this module does not import torch; engines are
-loaded through `parity.contract.engine.load_engine` only when a trace is run.
+commands only parse options, call one of these and print (one call per command: tests/test_code_shape.py). A function
+that runs an engine on tokens takes them as the command parsed them (`Tokens`: ids, or a `TokenSource`, with
+--follow / --decode / --chunk as keywords) and builds its run with `plan_run` (a frozen
+`parity.tracing.plan.RunPlan`: token sources, --follow, default positions, the token-range check); `trace` itself
+validates through the same plan. Importing this module does not import torch; engines are loaded through
+`parity.contract.engine.load_engine` only when a trace is run.
 """
 
 from __future__ import annotations
