@@ -57,7 +57,7 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
                                qat_sims=qat_sims, rel_tol=rel_tol, envelope=envelope_path,
                                progress=Lines(), check_each=check_each)
     if as_json:
-        echo_json(report.to_json() | ({"check": _check_docs(report.checks)} if check_each else {}))
+        echo_json(report.to_dict() | ({"check": _check_docs(report.checks)} if check_each else {}))
     else:
         click.echo("\n".join(_check_lines(report.checks) + summary_lines(report)))
     if check_each:
