@@ -95,7 +95,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     """
     from parity import api
     from parity.validate.prompts import CORPUS
-    from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_markdown, to_json_text
+    from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_markdown, to_html, to_json_text
 
     out = Path(_out_dir(ctx, model, approx, output, resume, corpus, prompt_file))
     workers, ray = pool_args(workers, ray)
@@ -104,9 +104,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
                           tie_margin=tie_margin, drift_tol=drift_tol, pins=pins, budget=budget, workers=workers,
                           ray=ray, resume=bool(resume), progress=TaskProgress())
     if html_path:
-        from parity.cli.html_pages import validate_page
-
-        validate_page(html_path, report)
+        to_html(html_path, report)
     if as_json:
         click.echo(to_json_text(report), nl=False)
     else:

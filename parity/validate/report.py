@@ -1,5 +1,6 @@
 """Printers of a `ValidateReport`: JSON (`report.json`), Markdown (`report.md`), the figure (`validate.png`), the
-timing (`timing.json`), and `write_files`, which writes all four into a run directory. No computation here."""
+timing (`timing.json`), and `write_files`, which writes all four into a run directory; the `--html` page
+(`to_html`). No computation here."""
 
 from __future__ import annotations
 
@@ -129,6 +130,18 @@ def plot_report(report: ValidateReport, path: Path) -> Path:
 def to_json_text(report: ValidateReport) -> str:
     """report.json as written and as `validate --json` prints it: sorted keys, indent 1, strict JSON."""
     return json.dumps(json.loads(dumps(report.to_dict())), indent=1, sort_keys=True) + "\n"
+
+
+def to_html(path: str, report: ValidateReport) -> Path:
+    """`validate --html`: one self-contained page, pass/fail with the findings, the Markdown report as text, the
+    per-step figure, all from the report (nothing is read back from the run directory)."""
+    from parity.compare.html import Section, image, plot_png, preformatted, write_html
+
+    judged = "every budget bound and pin holds" if report.budget else NO_BUDGET
+    verdict = judged if report.passed else "; ".join(report.findings)
+    sections = [Section("Report", preformatted(render_markdown(report))),
+                Section("Per step", image(plot_png(plot_report, report), "validation plot"))]
+    return write_html(path, "v4parity validate", verdict, report.passed, sections)
 
 
 def write_files(report: ValidateReport, out: Path) -> None:
