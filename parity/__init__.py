@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from parity.contract.cpus import passive_openmp
+
+passive_openmp()  # before anything imports torch: idle OpenMP threads sleep instead of spinning (speed only)
+
 API = ("trace", "load_trace", "save_trace", "diff", "gate", "export", "plot", "follow")
 
 

@@ -164,3 +164,20 @@ def test_bench_tables_name_the_load_beside_every_timing():
     assert "load average at start 3.5, at end 4.6;" in md
     assert "bit-exact vs gguf.quants; load 3.7 at the start, 3.8 at the end)" in md
     assert "Threads: reference torch_intra_op 2, engine 2; torch torch_intra_op 2, engine 2, expert 2." in md
+
+
+@pytest.mark.parametrize("module", ["parity", "gpu_engine"])
+def test_importing_parity_or_the_engine_asks_openmp_for_passive_waiting(module):
+    """Idle OpenMP threads spin at every barrier unless OMP_WAIT_POLICY says otherwise (libgomp reads it when torch
+    loads): importing parity or gpu_engine sets PASSIVE before torch, and an explicit setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"import os, sys; import {module}; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["PASSIVE", "False"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split()[0] == "ACTIVE"
