@@ -900,6 +900,51 @@ def arbitrate(model: str | os.PathLike, tokens: Tokens, engines: Sequence[str], 
     return judged_by_checks(report, checks) if check_each else report
 
 
+def logprobs(a: str | os.PathLike, b: str | os.PathLike, *, tie_margin: float | None = None,
+             drift_tol: float | None = None, force: bool = False) -> Any:
+    """`v4parity logprobs`: the top-k logprobs of `a` (reference) and `b` (candidate), each a ds4 --dump-logprobs JSON,
+    an official vector JSON or an official.vec case (FILE#CASE), compared step by step
+    (`parity.logprobs.compare.compare_runs`; None: its TIE_MARGIN / DRIFT_TOL) -> Comparison. Raises
+    LogprobPreflightError for two files of different runs unless `force`."""
+    from parity.logprobs.compare import DRIFT_TOL, TIE_MARGIN, compare_runs
+    from parity.logprobs.io import read_run
+
+    return compare_runs(read_run(a), read_run(b), TIE_MARGIN if tie_margin is None else tie_margin,
+                        DRIFT_TOL if drift_tol is None else drift_tol, force=force)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt's token ids under one tokenizer mode (`tokenizer`: model | ds4), each id's vocab string and piece
+    bytes, and where the other mode's ids differ (`modes_disagree`: one line, None when they agree)."""
+
+    ids: tuple[int, ...]
+    tokenizer: str
+    tokens: tuple[str, ...]
+    pieces: tuple[bytes, ...]
+    modes_disagree: str | None
+
+
+def tokenize(model: str | os.PathLike, prompt: str, *, tokenizer: str = "model", chat: bool = True, system: str = "",
+             thinking: bool = False, think_max: bool = False) -> Tokenized:
+    """`v4parity tokenize`: `prompt` as token ids of `model`'s tokenizer in mode `tokenizer`; `chat`: one user turn
+    through the chat layout (`system`, `thinking`, `think_max`; `parity.gguf.tokenizer.chat_ids`), else the text as
+    written with ds4's specials recognised. Both modes are encoded so that a disagreement is reported."""
+    from parity.gguf.tokenizer import chat_ids, load_tokenizer, mode_difference
+
+    tok = load_tokenizer(model)
+
+    def encode(mode: str) -> list[int]:
+        return chat_ids(tok, prompt, system, thinking, mode, think_max) if chat else tok.encode_rendered(prompt, mode)
+
+    if tokenizer not in ("model", "ds4"):
+        raise ParityError(f"tokenizer mode {tokenizer!r}: model or ds4")
+    ids = {mode: encode(mode) for mode in ("model", "ds4")}
+    chosen = ids[tokenizer]
+    return Tokenized(tuple(chosen), tokenizer, tuple(tok.tokens[i] for i in chosen),
+                     tuple(tok.piece(i) for i in chosen), mode_difference(tok, ids["model"], ids["ds4"]))
+
+
 def inspect_drafter(model: str | os.PathLike, draft: str | os.PathLike) -> dict[str, Any]:
     """`inspect -m MODEL --draft FILE`: the drafter's head, keys and tensors and whether it fits the trunk
     (`parity.gguf.drafter_report.inspect_drafter`; `validation.ok` False names the problem)."""

@@ -49,13 +49,12 @@ def logprobs(a: str, b: str, as_json: bool, markdown_path: str | None, fail_on: 
     Example:
       v4parity logprobs official/short_italian_fact.official.json ours.json --fail-on wrong --fail-on tie
     """
-    from parity.logprobs.compare import compare_runs
-    from parity.logprobs.io import read_run
+    from parity import api
     from parity.logprobs.printers import render_markdown, render_text
 
     if tie_margin < 0 or drift_tol < 0:
         raise click.BadParameter("--tie-margin and --drift-tol must be >= 0")
-    cmp = compare_runs(read_run(a), read_run(b), tie_margin, drift_tol, force=force)
+    cmp = api.logprobs(a, b, tie_margin=tie_margin, drift_tol=drift_tol, force=force)
     failed = cmp.failures(fail_on) + (["incomplete"] if cmp.incomplete else [])
     if markdown_path:
         write_text(markdown_path, render_markdown(cmp))
@@ -98,26 +97,20 @@ def tokenize(model: str, prompt: str | None, prompt_file: str | None, chat: bool
     \b
     Example: v4parity tokenize -m tiny.gguf -p "abc中文def" --tokenizer ds4
     """
-    from parity.gguf.tokenizer import chat_ids, load_tokenizer, mode_difference
+    from parity import api
 
-    prompt = read_prompt(prompt, prompt_file)
-    tok = load_tokenizer(model)
-
-    def encode(mode: str) -> list[int]:
-        return chat_ids(tok, prompt, system, thinking, mode, think_max) if chat else tok.encode_rendered(prompt, mode)
-
-    ids = encode(tokenizer)
-    other = encode("ds4" if tokenizer == "model" else "model")
-    note = mode_difference(tok, *((ids, other) if tokenizer == "model" else (other, ids)))
-    if note:
-        click.secho(f"note: {note}", fg="yellow", err=True)
+    t = api.tokenize(model, read_prompt(prompt, prompt_file), tokenizer=tokenizer, chat=chat, system=system,
+                     thinking=thinking, think_max=think_max)
+    if t.modes_disagree:
+        click.secho(f"note: {t.modes_disagree}", fg="yellow", err=True)
     if as_json:
-        rows = [{"id": i, "token": tok.tokens[i], "bytes": list(tok.piece(i))} for i in ids]
-        echo_json({"ids": ids, "n_tokens": len(ids), "tokenizer": tokenizer, "modes_disagree": note, "tokens": rows})
+        rows = [{"id": i, "token": s, "bytes": list(b)} for i, s, b in zip(t.ids, t.tokens, t.pieces, strict=True)]
+        echo_json({"ids": list(t.ids), "n_tokens": len(t.ids), "tokenizer": tokenizer,
+                   "modes_disagree": t.modes_disagree, "tokens": rows})
         return
-    click.echo("[" + ", ".join(map(str, ids)) + "]")
-    for i in ids:
-        click.echo(f"{i:6d}  {tok.tokens[i]}")
+    click.echo("[" + ", ".join(map(str, t.ids)) + "]")
+    for i, s in zip(t.ids, t.tokens, strict=True):
+        click.echo(f"{i:6d}  {s}")
 
 
 COMMANDS = [logprobs, tokenize]
