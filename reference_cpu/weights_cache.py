@@ -3,15 +3,19 @@
 Every byte -> float conversion goes through `reference_cpu.dequant.dequantize` (vectorized, bit-identical to
 gguf.quants: tests/test_dequant.py). Dense tensors, routed-expert slices and Q8_1 mins are cached under one byte
 budget (`cache_gb`), grouped by layer (`layer_of`: `blk.N`, or `non-layer` for the output head's tensors): a
-layer's arrays leave together, the least recently used layer first, and a layer whose arrays alone need more than
-the budget is a TensorError naming the layer and the budget (nothing is used uncached), so the cached arrays never
-exceed the budget. Embedding rows are dequantized per token and not cached.
+layer's arrays leave together, the least recently used layer first, so the cached arrays never exceed the budget.
+A layer whose dense arrays alone need more than the budget is a TensorError naming the layer and the budget. Routed
+expert slices are the exception, announced: a prefill may select more experts of a layer than the budget holds
+(256 real experts: 24 GiB as float32), and each selected expert is used once per chunk, so one that does not fit
+beside its layer is streamed (dequantized for that use, not cached; `streamed` in the stats; one line on stderr the
+first time). Embedding rows are dequantized per token and not cached.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,12 +55,16 @@ class LayerCache:
         self.budget = budget_bytes
         self.layers: OrderedDict[str, dict[object, np.ndarray]] = OrderedDict()  # least recently used first
         self.layer_bytes: dict[str, int] = {}
+        self.streamable: dict[str, set[object]] = {}  # the expert slices each layer holds
         self.nbytes = self.peak = 0
-        self.hits = self.misses = self.evictions = self.layer_evictions = 0
+        self.hits = self.misses = self.evictions = self.layer_evictions = self.streamed = 0
         self.lock = threading.Lock()  # bookkeeping only; `make` runs unlocked so experts dequantize in parallel
 
-    def get(self, key: object, make: Callable[[], np.ndarray], nbytes: int | None = None) -> np.ndarray:
-        """The array under `key`, made by `make()` on a miss; `nbytes`: its size when known before it is made."""
+    def get(self, key: object, make: Callable[[], np.ndarray], nbytes: int | None = None,
+            streamable: bool = False) -> np.ndarray:
+        """The array under `key`, made by `make()` on a miss; `nbytes`: its size when known before it is made;
+        `streamable` (routed expert slices): returned uncached, and counted, when it does not fit beside its layer
+        instead of raising."""
         layer = layer_of(key)
         with self.lock:
             held = self.layers.get(layer)
@@ -65,25 +73,49 @@ class LayerCache:
                 self.layers.move_to_end(layer)
                 return held[key]
             self.misses += 1
-            if nbytes is not None:
-                self._make_room(layer, nbytes)
+            stream = nbytes is not None and streamable and self._over(layer, nbytes)
+            if stream:
+                self._count_stream(layer)
+            elif nbytes is not None:
+                self._make_room(layer, nbytes, streamable)
         value = make()
+        if stream:
+            return value
         with self.lock:
             held = self.layers.get(layer, {})
             if key in held:
                 self.layers.move_to_end(layer)
                 return held[key]
-            self._make_room(layer, value.nbytes)
+            if streamable and self._over(layer, value.nbytes):
+                self._count_stream(layer)
+                return value
+            self._make_room(layer, value.nbytes, streamable)
             held = self.layers.setdefault(layer, held)
             held[key] = value
+            if streamable:
+                self.streamable.setdefault(layer, set()).add(key)
             self.layer_bytes[layer] = self.layer_bytes.get(layer, 0) + value.nbytes
             self.nbytes += value.nbytes
             self.peak = max(self.peak, self.nbytes)
         return value
 
-    def _make_room(self, layer: str, nbytes: int) -> None:
-        """Evict least recently used layers other than `layer` until `nbytes` more fit (lock held); a TensorError
-        when `layer` alone would exceed the budget."""
+    def _over(self, layer: str, nbytes: int) -> bool:
+        return self.layer_bytes.get(layer, 0) + nbytes > self.budget
+
+    def _count_stream(self, layer: str) -> None:
+        """Count a streamed array (lock held); the first one is announced on stderr."""
+        self.streamed += 1
+        if self.streamed == 1:
+            print(f"reference weight cache: layer {layer}'s selected experts do not fit beside it in cache_gb = "
+                  f"{self.budget / 2**30:.3f} GiB; experts that do not fit are dequantized per use (not cached): "
+                  f"raise cache_gb for speed", file=sys.stderr)
+
+    def _make_room(self, layer: str, nbytes: int, streamable: bool = False) -> None:
+        """Evict least recently used layers other than `layer` until `nbytes` more fit (lock held); for a dense
+        array, `layer`'s own expert slices first if the layer would not fit; a TensorError when `layer`'s dense
+        arrays alone would exceed the budget."""
+        if not streamable and self._over(layer, nbytes):
+            self._drop_streamable(layer)
         need = self.layer_bytes.get(layer, 0) + nbytes
         if need > self.budget:
             raise TensorError(f"reference weight cache: layer {layer} needs at least {need / 2**30:.3f} GiB "
@@ -94,19 +126,29 @@ class LayerCache:
         while self.nbytes + nbytes > self.budget:  # never reaches `layer` itself: need <= budget
             self._evict_oldest()
 
+    def _drop_streamable(self, layer: str) -> None:
+        """Evict `layer`'s expert slices (lock held): its dense arrays need the room."""
+        held = self.layers.get(layer, {})
+        for key in self.streamable.pop(layer, set()):
+            gone = held.pop(key).nbytes
+            self.layer_bytes[layer] -= gone
+            self.nbytes -= gone
+            self.evictions += 1
+
     def _evict_oldest(self) -> None:
         old, arrays = self.layers.popitem(last=False)
+        self.streamable.pop(old, None)
         self.nbytes -= self.layer_bytes.pop(old, 0)
         self.evictions += len(arrays)
         self.layer_evictions += 1
 
     def stats(self) -> dict[str, int]:
         """entries and bytes held, budget, peak bytes held, hits, misses, arrays evicted (evictions) and layers
-        evicted (layer_evictions), layers held."""
+        evicted (layer_evictions), layers held, expert slices streamed (not cached: no room beside their layer)."""
         with self.lock:
             return {"entries": sum(map(len, self.layers.values())), "bytes": self.nbytes, "budget": self.budget,
                     "peak_bytes": self.peak, "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-                    "layer_evictions": self.layer_evictions, "layers": len(self.layers)}
+                    "layer_evictions": self.layer_evictions, "layers": len(self.layers), "streamed": self.streamed}
 
 
 def q8_1_min_term(mins: np.ndarray, perturb: Callable[[np.ndarray], np.ndarray] | None) -> MinTerm:
@@ -163,7 +205,8 @@ class WeightStore:
         [out, in/32] cached under `key`; the input is perturbed as `_rounding` perturbs it (same jitter, same name)."""
         if not has_min_term(self.act_quant, ggml_type):
             return None
-        mins = self.cache.get(key, lambda: block_mins(*raw()).astype(self.dtype))
+        expert = isinstance(key, tuple) and len(key) == 3  # ("mins", name, e): an expert's, streamable like it
+        mins = self.cache.get(key, lambda: block_mins(*raw()).astype(self.dtype), streamable=expert)
         jit = self.input_jitter
         return q8_1_min_term(mins, None if jit is None else lambda x: jit(x, name, x.shape[-1]))
 
@@ -221,4 +264,5 @@ class WeightStore:
         def make() -> np.ndarray:
             return self._convert(dequantize(*self.weights.expert_raw(name, e)), f"{name}[expert {e}]")
 
-        return self.cache.get((name, e), make, math.prod(self.weights.info(name).shape[1:]) * self.dtype.itemsize)
+        return self.cache.get((name, e), make, math.prod(self.weights.info(name).shape[1:]) * self.dtype.itemsize,
+                              streamable=True)

@@ -1,9 +1,10 @@
 """The engines' dequantized-weight memory bounds on the tiny model (issue 27, point 2).
 
 Reference: `RunOptions.cache_gb` is a budget evicted by layer (`reference_cpu.weights_cache.LayerCache`); a budget
-smaller than the model evicts whole layers and changes no result bit; a layer that alone needs more than the budget
-is an error. Torch: nothing is dequantized at load; the kept matrices stay within `cache_mb` and a smaller budget
-changes no result bit (`gpu_engine.weights.DeviceWeights.cache_stats` / `memory_bound`).
+smaller than the model evicts whole layers and changes no result bit; expert slices that do not fit beside their
+layer are streamed (announced, counted, same bits); a layer whose dense weights alone need more is an error.
+Torch: nothing is dequantized at load; the kept matrices stay within `cache_mb` and a smaller budget changes no
+result bit (`gpu_engine.weights.DeviceWeights.cache_stats` / `memory_bound`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from reference_cpu.weights_cache import NON_LAYER, LayerCache, layer_of
 PROMPT = np.random.default_rng(11).integers(2, 290, 40)  # > 32 rows: the torch engine's dense (not matvec) path
 
 
-def float32_bytes_by_layer(path) -> dict[str, int]:
+def float32_bytes_by_layer(path, experts: bool = True) -> dict[str, int]:
     """Every tensor's float32 size summed per block (`blk.N`), from the file's tensor table: a layer's worst case
-    (every expert dequantized), an upper bound of what the reference caches for it."""
+    (every expert dequantized), an upper bound of what the reference caches for it; without the routed expert
+    tensors when `experts` is False."""
     w, out = Weights(str(path)), defaultdict(int)
     for name in w.names:
-        if name.startswith("blk."):
+        if name.startswith("blk.") and (experts or "_exps." not in name):
             out[".".join(name.split(".")[:2])] += math.prod(w.info(name).shape) * 4
     return dict(out)
 
@@ -100,6 +102,20 @@ def test_reference_budget_below_the_model_evicts_by_layer_bit_identical(tiny_rea
     assert st["layer_evictions"] >= 6 and st["evictions"] > st["layer_evictions"]  # whole layers of several arrays
     assert st["peak_bytes"] <= st["budget"] and st["bytes"] <= st["budget"]
     assert st["misses"] > free["misses"]  # evicted layers were dequantized again
+
+
+def test_reference_experts_beyond_the_budget_are_streamed_announced_bit_identical(tiny_realmix, capsys):
+    w = Weights(str(tiny_realmix))
+    dense = float32_bytes_by_layer(tiny_realmix, experts=False)
+    slice_bytes = math.prod(w.info("blk.0.ffn_gate_exps.weight").shape[1:]) * 4  # one expert of one tensor
+    budget = max(dense.values()) + 4 * slice_bytes  # every layer's dense weights + 4 expert slices
+    bounded = ReferenceEngine(str(tiny_realmix), RunOptions(cache_gb=budget / 2**30))
+    capsys.readouterr()
+    got = run(bounded)
+    assert "experts that do not fit are dequantized per use" in capsys.readouterr().err
+    assert_bit_identical(got, run(ReferenceEngine(str(tiny_realmix), RunOptions(cache_gb=1.0))))
+    st = bounded.cache_stats()
+    assert st["streamed"] > 0 and st["peak_bytes"] <= st["budget"]
 
 
 def test_reference_layer_over_the_budget_is_an_error(tiny_realmix):
