@@ -409,7 +409,7 @@ def gate_checked(golden: TraceLike, candidate: TraceLike, tolerances: str | os.P
     """`v4parity gate`: the GateResult of `candidate` against `golden` (`names`: how its cases name the two; default
     golden, candidate) and, with `check_model`, `check`'s verdict on the candidate, which then decides
     (`parity.compare.gate.with_verdict`; the tolerance cases stay as evidence). `envelope` as in `compare`."""
-    from parity.bisect.check_report import headline
+    from parity.check.check_report import headline
     from parity.compare.gate import run_gate, with_verdict
 
     _envelope_needs_model(envelope, check_model)
@@ -477,10 +477,10 @@ def validate(out: str | os.PathLike, *, model: str | os.PathLike | None = None, 
 def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOptions | None = None,
              output: str | os.PathLike | None = None, progress: ProgressSink = SILENT) -> Any:
     """Measure the noise envelope of `engine` on `model` (benign pairs, never with faults) and store it as a
-    section of `output` (default: this model's entry in the user cache, `parity.bisect.inputs.cache_path`, where
+    section of `output` (default: this model's entry in the user cache, `parity.check.inputs.cache_path`, where
     `check`, `bisect` and `spec` find it). Returns (Envelope, path)."""
-    from parity.bisect.envelope import save_envelope
-    from parity.bisect.inputs import cache_path
+    from parity.check.envelope import save_envelope
+    from parity.check.inputs import cache_path
 
     options = options or RunOptions()
     identity = model_identity(model)
@@ -490,8 +490,8 @@ def envelope(model: str | os.PathLike, *, engine: str = "torch", options: RunOpt
 
 
 def _envelope_search(model: str | os.PathLike) -> list[Path]:
-    """Where `bisect`, `check` and `spec` look for a stored envelope (`parity.bisect.inputs.envelope_sources`)."""
-    from parity.bisect.inputs import envelope_sources
+    """Where `bisect`, `check` and `spec` look for a stored envelope (`parity.check.inputs.envelope_sources`)."""
+    from parity.check.inputs import envelope_sources
 
     return envelope_sources(model)
 
@@ -499,8 +499,8 @@ def _envelope_search(model: str | os.PathLike) -> list[Path]:
 def _cached(env: Any, identity: dict, qat: dict[str, bool], engine: str, seconds: float,
             say: Note) -> Any:
     """Keep an envelope just measured on `engine` in the user cache (announced through `say`) for the next run."""
-    from parity.bisect.envelope import save_envelope
-    from parity.bisect.inputs import cache_path
+    from parity.check.envelope import save_envelope
+    from parity.check.inputs import cache_path
 
     path = save_envelope(cache_path(identity, qat, engine), env, identity)
     say(f"envelope: measured in {seconds:.1f} s; cached at {path}")
@@ -512,8 +512,8 @@ def measure_envelope(model: str | os.PathLike, engine: str, options: RunOptions,
     """Benign pairs for the envelope of `engine` with `options` (faults and routing replay dropped)."""
     from dataclasses import replace
 
-    from parity.bisect.envelope import CALIBRATION_DECODE, calibration_prompt
-    from parity.bisect.envelope import measure_envelope as measure
+    from parity.check.envelope import CALIBRATION_DECODE, calibration_prompt
+    from parity.check.envelope import measure_envelope as measure
     from parity.contract.engine import Variants
 
     clean = replace(options, inject=(), expert_override=None)
@@ -543,15 +543,15 @@ def bisect(model: str | os.PathLike, *, engine: str = "torch", tokens: Tokens = 
     `parity.bisect.search`).
     `progress.note(message)` announces the stages, `progress.count(stage, done, total)` counts the long passes'
     chunks. `envelope`: a file (refused when measured on another model); default the stored envelope of this model
-    (found by model identity, not file name: `parity.bisect.inputs.envelope_sources`), else measured now and
+    (found by model identity, not file name: `parity.check.inputs.envelope_sources`), else measured now and
     cached. `workers` / `ray` (None, 'local' or a cluster address): the teacher-forced pass and its round-off
-    twins on worker processes or Ray tasks (`parity.bisect.parallel`; the same result as serial)."""
+    twins on worker processes or Ray tasks (`parity.check.parallel`; the same result as serial)."""
     from dataclasses import replace
 
-    from parity.bisect import parallel
     from parity.bisect.by_check import judged_by_check
     from parity.bisect.search import ReplayRouter
     from parity.bisect.search import bisect as run_bisect
+    from parity.check import parallel
     from parity.contract.workpool import WorkPool
 
     say = progress.note
@@ -591,7 +591,7 @@ def _stored_or_measured(model: str | os.PathLike, identity: dict, engine: str, o
     announced through `progress.note`."""
     import time
 
-    from parity.bisect.inputs import envelope_for
+    from parity.check.inputs import envelope_for
 
     qat = {"fp8_kv": options.fp8_kv, "fp4_indexer": options.fp4_indexer}
     search = _envelope_search(model)
@@ -629,22 +629,22 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     """The full verdict (MATCH / NOISE / DEFECT) for a candidate trace, or dumps imported on the fly (`tokens`
     then gives their token ids, or a TokenSource of them). The envelope: `envelope`, else the first stored one
     measured on this model (by
-    size + header hash) in `envelope_search` (default `parity.bisect.inputs.envelope_sources`: the user cache, the
+    size + header hash) in `envelope_search` (default `parity.check.inputs.envelope_sources`: the user cache, the
     model's directory, the committed traces/), else measured now from the reference alone and cached (its time and
     source are the report's `envelope_seconds` / `envelope_source`). `fault_engines`: engines whose fault
     switches form the defect library;
     `progress.note(message)` announces stages, `progress.count(stage, done, total)` counts the long passes' chunks;
     `draft`: the
-    candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.bisect.draft_check`).
+    candidate's drafter GGUF, whose draft checkpoints are then judged (`parity.check.draft_check`).
     `workers` / `ray` (None, 'local' or a cluster address): the per-layer runs on worker processes or Ray tasks
-    (`parity.bisect.parallel`; the report is the serial one byte for byte, but for its times).
+    (`parity.check.parallel`; the report is the serial one byte for byte, but for its times).
     Raises CheckPreflightError (a ParityError) when the candidate cannot be judged."""
     import time
     from dataclasses import replace
 
-    from parity.bisect.check import check as run_check
-    from parity.bisect.inputs import candidate_subops, load_candidate, preflight
-    from parity.bisect.parallel import EngineLoader, warm
+    from parity.check.check import check as run_check
+    from parity.check.inputs import candidate_subops, load_candidate, preflight
+    from parity.check.parallel import EngineLoader, warm
     from parity.contract.workpool import WorkPool
     from parity.gguf.inventory import validate
     from parity.gguf.weights import Weights
@@ -658,7 +658,7 @@ def check(candidate: TraceLike, model: str | os.PathLike, *, envelope: str | os.
     named = f"a {trace_.header.engine} trace" if isinstance(candidate, Trace) else str(candidate)
     preflight(trace_, config, identity, f"candidate {named}, model {model}")
     if draft is not None:   # before any run: the drafter must be the one the candidate's header names
-        from parity.bisect.draft_check import check_drafter
+        from parity.check.draft_check import check_drafter
         from parity.gguf.drafter import open_drafter
 
         check_drafter(trace_, open_drafter(draft, config).weights.identity(), Path(draft).name)
@@ -686,8 +686,8 @@ def _check_envelope(model: str | os.PathLike, identity: dict, trace_: Trace, con
     for a float32 trace, the reference's own measured now and cached (CheckPreflightError for another dtype)."""
     import time
 
-    from parity.bisect.check import reference_options
-    from parity.bisect.inputs import CheckPreflightError, envelope_for
+    from parity.check.check import reference_options
+    from parity.check.inputs import CheckPreflightError, envelope_for
 
     search = envelope_search if envelope_search is not None else _envelope_search(model)
     ref_options, _ = reference_options(trace_, config)
@@ -712,8 +712,8 @@ def _fault_libraries(model: str | os.PathLike, fault_engines: Sequence[str],
                      draft: str | os.PathLike | None) -> tuple[list, list]:
     """`check`'s defect libraries: (engine, loader, faults) for every engine in `fault_engines` (each must offer
     fault switches: CheckPreflightError naming those that do not), and with `draft` their drafter faults."""
-    from parity.bisect.inputs import CheckPreflightError
-    from parity.bisect.parallel import EngineLoader
+    from parity.check.inputs import CheckPreflightError
+    from parity.check.parallel import EngineLoader
     from parity.contract.engine import engine_class, engine_faults
 
     library = [(n, EngineLoader(n, str(model)), engine_faults(n)) for n in fault_engines]
@@ -751,7 +751,7 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Tokens = None, 
     import or construct, or `check`'s preflight refused the trace (not comparable). A problem that is the same on
     every commit (no such model, an unregistered engine name, token ids outside the vocabulary, an unreadable
     envelope) raises ParityError instead: the caller aborts the bisection rather than mark commits."""
-    from parity.bisect.inputs import CheckPreflightError
+    from parity.check.inputs import CheckPreflightError
     from parity.contract.engine import available_engines
     from parity.contract.errors import ParityError
 

@@ -13,7 +13,7 @@ per layer outside (the rope op at 8 of 48), SCALE = 4 at most 1; at layer level 
 is then about 1/6 of the twins' largest: docs/check.md). r is a hash of
 (seed, op name, element index, the value's bits): the same call gives the same result in any thread or chunk
 order, and two seeds give independent perturbations. An ensemble of such twins is the round-off null of
-`parity.bisect.null`.
+`parity.check.null`.
 """
 
 from __future__ import annotations

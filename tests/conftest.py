@@ -17,7 +17,7 @@ from parity.gguf.synth import synthesize
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory):
     """XDG_CACHE_HOME in a temporary directory for the whole session: `check` / `bisect` / `spec` cache measured
-    envelopes there (parity.bisect.inputs.cache_dir), and a test must neither read the user's nor write into it."""
+    envelopes there (parity.check.inputs.cache_dir), and a test must neither read the user's nor write into it."""
     mp = pytest.MonkeyPatch()
     path = tmp_path_factory.mktemp("xdg-cache")
     mp.setenv("XDG_CACHE_HOME", str(path))

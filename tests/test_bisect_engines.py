@@ -21,8 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from gpu_engine.faults import FAULTS
-from parity.bisect.envelope import load_envelope
 from parity.bisect.search import bisect, builtin_prompt
+from parity.check.envelope import load_envelope
 from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, load_engine

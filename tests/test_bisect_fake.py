@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from parity.bisect.envelope import gate, load_envelope, measure_envelope, save_envelope
-from parity.bisect.search import bisect, is_code_flip
+from parity.bisect.search import bisect
 from parity.bisect.trajectory import classify_steps
+from parity.check.envelope import gate, load_envelope, measure_envelope, save_envelope
+from parity.check.subops import is_code_flip
 from parity.compare.metrics import rel_l2
 from parity.compare.verdict import StepVerdict
 from parity.contract.checkpoints import SUBOP_NAMES

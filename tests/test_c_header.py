@@ -293,7 +293,7 @@ def test_spec_records_from_the_example_are_read_by_spec_candidate(tiny_f32, exam
 
     from click.testing import CliRunner
 
-    from parity.bisect.envelope import load_envelope
+    from parity.check.envelope import load_envelope
     from parity.cli import cli
     from parity.contract.engine import RunOptions
     from parity.spec.candidate import records_of

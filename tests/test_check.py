@@ -21,10 +21,10 @@ from requires import require
 from test_bisect_engines import SUBOP
 
 from parity import api
-from parity.bisect import inputs
-from parity.bisect.check import check
-from parity.bisect.check_report import to_text
-from parity.bisect.inputs import CheckPreflightError, find_envelope
+from parity.check import inputs
+from parity.check.check import check
+from parity.check.check_report import to_text
+from parity.check.inputs import CheckPreflightError, find_envelope
 from parity.cli import cli
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, engine_faults, load_engine
@@ -292,7 +292,7 @@ def test_llamacpp_dumps_end_to_end(tiny_f32, setup, tmp_path, fault, verdicts):
 
 def test_check_function_needs_full_vectors(tiny_f32, setup):
     t = api.trace("torch", tiny_f32, setup[0], positions="all")
-    from parity.bisect.envelope import load_envelope
+    from parity.check.envelope import load_envelope
     from parity.contract.errors import TraceError
 
     with pytest.raises(TraceError, match="no full vectors"):
@@ -403,7 +403,7 @@ def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, 
 def test_follow_mode_replays_a_chunked_binary_trace(tiny_f32, setup, tmp_path):
     # prefill in chunks of 9 (9, 9, 9, 1) then 4 decode steps, stored in the binary form: the reference follows
     # that schedule exactly (chunk by chunk, at the same start positions), and the clean candidate is not DEFECT
-    from parity.bisect.check import replay
+    from parity.check.check import replay
 
     t = api.trace("torch", tiny_f32, setup[0], positions="all", full="all", decode=DECODE, chunk=9,
                   forced=setup[1])
@@ -508,7 +508,7 @@ def test_an_error_in_one_layer_is_a_defect_there_from_any_directory_and_an_infla
 def test_flagless_candidate_on_a_shape_without_fp8_blocks_runs_the_sims_off(clean_trace):
     # transformers' tiny test configs have head_dim - rope_dim = 32: no whole FP8 block of 64, so a candidate that
     # declares no QAT flags is followed with the simulations off, and the notes say why
-    from parity.bisect.check import reference_options
+    from parity.check.check import reference_options
     from parity.gguf.synth import preset_config
 
     flagless = replace(clean_trace, header=replace(clean_trace.header, flags={}))

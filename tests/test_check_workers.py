@@ -5,7 +5,7 @@ The JSON documents are compared as bytes with the wall-clock field `seconds` set
 verdict, causes and their evidence, every table value to the last bit, notes (including the count of silenced
 engine announcements) — must be the serial run's. Candidates: a clean torch trace and one with
 `comb-not-transposed@3` (a fault at one chosen layer, tests/test_inject_layers.py), every position, full vectors.
-To stay small the comparisons call `parity.bisect.check.check` (what `api.check` calls) with 5 round-off twins
+To stay small the comparisons call `parity.check.check.check` (what `api.check` calls) with 5 round-off twins
 instead of 19 and a defect library of three torch faults; the options' way from the command line to it is checked
 separately.
 """
@@ -21,10 +21,10 @@ from reference_prompt import prompt_and_forced
 from requires import require
 
 from parity import api
-from parity.bisect.check import check
-from parity.bisect.check_report import to_json
-from parity.bisect.envelope import load_envelope
-from parity.bisect.parallel import EngineLoader
+from parity.check.check import check
+from parity.check.check_report import to_json
+from parity.check.envelope import load_envelope
+from parity.check.parallel import EngineLoader
 from parity.cli import cli
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError

@@ -204,7 +204,7 @@ def test_a_perturbed_mtp0_is_located_by_diff_and_check(tiny_f32, drafters, tmp_p
 def test_drafter_faults_are_named(tiny_f32, drafters, mtp_traces):
     """A torch candidate with the drafter fault mtp-no-hc-post: check's drafter stage departs at mtp.0 and the
     defect library (torch's drafter faults of the MTP head, on the candidate's trunk carriers) names the fault."""
-    from parity.bisect.draft_check import draft_check, draft_library
+    from parity.check.draft_check import draft_check, draft_library
     from parity.contract.engine import load_engine
     from reference_cpu.engine import ReferenceEngine
 

@@ -1,5 +1,5 @@
 """Acceptance of issue 24: `check` locates each drafter fault of the torch engine at the draft checkpoint it breaks
-(`parity.bisect.draft_check`: the reference's drafter on the candidate's own trunk carriers, judged against its
+(`parity.check.draft_check`: the reference's drafter on the candidate's own trunk carriers, judged against its
 round-off twins), with every draft checkpoint before it and the whole trunk judged fine.
 
 Tiny F32 model, synthesized drafters, QAT sims on (the committed tiny-f32 envelope is measured with them), a 12-token

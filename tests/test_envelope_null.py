@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.bisect.envelope import contradictions, load_envelope, merge_floors
+from parity.check.envelope import contradictions, load_envelope, merge_floors
 from parity.contract.errors import ParityError
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from trace_samples import toy_trace
 
-from parity.bisect.check import Cause, CheckReport, CheckRow
-from parity.bisect.check_report import headline, to_markdown, to_text
+from parity.check.check import Cause, CheckReport, CheckRow
+from parity.check.check_report import headline, to_markdown, to_text
 from parity.cli import cli, main
 from parity.tracing.io import write_trace
 

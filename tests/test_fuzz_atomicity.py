@@ -42,7 +42,7 @@ def strict_umask():
 
 
 def test_every_writer_gives_mode_0644(tmp_path, strict_umask):
-    from parity.bisect.envelope import Envelope, save_envelope
+    from parity.check.envelope import Envelope, save_envelope
     from parity.gguf.container import VT, TensorData, Value, write_gguf
     from parity.logprobs.io import write_ds4_dump
     from parity.tracing.export import export_npz

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from requires import require
 
-from parity.bisect.attribution import teacher_forced
+from parity.check.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.engine import RunOptions, load_engine

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from parity import api
-from parity.bisect.check import candidate_chunks, reference_options, replay
-from parity.bisect.inputs import candidate_subops, load_candidate
-from parity.bisect.opforce import forced_run, op_cells
+from parity.check.check import candidate_chunks, reference_options, replay
+from parity.check.inputs import candidate_subops, load_candidate
+from parity.check.opforce import forced_run, op_cells
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from requires import require
 
-from parity.bisect.envelope import load_envelope
+from parity.check.envelope import load_envelope
 from parity.compare.metrics import rel_l2
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError

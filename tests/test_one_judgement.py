@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from parity import api
-from parity.bisect.attribution import teacher_forced
-from parity.bisect.check import Cause, CheckCulprit, CheckReport, CheckRow
-from parity.bisect.envelope import load_envelope
-from parity.bisect.opforce import judge_ops
-from parity.bisect.search import as_dumps, builtin_prompt, compare_subops, drill_down
+from parity.bisect.search import builtin_prompt
+from parity.check.attribution import teacher_forced
+from parity.check.check import Cause, CheckCulprit, CheckReport, CheckRow
+from parity.check.envelope import load_envelope
+from parity.check.opforce import judge_ops
+from parity.check.subops import as_dumps, compare_subops, drill_down
 from parity.compare.arbitration import Arbitration, CheckpointClusters, departs_from, judged_by_checks
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights

@@ -8,8 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from parity.bisect.null import Cell, binomial_tail, judge
 from parity.bisect.search import builtin_prompt
+from parity.check.null import Cell, binomial_tail, judge
 from parity.contract.engine import OpForcing, RoundoffTwins, RunOptions, load_engine
 from parity.contract.errors import ParityError
 from reference_cpu.roundoff import SCALE, ULP, jitter

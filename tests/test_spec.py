@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from parity.bisect.envelope import Envelope, load_envelope
+from parity.check.envelope import Envelope, load_envelope
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
 from parity.gguf.synth_draft import synthesize_drafter

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from parity.bench.spec_acceptance import HEADS, SpecBenchPlan, parse_head, render_markdown, run_spec_bench
-from parity.bisect.envelope import load_envelope
+from parity.check.envelope import load_envelope
 from parity.contract.errors import ParityError
 
 # the torch engine's sims-off envelope of tiny f32 seed 0 (tests/test_spec.py); measuring one takes ~15 s

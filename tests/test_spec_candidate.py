@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from parity import api
-from parity.bisect.envelope import load_envelope
+from parity.check.envelope import load_envelope
 from parity.cli import cli as main
 from parity.contract.engine import RunOptions
 from parity.contract.errors import TraceError

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity.bisect.envelope import load_envelope
+from parity.check.envelope import load_envelope
 from parity.contract.engine import RunOptions
 from parity.gguf.synth_draft import synthesize_drafter
 from parity.spec.report import spec_report

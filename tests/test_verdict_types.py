@@ -142,8 +142,8 @@ def test_checks_flip_cause_carries_the_flip_the_old_words_described(check_report
 
 
 def test_verdicts_are_checked_where_they_are_built():
-    from parity.bisect.bisect_report import SubopResult
-    from parity.bisect.check import Cause, CheckRow
+    from parity.check.check import Cause, CheckRow
+    from parity.check.subops import SubopResult
 
     with pytest.raises(ValueError, match="'DEFECTIVE' is not a valid Verdict"):
         Verdict("DEFECTIVE")

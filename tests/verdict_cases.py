@@ -41,7 +41,7 @@ def check_reports(model: Path, work: Path) -> dict[str, Any]:
 
 def documents(report: Any) -> dict[str, Any]:
     """{"json": the JSON document, "text": the plain-text report} of one check report."""
-    from parity.bisect.check_report import to_json, to_text
+    from parity.check.check_report import to_json, to_text
 
     doc = json.loads(json.dumps(to_json(report)))
     doc["envelope"]["source"] = Path(doc["envelope"]["source"]).name   # the checkout's path is not the report's
@@ -54,8 +54,8 @@ def bisect_reports() -> dict[str, Any]:
     defect), timings zeroed."""
     from test_bisect_fake import PROMPT, FakeEngine
 
-    from parity.bisect.envelope import measure_envelope
     from parity.bisect.search import bisect
+    from parity.check.envelope import measure_envelope
     from parity.contract.engine import RunOptions
 
     env = measure_envelope(FakeEngine(), FakeEngine(RunOptions(dtype="float64")), FakeEngine(), PROMPT[:10], 3)
@@ -67,8 +67,8 @@ def bisect_reports() -> dict[str, Any]:
 def torch_bisect_report(model: Path) -> Any:
     """`bisect` of the torch engine (float32) against the reference on the tiny f32 model, the built-in prompt and
     4 decode steps (tests/test_bisect_engines.py's clean case: NOISE with a QAT code flip named), timings zeroed."""
-    from parity.bisect.envelope import load_envelope
     from parity.bisect.search import bisect, builtin_prompt
+    from parity.check.envelope import load_envelope
     from parity.contract.engine import RunOptions, load_engine
     from parity.gguf.weights import Weights
 

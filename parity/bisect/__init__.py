@@ -1,7 +1,8 @@
-"""Finding and judging a departure: `bisect`'s search (which layer, sub-op, step), teacher-forced attribution,
-the noise envelope, `check` (the full verdict of a trace: the round-off null, op-level forcing, the hypotheses that
-explain a layer, draft checkpoints) with its report printers, the per-layer work spread over a work pool.
+"""Finding a departure live: `bisect`'s search (which layer, sub-op, step: free-running screen, mirror splices,
+teacher-forced attribution, sub-op drill-down), its report and printers (`bisect_report`), the step trajectory, and
+`by_check`, which gives the report `check`'s verdict on the same run (one judgement).
 
-Imports `parity.contract`, `parity.gguf`, `parity.tracing` and `parity.compare`, never `parity.logprobs` (its
-sibling layer); imported by validate, spec, api, bench and cli.
+Imports `parity.check` (the null, the envelope, sub-op comparison, `check` itself), `parity.contract`,
+`parity.gguf`, `parity.tracing` and `parity.compare`, never `parity.logprobs` (its sibling layer); imported by
+validate, api, bench and cli.
 """

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.attribution import LayerAttribution, LayerRouting
 from parity.bisect.trajectory import Trajectory
-from parity.compare.verdict import BisectVerdict, QuantFlip, SubopStatus
+from parity.check.attribution import LayerAttribution, LayerRouting
+from parity.check.subops import SubopResult
+from parity.compare.verdict import BisectVerdict
 
 
 @dataclass(frozen=True)
@@ -35,23 +36,6 @@ class SpliceProbe:
     excess: float          # max excess over the candidate's checkpoints below k and the spliced ones from k on
     clean: bool
     row_mismatch: tuple[int, int] | None = None   # (layer, position) of a visible-row-count difference
-
-
-@dataclass(frozen=True)
-class SubopResult:
-    """Local comparison of one sub-op inside the culprit layer (both engines on the reference's inputs)."""
-
-    name: str
-    status: SubopStatus    # ok | noise | defect
-    err: float             # largest local error over the positions judged (rel-L2, or 1 - overlap for sets)
-    floor: float           # envelope floor (0 for set comparisons)
-    excess: float
-    position: int | None   # first position outside the envelope
-    detail: str = ""       # the evidence in words (for a flip: `flip_words` of `flips`)
-    flips: tuple[QuantFlip, ...] = ()   # the isolated QAT code flips behind a 'noise' status, one per capture
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "status", SubopStatus(self.status))   # a mistyped status is an error naming it
 
 
 @dataclass(frozen=True)

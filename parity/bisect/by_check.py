@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parity.bisect.bisect_report import BisectReport, Culprit, judged_summary
-from parity.bisect.check import CheckReport
-from parity.bisect.check_report import to_json
+from parity.check.check import CheckReport
+from parity.check.check_report import to_json
 from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
 
 

@@ -12,7 +12,7 @@ Algorithm (L layers, T positions, every run on the reference's chunk schedule an
    amplified by a QAT code flip downstream); if no layer departs locally, the verdict is noise;
 4. drill-down in layer j: both engines run layer j on the reference's inputs with captures, and so do N_TWINS
    round-off twins of the reference; every sub-op is judged by `check`'s round-off null (`null_drill_down`:
-   the op-level test of `parity.bisect.opforce.judge_ops`, the same binomial exceedance test, TIEs and
+   the op-level test of `parity.check.opforce.judge_ops`, the same binomial exceedance test, TIEs and
    structural differences), and the culprit op is named with the first position and, past the prompt, the
    decode step. A layer that departs by the null is a defect there even when no single op does (as `check`
    calls a departing layer that no benign variant explains). Only a reference without round-off twins falls
@@ -31,7 +31,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from parity.bisect.attribution import (
+from parity.bisect.bisect_report import (
+    BisectReport,
+    Culprit,
+    SpliceProbe,
+    clean_summary,
+    drafter_clean_summary,
+    drafter_defect_summary,
+    summarize,
+)
+from parity.bisect.trajectory import Trajectory, trajectory
+from parity.check.attribution import (
     LayerAttribution,
     LayerRouting,
     attribute,
@@ -39,22 +49,12 @@ from parity.bisect.attribution import (
     routing,
     teacher_forced,
 )
-from parity.bisect.bisect_report import (
-    BisectReport,
-    Culprit,
-    SpliceProbe,
-    SubopResult,
-    clean_summary,
-    drafter_clean_summary,
-    drafter_defect_summary,
-    summarize,
-)
-from parity.bisect.draft_check import DraftCheck, judge_records
-from parity.bisect.envelope import ROW_CAPTURES, Envelope, aligned_weights, checkpoint_errors
-from parity.bisect.null import N_TWINS, judge, layer_nulls
-from parity.bisect.trajectory import Trajectory, trajectory
-from parity.compare.metrics import rel_l2, set_overlap
-from parity.compare.verdict import BisectVerdict, LayerKind, QuantFlip, QuantFormat, SubopStatus, flip_words
+from parity.check.draft_check import DraftCheck, judge_records
+from parity.check.envelope import Envelope, checkpoint_errors
+from parity.check.null import N_TWINS, judge, layer_nulls
+from parity.check.subops import SubopResult, drill_down, inherited_flips
+from parity.compare.metrics import rel_l2
+from parity.compare.verdict import BisectVerdict, LayerKind, SubopStatus
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
 from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
@@ -63,13 +63,8 @@ from parity.tracing.drafts import draft_names, draft_records, tapped_layers
 from parity.tracing.runner import ChunkResult, all_tokens, chunk_schedule, run_sequence, stack
 
 if TYPE_CHECKING:
-    from parity.bisect.opforce import OpVerdict
+    pass
 
-# Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
-QUANT_FORMAT = {"rope_kv": QuantFormat.FP8_E4M3, "comp_rows": QuantFormat.FP8_E4M3, "index_rows": QuantFormat.FP4_E2M1}
-QUANT_MBITS = {name: f.mbits for name, f in QUANT_FORMAT.items()}   # 3, 3, 1
-# An isolated code flip touches at most this fraction of a row's elements (at least one element).
-FLIP_FRACTION = 1 / 32
 
 
 # Built-in prompt: BOS + a 4-token motif repeated. The repetition makes compressed rows alike, so the indexer
@@ -152,218 +147,6 @@ def mirror_bisect(ref_engine: Engine, free: Sequence[ChunkResult], free_errs: di
         probes.append(probe(mid))
         lo, hi = (mid, hi) if probes[-1].clean else (lo, mid)
     return hi - 1, probes
-
-
-# ---------------------------------------------------------------- drill-down
-
-def _cat(outs: Sequence[LayerOutput], name: str, engine: str, layer: int) -> np.ndarray:
-    for o in outs:
-        if name not in o.captures:
-            raise ParityError(f"{engine} engine did not fill capture {name!r} at layer {layer}; "
-                              "the drill-down needs every capture of parity.contract.checkpoints.SUBOPS")
-    return np.concatenate([o.captures[name] for o in outs])
-
-
-def is_code_flip(ref_row: np.ndarray, got_row: np.ndarray, noise_rel: float, mbits: int) -> bool:
-    """True when the rows differ only by isolated one-code steps of a float format with `mbits` mantissa
-    bits: at most max(1, FLIP_FRACTION * n) elements off by more than noise_rel * rms(ref_row), each by at
-    most two quanta 2^(floor(log2 max(|a|,|b|)) - mbits) (power-of-two block scales; two quanta cover
-    sub-normal codes)."""
-    a, b = np.asarray(ref_row, np.float64).ravel(), np.asarray(got_row, np.float64).ravel()
-    d = np.abs(a - b)
-    off = d > noise_rel * np.sqrt(np.mean(a * a))
-    if not off.any() or off.sum() > max(1, FLIP_FRACTION * a.size):
-        return False
-    m = np.maximum(np.abs(a), np.abs(b))[off]
-    quantum = np.exp2(np.floor(np.log2(m)) - mbits)
-    return bool((d[off] <= 2 * quantum).all())
-
-
-class _Judge:
-    """Compares captures position by position, remembering where a legitimate flip started a cascade."""
-
-    def __init__(self, layer: int, env: Envelope, positions: np.ndarray, ratio: int) -> None:
-        self.layer, self.env, self.positions, self.ratio = layer, env, positions, ratio
-        self.taint: int | None = None   # first position touched by a legitimate flip
-
-    def excused(self, pos: int) -> bool:
-        return self.taint is not None and pos >= self.taint
-
-    def flip(self, pos: int) -> None:
-        self.taint = pos if self.taint is None else min(self.taint, pos)
-
-    def floats(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> SubopResult:
-        floor = self.env.subop_floor(self.layer, name)
-        tol = self.env.limit(floor)
-        err = rel_l2(a, b) if len(a) else np.zeros(0)
-        bad = [i for i in np.flatnonzero(err > tol) if not self.excused(int(pos[i]))]
-        flips = [i for i in bad if name in QUANT_MBITS and is_code_flip(a[i], b[i], tol, QUANT_MBITS[name])]
-        real = [i for i in bad if i not in flips]
-        for i in flips:
-            self.flip(int(pos[i]))
-        worst = float(err.max()) if len(err) else 0.0
-        if real:
-            i = real[0]
-            what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
-                    f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
-            return SubopResult(name, SubopStatus.DEFECT, float(err[i]), floor, float(self.env.excess(err[i], floor)),
-                               int(pos[i]), f"{name}: {what} at position {pos[i]}")
-        status = SubopStatus.NOISE if (flips or (err > tol).any()) else SubopStatus.OK
-        flip = ((QuantFlip(name, QUANT_FORMAT[name], len(flips), self.taint),)
-                if flips and self.taint is not None else ())   # flips set the taint
-        detail = (flip_words(flip[0]) if flip else
-                  f"excess only in the cascade of a flip at position {self.taint}" if status is SubopStatus.NOISE
-                  else "")
-        return SubopResult(name, status, worst, floor, float(self.env.excess(worst, floor)),
-                           None, detail, flip)
-
-    def rows(self, name: str, ref_outs: Sequence[LayerOutput], cand_outs: Sequence[LayerOutput]) -> SubopResult:
-        """Emitted rows: a row missing or extra at some chunk is a defect at the position that emits it."""
-        for o_r, o_c in zip(ref_outs, cand_outs, strict=True):
-            nr, nc = len(o_r.captures[name]), len(o_c.captures[name])
-            if nr != nc:
-                j = min(nr, nc)
-                pos = (j + 1) * self.ratio - 1 if self.ratio else int(self.positions[0])
-                return SubopResult(name, SubopStatus.DEFECT, 1.0, 0.0, np.inf, pos,
-                                   f"{name}: candidate has {nc} rows, reference {nr} (row {j} missing or extra, "
-                                   f"emitted at position {pos})")
-        a, b = ref_outs[-1].captures[name], cand_outs[-1].captures[name]
-        row_pos = (np.arange(len(a)) + 1) * max(self.ratio, 1) - 1
-        return self.floats(name, a, b, row_pos)
-
-    def sets(self, name: str, a: np.ndarray, b: np.ndarray, pos: np.ndarray,
-             margin: np.ndarray | None) -> SubopResult:
-        """Per-position set overlap of selected ids (-1 = padding); routing flips judged by the router margin."""
-        tol = self.env.margin_tol(self.layer)
-        miss = 1 - set_overlap(a, b)
-        worst = float(miss.max(initial=0.0))
-        for i in np.flatnonzero(miss > 0):
-            p = int(pos[i])
-            if self.excused(p):
-                continue
-            if margin is not None and np.isfinite(margin[i]) and margin[i] <= tol:
-                self.flip(p)
-                continue
-            why = "" if margin is None else (" (hash routing is a table lookup)" if not np.isfinite(margin[i])
-                                             else f" at router margin {margin[i]:.3g} > noise {tol:.3g}")
-            ra, rb = (sorted(set(x[i][x[i] >= 0].tolist())) for x in (a, b))
-            return SubopResult(name, SubopStatus.DEFECT, float(miss[i]), 0.0, np.inf, p,
-                               f"{name} at position {p}: reference {ra}, candidate {rb}{why}")
-        status = SubopStatus.NOISE if worst > 0 else SubopStatus.OK
-        detail = f"near-tie flips (margin <= {tol:.3g}) or cascade from position {self.taint}" if worst else ""
-        return SubopResult(name, status, worst, 0.0, 0.0, None, detail)
-
-
-def _worst(results: list[SubopResult], name: str) -> SubopResult:
-    """Combine the captures of one sub-op: the first defect, else the worst status."""
-    for r in results:
-        if r.status is SubopStatus.DEFECT:
-            return replace(r, name=name)
-    best = max(results, key=lambda r: (r.status is SubopStatus.NOISE, r.excess))
-    return SubopResult(name, best.status, best.err, best.floor, best.excess, best.position,
-                       "; ".join(r.detail for r in results if r.detail), tuple(f for r in results for f in r.flips))
-
-
-def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], layer: int,
-               env: Envelope) -> list[SubopResult]:
-    """Every sub-op of `layer`, in SUBOPS order, both engines fed the reference's inputs, judged by the round-off
-    null (N_TWINS twins of the reference on the same inputs: 2 + N_TWINS layer-runs); by the envelope's floors
-    only when the reference has no twins."""
-    r_outs = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
-    c_outs = teacher_forced(cand, ref, [layer], capture=True)[layer]
-    for name in (n for _sub, caps in SUBOPS for n in caps):   # every capture filled, on both sides
-        _cat(r_outs, name, ref_engine.name, layer)
-        _cat(c_outs, name, cand.name, layer)
-    if not isinstance(ref_engine, RoundoffTwins):
-        return compare_subops(r_outs, c_outs, ref, layer, cand.config.ratio(layer), env,
-                              (ref_engine.name, cand.name))
-    from parity.bisect.opforce import judge_ops  # opforce -> hypotheses -> this module
-
-    twins = [teacher_forced(ref_engine.roundoff_twin(s), ref, [layer], capture=True)[layer]
-             for s in range(1, N_TWINS + 1)]
-    return null_drill_down(judge_ops(r_outs, twins, as_dumps(ref, c_outs, layer), layer, cand.config.ratio(layer)))
-
-
-def as_dumps(chunks: Sequence[ChunkResult], outs: Sequence[LayerOutput], layer: int) -> list[ChunkResult]:
-    """One engine's captured run of `layer` (one LayerOutput per chunk) as the per-chunk dumps `judge_ops` reads:
-    that layer's carriers, diagnostics and sub-op captures (the other layers' slots are empty)."""
-    pad = [None] * layer
-    return [ChunkResult(c.start_pos, c.tokens, {block_attn(layer): o.attn_carrier, block(layer): o.carrier},
-                        c.logits, [*pad, o.diag], [*([{}] * layer), o.captures])  # type: ignore[list-item]
-            for c, o in zip(chunks, outs, strict=True)]
-
-
-def null_drill_down(v: OpVerdict) -> list[SubopResult]:
-    """`judge_ops`'s verdict of one layer as SubopResults in SUBOPS order. Both engines ran the whole layer on the
-    same inputs, so an op inherits the departures of the ops before it: the culprit ('defect') is the first op, in
-    execution order, that departs by the null (its test significant, or the structural difference), else, when
-    only the pooled cells depart, judge_ops' culprit. An op with TIEs or with cells outside every twin short of
-    significance is 'noise'; else 'ok'. floor: the largest twin at the op's worst cell; excess: that cell's
-    distance over it."""
-    struct_op = v.fit.subop if v.fit.structural else None
-    departs = [sub for sub, _ in SUBOPS if sub == struct_op or (sub in v.ops and v.ops[sub].significant)]
-    culprit = departs[0] if departs else None if v.fit.explains else v.fit.subop
-    out = []
-    for sub, _caps in SUBOPS:
-        t = v.ops.get(sub)
-        ties = [d for s, d in v.fit.ties if s == sub]
-        worst = t.worst if t is not None else None
-        err = t.err if t is not None else 0.0
-        floor, excess = (worst.twin_max, worst.ratio) if worst is not None else (0.0, 0.0)
-        if sub == culprit:
-            own = t is not None and t.significant and sub != struct_op
-            detail = v.fit.structural if sub == struct_op else t.summary() if own else v.fit.test.summary()
-            pos = t.first.position if own and t.first is not None else v.fit.position
-            out.append(SubopResult(sub, SubopStatus.DEFECT, err, floor, excess, pos, f"{sub}: {detail}"))
-        elif ties or (t is not None and t.exceed):
-            out.append(SubopResult(sub, SubopStatus.NOISE, err, floor, excess, None,
-                                   "; ".join([*ties, *([t.summary()] if t is not None and t.exceed else [])])))
-        else:
-            out.append(SubopResult(sub, SubopStatus.OK, err, floor, excess, None))
-    return out
-
-
-def compare_subops(r_outs: Sequence[LayerOutput], c_outs: Sequence[LayerOutput], chunks: Sequence[ChunkResult],
-                   layer: int, ratio: int, env: Envelope, names: tuple[str, str]) -> list[SubopResult]:
-    """Judge every sub-op capture of two runs of `layer` over the chunk schedule `chunks` (one LayerOutput per
-    chunk on each side, captured), in SUBOPS order; `names` are the two sides' names for error messages."""
-    pos = np.concatenate([c.start_pos + np.arange(len(c.tokens)) for c in chunks])
-    judge = _Judge(layer, env, pos, ratio)
-    margin = np.concatenate([o.diag.router_margin for o in r_outs])
-    results = []
-    for sub, caps in SUBOPS:
-        parts = []
-        for name in caps:
-            if name in ROW_CAPTURES:
-                _cat(r_outs, name, names[0], layer)
-                _cat(c_outs, name, names[1], layer)
-                parts.append(judge.rows(name, r_outs, c_outs))
-                continue
-            a, b = _cat(r_outs, name, names[0], layer), _cat(c_outs, name, names[1], layer)
-            if name == "index_sel":
-                parts.append(judge.sets(name, a, b, pos, None))
-            elif name == "expert_ids":
-                parts.append(judge.sets(name, a, b, pos, margin))
-            elif name == "expert_weights":
-                wa, wb, same = aligned_weights(_cat(r_outs, "expert_ids", names[0], layer), a,
-                                               _cat(c_outs, "expert_ids", names[1], layer), b)
-                parts.append(judge.floats(name, wa[same], wb[same], pos[same]))
-            else:
-                parts.append(judge.floats(name, a, b, pos))
-        results.append(_worst(parts, sub))
-    return results
-
-
-def inherited_flips(ref_engine: Engine, ref: Sequence[ChunkResult], inputs: Sequence[ChunkResult], layer: int,
-                    env: Envelope) -> list[SubopResult]:
-    """The reference's `layer` run on its own inputs and on another run's inputs (`inputs`: chunks whose carrier
-    entering `layer` is taken), both captured and judged sub-op by sub-op. When the other run's input drift is
-    inside the envelope, an excess at this layer is either a legitimate QAT code flip the drift tipped over
-    (named in the sub-op's detail) or a defect-like amplification (status 'defect'). 2 layer-runs."""
-    own = teacher_forced(ref_engine, ref, [layer], capture=True)[layer]
-    other = teacher_forced(ref_engine, inputs, [layer], capture=True)[layer]
-    return compare_subops(own, other, ref, layer, ref_engine.config.ratio(layer), env,
-                          (ref_engine.name, f"{ref_engine.name} on the other run's inputs"))
 
 
 # ---------------------------------------------------------------- orchestration
@@ -523,7 +306,7 @@ def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: 
 def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Note) -> DraftCheck:
     """The drafter as one more layer: both engines' draft heads on the reference's trunk carriers (every position,
     `parity.tracing.drafts.draft_records`), the candidate's records judged by the reference's round-off twins
-    (`parity.bisect.draft_check.judge_records`). 2 + N_TWINS draft-head runs."""
+    (`parity.check.draft_check.judge_records`). 2 + N_TWINS draft-head runs."""
     say(f"drafter: both {draft['kind']} heads on the reference's trunk carriers, {N_TWINS} round-off twins")
     positions = list(range(len(fs.tokens)))
     carriers = {l: stack(fs.ref, block(l)) for l in tapped_layers(ref_engine, draft)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.checkpoints import block
 from parity.tracing.stats import top_k

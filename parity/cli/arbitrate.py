@@ -66,15 +66,15 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
 
 
 def _check_docs(checks: dict) -> dict:
-    """engine -> `check`'s JSON document (parity.bisect.check_report.to_json) plus its headline."""
-    from parity.bisect.check_report import headline, to_json
+    """engine -> `check`'s JSON document (parity.check.check_report.to_json) plus its headline."""
+    from parity.check.check_report import headline, to_json
 
     return {e: {"headline": headline(c), **to_json(c)} for e, c in checks.items()}
 
 
 def _check_lines(checks: dict) -> list[str]:
     """One line per engine: its `check` verdict line (these decide the exit status)."""
-    from parity.bisect.check_report import headline
+    from parity.check.check_report import headline
 
     return [f"check {e} (decides the exit status): {headline(c)}" for e, c in checks.items()]
 

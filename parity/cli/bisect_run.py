@@ -69,7 +69,7 @@ def bisect_run(model: str, engine: str, tokens: str | None, decode: int, engine_
         echo_json(_as_json(result))
     else:
         if result.report is not None:
-            from parity.bisect.check_report import to_text
+            from parity.check.check_report import to_text
 
             click.echo(to_text(result.report))
         click.echo(f"bisect-run: {result.outcome} (exit {result.exit_code}): {result.reason}")

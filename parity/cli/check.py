@@ -83,8 +83,8 @@ def check(model, candidate, envelope_path, tokens, tokens_file, fault_engines, d
 def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | None, html_path: str | None) -> None:
     """--markdown FILE ('-': stdout), --plot PNG, --html FILE, then the report as JSON or text on stdout (none when
     the Markdown went there)."""
-    from parity.bisect.check_report import plot as plot_report
-    from parity.bisect.check_report import to_html, to_json, to_markdown, to_text
+    from parity.check.check_report import plot as plot_report
+    from parity.check.check_report import to_html, to_json, to_markdown, to_text
 
     if markdown_path:
         write_text(markdown_path, to_markdown(report))

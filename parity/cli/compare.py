@@ -211,14 +211,14 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
 
 
 def _check_dict(report) -> dict:
-    from parity.bisect.check_report import to_json
+    from parity.check.check_report import to_json
 
     return {"check": to_json(report)} if report is not None else {}
 
 
 def _echo_check(report) -> None:
     if report is not None:
-        from parity.bisect.check_report import headline
+        from parity.check.check_report import headline
 
         click.echo(f"check (decides the exit status): {headline(report)}")
 

@@ -45,7 +45,7 @@ class Arbitration:
     first_split: str | None                   # first checkpoint where the engines do not all agree
     odd_ones_out: tuple[str, ...]             # outside the largest cluster at first_split
     greedy_disagreements: dict[str, int]      # decode steps whose argmax differs from the first engine's token
-    # `arbitrate --check`: engine -> its `check` report (parity.bisect.check.CheckReport); empty without it
+    # `arbitrate --check`: engine -> its `check` report (parity.check.check.CheckReport); empty without it
     checks: dict[str, Any] = field(default_factory=dict)
     rule: str = "tolerance"                   # how engines agree: "tolerance" (rel-L2 <= tol) | "check" (verdicts)
 

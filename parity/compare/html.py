@@ -5,7 +5,7 @@ per-checkpoint table with pass/fail colours, the drift plot, routing/indexer/HC 
 headers side by side); other commands (check, bisect, validate) build their own `Section`s with `table`,
 `image` (`plot_png` renders a report's figure), `preformatted` and `headers_side_by_side`, and call `write_html`
 (or pass `extra=` to `write_report` to append them to a diff): their pages are printers beside their other ones
-(`parity.bisect.check_report.to_html`, `parity.bisect.bisect_report.to_html`).
+(`parity.check.check_report.to_html`, `parity.bisect.bisect_report.to_html`).
 """
 
 from __future__ import annotations

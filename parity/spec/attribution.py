@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.contract.progress import SILENT, ProgressSink
 from parity.spec.accept import Slot, first_max, label

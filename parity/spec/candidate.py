@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.contract.errors import TraceError
 from parity.contract.progress import SILENT, ProgressSink

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.spec.attribution import RoundAttribution, ulps
 from parity.spec.driver import Round
 

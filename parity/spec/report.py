@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.contract.engine import Engine
 from parity.contract.errors import ParityError
 from parity.contract.progress import SILENT, ProgressSink

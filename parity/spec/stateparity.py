@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope
+from parity.check.envelope import Envelope
 from parity.compare.metrics import rel_l2
 
 

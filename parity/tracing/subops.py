@@ -150,7 +150,7 @@ def _table(trace: Trace, kind: str, cols: Sequence[str], per: int) -> dict[str, 
 
 def subop_chunks(trace: Trace, config: ModelConfig) -> list[ChunkResult]:
     """The trace's sub-op records as the runner's chunk results on the candidate's own chunking (header `chunks`),
-    the form `parity.bisect.opforce` takes: carriers from the full vectors, captures from the records (emitted rows
+    the form `parity.check.opforce` takes: carriers from the full vectors, captures from the records (emitted rows
     visible after each chunk), HC mixes / router picks / indexer selections from the hc, moe and attn records."""
     h, vec, rec = trace.header, trace.vectors or {}, trace.subops
     T, L = len(h.tokens), trace.n_layers

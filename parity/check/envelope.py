@@ -7,7 +7,7 @@ L2 seen between benign pairs of runs on a calibration prompt:
 * `dtype` (bf16 sections only): candidate bfloat16 vs the same candidate in float32.
 A pair is one run: a QAT code flip (or a routing/selection flip) in it would make the whole envelope wide. So the
 round-off null measures the pairs: N_TWINS Monte-Carlo twins of the float32 reference (`RoundoffTwins`, the null
-`check` judges by, parity.bisect.null), each free-running against the exact reference, give per quantity the
+`check` judges by, parity.check.null), each free-running against the exact reference, give per quantity the
 worst position of each twin (`null`). The quietest twin is plain round-off (with QAT on most twins flip some code
 somewhere: median 0.2 rel-L2 at tiny real-mix's last layer, quietest 5e-6). A float32 pair (oracle; rechunk of
 a float32 candidate) above K times the quietest twin (+ EPS) is not plain round-off: it is left out of that
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.bisect.null import N_TWINS
+from parity.check.null import N_TWINS
 from parity.compare.metrics import max_abs, rel_l2
 from parity.contract.checkpoints import LOGITS
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions

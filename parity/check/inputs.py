@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.envelope import Envelope, load_envelope, read_envelope
+from parity.check.envelope import Envelope, load_envelope, read_envelope
 from parity.contract.errors import ParityError, TraceError
 from parity.gguf.config import ModelConfig
 from parity.gguf.weights import same_model

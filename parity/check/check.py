@@ -10,9 +10,9 @@ every position of the run, L = layers):
 3. teacher-forced local error: where the candidate recorded full vectors at every position, the reference runs
    layer l on the candidate's own carrier entering l (its caches built from the candidate's earlier inputs)
    and is compared with the candidate's blk.l.attn / blk.l (layer-level); with the candidate's dumped sub-ops,
-   every op on the candidate's own input to it instead (op-level, `parity.bisect.opforce`). Either is judged
-   by the round-off null of `parity.bisect.null` (19 twins of the same run: 19 layer-runs a layer);
-4. each layer that departs is explained by the hypotheses of `parity.bisect.hypotheses` (benign numerics, each
+   every op on the candidate's own input to it instead (op-level, `parity.check.opforce`). Either is judged
+   by the round-off null of `parity.check.null` (19 twins of the same run: 19 layer-runs a layer);
+4. each layer that departs is explained by the hypotheses of `parity.check.hypotheses` (benign numerics, each
    judged by its own twins, then the defect library); ties are named; a free-running excess without any local
    departure is amplified sub-envelope drift, and the QAT code flip it tips over is named (2 layer-runs).
 """
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from parity.bisect import parallel
-from parity.bisect.attribution import teacher_forced
-from parity.bisect.draft_check import check_drafter, draft_check, draft_library, unjudged
-from parity.bisect.envelope import Envelope
-from parity.bisect.hypotheses import (
+from parity.check import parallel
+from parity.check.attribution import teacher_forced
+from parity.check.draft_check import check_drafter, draft_check, draft_library, unjudged
+from parity.check.envelope import Envelope
+from parity.check.hypotheses import (
     Fit,
     LayerNull,
     VariantTester,
@@ -43,10 +43,10 @@ from parity.bisect.hypotheses import (
     routing_replay,
     table_rows,
 )
-from parity.bisect.null import N_TWINS
-from parity.bisect.opforce import op_verdict
-from parity.bisect.parallel import EngineLoader
-from parity.bisect.search import inherited_flips
+from parity.check.null import N_TWINS
+from parity.check.opforce import op_verdict
+from parity.check.parallel import EngineLoader
+from parity.check.subops import inherited_flips
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.compare.verdict import CauseKind, Judged, QuantFlip, QuantFormat, RowStatus, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
@@ -209,7 +209,7 @@ def free_profile(trace: Trace, ref: Sequence[ChunkResult]) -> dict[str, np.ndarr
     pos = np.asarray(trace.header.positions)
     out = {}
     for name, got in (trace.vectors or {}).items():
-        if is_draft(name):  # judged teacher-forced only (`parity.bisect.draft_check`)
+        if is_draft(name):  # judged teacher-forced only (`parity.check.draft_check`)
             continue
         want = np.concatenate([c.logits if name == LOGITS else c.checkpoints[name] for c in ref])[pos]
         out[name] = rel_l2(want, got)
@@ -247,7 +247,7 @@ class _Stages:
 class _Quiet:
     """The factory with the engine's own stderr announcements ("APPROXIMATE ...", "FAULTS INJECTED ...") captured
     into `announced` instead of printed: check's internal variant and fault runs are summarised in one note.
-    `loader`: the picklable factory that rebuilds its engines in a worker (`parity.bisect.parallel`); engines made
+    `loader`: the picklable factory that rebuilds its engines in a worker (`parity.check.parallel`); engines made
     while a work pool is active are registered with it."""
 
     factory: EngineFactory
@@ -285,7 +285,7 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     draft_fault_engines: as fault_engines, opened with the candidate's drafter, for its drafter faults.
     progress.note(message) announces the stages; progress.count(stage, done, total) counts the chunks of the two
     long passes.
-    pool: where the per-layer runs go (`parity.bisect.parallel`: worker processes or Ray; factories that are
+    pool: where the per-layer runs go (`parity.check.parallel`: worker processes or Ray; factories that are
     `EngineLoader`s can be rebuilt there); the report is the serial one, byte for byte."""
     announced: list[str] = []
     with parallel.active(pool or WorkPool(), announced):
@@ -397,14 +397,14 @@ def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: Judged
     verdict = Verdict.of_causes(c.kind for c in st.causes)
     report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
                          trace.header.n_prompt, round(time.perf_counter() - t0, 3), judged)
-    from parity.bisect.check_report import headline
+    from parity.check.check_report import headline
 
     return replace(report, headline=headline(report))
 
 
 def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Note, count: Count,
             fault_engines: Sequence[tuple[str, EngineFactory, tuple[str, ...]]]) -> list[CheckRow]:
-    """The draft checkpoints, teacher-forced on the candidate's trunk carriers (`parity.bisect.draft_check`): a
+    """The draft checkpoints, teacher-forced on the candidate's trunk carriers (`parity.check.draft_check`): a
     row each; the first outside the round-off null is a defect (the culprit when the trunk has none), matched
     against the drafter faults of `fault_engines`."""
     h = trace.header

@@ -167,7 +167,7 @@ class Distributor:
                 if layer not in shared:
                     shared[layer] = self.pool.share(layer_inputs(cand, layer))
                     if dumps is not None:
-                        from parity.bisect.opforce import given_of
+                        from parity.check.opforce import given_of
 
                         given[layer] = self.pool.share([given_of(d, layer) for d in dumps])
         units = [(ref, seed, group, capture, dumps is not None, *(shared[l] for l in group),
@@ -186,7 +186,7 @@ class Distributor:
 
 def layer_inputs(cand: Sequence[ChunkResult], layer: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Per chunk (start_pos, tokens, the carrier entering `layer`: embed for 0, else blk.{layer-1}; contiguous)."""
-    from parity.bisect.attribution import layer_input
+    from parity.check.attribution import layer_input
 
     return [(c.start_pos, c.tokens, layer_input(c, layer)) for c in cand]
 

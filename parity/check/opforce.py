@@ -4,7 +4,7 @@ When the candidate dumped its sub-ops (a complete llama.cpp capture: every mappe
 each op of layer l on the candidate's value of that op's inputs (`OpForcing`, `checkpoints.SUBOP_INPUTS`), so
 roundings never accumulate from one op to the next: op k's local error is op k's alone. Each op's cells
 (positions; emitted rows at their emitting position) are judged by the round-off null of the same forced run
-(`parity.bisect.null`); discrete picks (expert sets, indexer rows) that differ are TIEs when some twin makes
+(`parity.check.null`); discrete picks (expert sets, indexer rows) that differ are TIEs when some twin makes
 the candidate's pick too, else structural. A layer's verdict is the verdict of its ops.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from parity.bisect import parallel
-from parity.bisect.attribution import layer_input
-from parity.bisect.envelope import DISCRETE, ROW_CAPTURES
-from parity.bisect.hypotheses import Fit, pick_diff, twins_make
-from parity.bisect.null import N_TWINS, NullTest, judge
+from parity.check import parallel
+from parity.check.attribution import layer_input
+from parity.check.envelope import DISCRETE, ROW_CAPTURES
+from parity.check.hypotheses import Fit, pick_diff, twins_make
+from parity.check.null import N_TWINS, NullTest, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import SUBOP_INPUTS, SUBOPS, block, block_attn
 from parity.contract.engine import Engine, LayerOutput, OpForcing, RoundoffTwins
@@ -155,7 +155,7 @@ def op_verdict(engine: Engine, cand: Sequence[ChunkResult], dumps: Sequence[Chun
     if pooled is None:
         ref = forced_run(engine, cand, dumps, layer)
         twins = [forced_run(engine.roundoff_twin(s), cand, dumps, layer) for s in range(1, n + 1)]
-    else:   # 1 + n units on the work pool (`parity.bisect.parallel`), merged in seed order
+    else:   # 1 + n units on the work pool (`parity.check.parallel`), merged in seed order
         check_forcing(engine, dumps, layer)
         d, eref = pooled
         ref, *twins = [outs for outs, _ in d.layers([(eref, s or None, layer) for s in range(n + 1)], cand,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from parity.bisect import parallel
+from parity.check import parallel
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.compare.verdict import LayerKind
 from parity.contract.checkpoints import EMBED, block, block_attn
@@ -22,7 +22,7 @@ from parity.contract.engine import Engine, LayerOutput
 from parity.tracing.runner import ChunkResult
 
 if TYPE_CHECKING:   # the envelope measures its floors with the null, which runs layers with `teacher_forced`
-    from parity.bisect.envelope import Envelope
+    from parity.check.envelope import Envelope
 
 
 def layer_input(chunk: ChunkResult, layer: int) -> np.ndarray:
@@ -37,7 +37,7 @@ def teacher_forced(engine: Engine, ref: Sequence[ChunkResult], layers: Sequence[
                    on_chunk: Callable[[int], None] | None = None) -> dict[int, list[LayerOutput]]:
     """Run `engine`'s layers on the reference's inputs over the reference's chunk schedule.
     Returns layer -> one LayerOutput per chunk. One state serves all layers (caches are per layer), so each
-    layer may run alone: with a work pool active (`parity.bisect.parallel`) one unit per layer."""
+    layer may run alone: with a work pool active (`parity.check.parallel`) one unit per layer."""
     pooled = parallel.for_engine(engine)
     if pooled is not None:
         d, eref = pooled
@@ -72,7 +72,7 @@ class LayerAttribution:
     free_excess: float
     worst_position: int    # argmax_t of the local error
     row_mismatch: int | None = None  # first position whose visible compressed-row count differs (structural)
-    null_departs: bool | None = None  # the round-off null's test (parity.bisect.null), when measured: it decides
+    null_departs: bool | None = None  # the round-off null's test (parity.check.null), when measured: it decides
 
     @property
     def kind(self) -> LayerKind:

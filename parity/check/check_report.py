@@ -14,7 +14,7 @@ from parity.compare.verdict import CauseKind, Judged, RowStatus, Verdict
 from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
-    from parity.bisect.check import CheckReport, CheckRow
+    from parity.check.check import CheckReport, CheckRow
 
 
 # Checkpoints outside every block: where a cause without a layer (layer None) lies.

@@ -6,7 +6,7 @@ The reference's draft head (an engine opened with the same drafter) runs on the 
 the anchors are the run's tokens, at the last position the candidate's own argmax there), and so do N round-off
 twins of it (`RoundoffTwins`: every sub-op of the draft blocks, the MTP input and the heads' logits perturbed at
 the float32 ulp level). Per draft checkpoint q and position p: e(q, p) = relL2(candidate, R0) and the twins'
-e_i(q, p) = relL2(R_i, R0); `parity.bisect.null.judge` counts the cells outside every twin against the
+e_i(q, p) = relL2(R_i, R0); `parity.check.null.judge` counts the cells outside every twin against the
 Binomial(cells, 1/(N+1)) tail, checkpoint by checkpoint in order. The first significant checkpoint is the defect.
 
 What this judges and what it does not: each draft checkpoint is compared with the reference computed from the
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.bisect.null import ALPHA, N_TWINS, NullTest, binomial_tail, judge
+from parity.check.null import ALPHA, N_TWINS, NullTest, binomial_tail, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import FINAL_NORM, block
 from parity.contract.engine import Engine, RoundoffTwins, RunOptions

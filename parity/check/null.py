@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.bisect import parallel
-from parity.bisect.attribution import teacher_forced
+from parity.check import parallel
+from parity.check.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RoundoffTwins
@@ -118,7 +118,7 @@ def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],
 
 @dataclass(frozen=True)
 class LayerNull:
-    """One layer's round-off ensemble on the candidate's inputs (`parity.bisect.null`): per carrier quantity the
+    """One layer's round-off ensemble on the candidate's inputs (`parity.check.null`): per carrier quantity the
     twins' distances from their exact run, [N, T], each twin's sorted expert set per position, [N, T, K], and
     its sorted indexer selection, [N, T, top_k] (None off CSA layers)."""
 
@@ -171,7 +171,7 @@ def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, li
 def _twin_runs(engine: Engine, cand: Sequence[ChunkResult], layers: list[int], n: int
                ) -> Iterator[dict[int, list[LayerOutput]]]:
     """Twin 1..n of `engine` over `layers` on the candidate's inputs, one dict a twin, in seed order: in this
-    process, or as units of (twin, layers) on the active work pool (`parity.bisect.parallel`)."""
+    process, or as units of (twin, layers) on the active work pool (`parity.check.parallel`)."""
     pooled = parallel.for_engine(engine)
     if pooled is None:
         for seed in range(1, n + 1):

@@ -6,7 +6,7 @@
 * defects: the library of known porting bugs, each a fault switch of an engine that offers them through the
   protocol (`FaultSwitches`), run as a mutation of the culprit layer.
 A hypothesis explains a layer when its run of that layer on the candidate's inputs reproduces the candidate's
-recorded output within the round-off null (`parity.bisect.null`: its own twins for a reference variant, the
+recorded output within the round-off null (`parity.check.null`: its own twins for a reference variant, the
 exact run's for a mutation), with no structural difference left (visible rows; expert sets and indexer
 selections that no twin makes). A variant costs 1 + N_TWINS layer-runs, a mutation one.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from parity.bisect import parallel
-from parity.bisect.attribution import teacher_forced
-from parity.bisect.envelope import Envelope
-from parity.bisect.null import N_TWINS, LayerNull, NullTest, carriers, judge, layer_nulls, sorted_ids, sorted_sel
-from parity.bisect.search import compare_subops
+from parity.check import parallel
+from parity.check.attribution import teacher_forced
+from parity.check.envelope import Envelope
+from parity.check.null import N_TWINS, LayerNull, NullTest, carriers, judge, layer_nulls, sorted_ids, sorted_sel
+from parity.check.subops import compare_subops
 from parity.compare.metrics import rel_l2
 from parity.compare.verdict import SubopStatus
 from parity.contract.checkpoints import block, block_attn
