@@ -7,7 +7,9 @@ import os
 # Tiny test matrices: multi-threaded BLAS only spins on a shared 2-core box (measured 60x slower under load).
 # Set before anything imports numpy; an explicit user setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch CPU intra-op threads: same spinning (measured 20x)
+# OMP_NUM_THREADS no longer sets the torch engine's threads (its engine argument threads=N does, default one
+# per usable CPU); kept for any other OpenMP user. torch waits passively (OMP_WAIT_POLICY, parity.contract.cpus).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
