@@ -139,3 +139,12 @@ def test_bisect_teacher_forced_pass_on_two_workers_is_the_serial_one(tiny_f32):
         runs.append(json.dumps(doc, indent=1).encode())
     assert runs[0] == runs[1]
     assert json.loads(runs[0])["culprit"]["layer"] == 2
+
+
+def test_a_factory_no_worker_can_rebuild_is_refused_on_a_pool_not_run_serially_unannounced(tiny_f32):
+    # the report would be the serial one either way; the user asked for workers, so running serially without a
+    # word would be a silent default: the factory is named before any work
+    loader = EngineLoader("reference", str(tiny_f32))
+    with pytest.raises(ParityError, match="factory of torch cannot be rebuilt in a worker"):
+        check(None, loader, None, config=None, fault_engines=[("torch", lambda o: None, ("sink-dropped",))],
+              pool=WorkPool(2))

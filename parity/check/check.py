@@ -51,7 +51,7 @@ from parity.compare.metrics import rel_l2, set_overlap
 from parity.compare.verdict import CauseKind, Judged, QuantFlip, QuantFormat, RowStatus, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
 from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants
-from parity.contract.errors import TraceError
+from parity.contract.errors import ParityError, TraceError
 from parity.contract.progress import SILENT, Count, Note, ProgressSink
 from parity.contract.workpool import WorkPool
 from parity.gguf.config import ModelConfig
@@ -287,6 +287,13 @@ def check(trace: Trace, make_reference: EngineFactory, env: Envelope, *, config:
     long passes.
     pool: where the per-layer runs go (`parity.check.parallel`: worker processes or Ray; factories that are
     `EngineLoader`s can be rebuilt there); the report is the serial one, byte for byte."""
+    if pool is not None and not pool.serial:   # a factory a worker cannot rebuild would silently run here
+        unbuildable = [name for name, f in [("reference", make_reference), *((n, f) for n, f, _ in fault_engines),
+                                            *((n, f) for n, f, _ in draft_fault_engines)]
+                       if parallel.loader_of(f) is None]
+        if unbuildable:
+            raise ParityError(f"check on {pool.describe()}: the engine factory of {', '.join(unbuildable)} cannot be "
+                              "rebuilt in a worker (pass a parity.check.parallel.EngineLoader), or run serially")
     announced: list[str] = []
     with parallel.active(pool or WorkPool(), announced):
         return _check(trace, make_reference, env, config, fault_engines, subops, notes, progress, n_twins,
