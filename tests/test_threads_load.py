@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from requires import require_that
 from trace_samples import toy_trace
 
 from gpu_engine.engine import TorchEngine
@@ -130,8 +131,7 @@ def test_reference_with_worker_threads_holds_openblas_to_one_thread(tiny_f32):
     from reference_cpu.threads import loaded_openblas
 
     blas = loaded_openblas()
-    if not blas:
-        pytest.skip("NumPy's BLAS here is not an OpenBLAS this process can find")
+    require_that(bool(blas), "an OpenBLAS behind NumPy that this process can find (the wheels ship one)")
     for set_threads, _ in blas:
         set_threads(2)
     ReferenceEngine(str(tiny_f32), RunOptions(engine_args=("threads=1",)))
