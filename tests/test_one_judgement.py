@@ -168,3 +168,22 @@ def test_a_checkpoint_missing_from_checks_table_is_an_error_not_ok():
     assert departs_from(report, NAMES) == NAMES.index("blk.1.attn")
     with pytest.raises(ValueError, match="no row for checkpoint"):
         departs_from(report, (*NAMES[:5], "blk.2.attn", *NAMES[5:]))
+
+
+def test_bisects_culprit_comes_from_check_and_an_unplaced_defect_is_an_error():
+    from parity.bisect.bisect_report import BisectReport, Culprit
+    from parity.bisect.by_check import judged_by_check
+    from parity.contract.errors import ParityError
+
+    own = BisectReport("defect", "DEFECT at layer 1, sub-op attention: x", Culprit(1, "attention", 3, None, "x"),
+                       4, 0, [0, 1, 2, 3], {"k": 10.0}, {})
+    kept = judged_by_check(own, _report("DEFECT", 1, "sink-dropped"))        # same layer: bisect's sub-op stays
+    assert (kept.culprit.layer, kept.culprit.subop) == (1, "attention")
+    moved = judged_by_check(own, _report("DEFECT", 0, "sink-dropped"))       # check's layer wins
+    assert (moved.culprit.layer, moved.culprit.subop, moved.verdict.value) == (0, None, "defect")
+    embed = judged_by_check(own, _report("DEFECT", None, "embedding-differs"))
+    assert embed.culprit.layer == "embed"
+    with pytest.raises(ParityError, match="names no culprit layer"):
+        judged_by_check(own, _report("DEFECT", None, "unexplained"))
+    clean = judged_by_check(own, _report("MATCH"))
+    assert clean.culprit is None and clean.verdict.value == "no defect"

@@ -17,6 +17,7 @@ from parity.bisect.bisect_report import BisectReport, Culprit, judged_summary
 from parity.check.check import CheckReport
 from parity.check.check_report import to_json
 from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
+from parity.contract.errors import ParityError
 
 
 def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
@@ -36,9 +37,9 @@ def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
         return report.culprit if checked.verdict is Verdict.NOISE and report.verdict is BisectVerdict.NOISE else None
     c = checked.culprit
     cause = next(x for x in checked.causes if x.kind is CauseKind.DEFECT)
-    layer = (c.layer if c is not None and c.layer is not None
-             else "embed" if cause.name == "embedding-differs" else "head")
+    if c is None or (c.layer is None and cause.name != "embedding-differs"):   # check names a layer, or the embedding
+        raise ParityError(f"check's DEFECT ({cause.name}) names no culprit layer: {checked.headline}")
+    layer = "embed" if c.layer is None else c.layer
     if report.culprit is not None and report.culprit.layer == layer:
         return report.culprit
-    return Culprit(layer, c.subop if c else None, c.position if c else None, c.decode_step if c else None,
-                   f"{cause.name}: {cause.evidence}")
+    return Culprit(layer, c.subop, c.position, c.decode_step, f"{cause.name}: {cause.evidence}")
