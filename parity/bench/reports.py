@@ -3,9 +3,9 @@ OUT/bench.json) and `VerdictsReport` (check's false-DEFECT and detection rates, 
 
 As `parity.validate.result.ValidateReport`: frozen at the top level, one field per JSON key (in the order the file
 holds them), the nested values JSON-shaped as the measurements produce them. `to_dict()` is the JSON document
-(`parity.compare.jsonvalues.json_safe`); `report["key"]`, `report.get("key")` and `"key" in report` read the
-document's keys as the dict-based printers (`parity.bench.measure.render_markdown`,
-`parity.bench.verdicts.render_verdicts_markdown`) do.
+(`parity.compare.jsonvalues.json_safe`). Built from the measured document by `from_dict`, which refuses a missing
+or unknown key by name; the Markdown printers (`parity.bench.measure.render_markdown`,
+`parity.bench.verdicts.render_verdicts_markdown`) render that same document.
 """
 
 from __future__ import annotations
@@ -39,19 +39,6 @@ class _Section:
 
     def _present(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.json_keys() if not (k in self.OPTIONAL and getattr(self, k) is None)}
-
-    def __getitem__(self, key: str) -> Any:
-        present = self._present()
-        if key not in present:
-            raise KeyError(key)
-        return present[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._present()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value at `key`, or `default` when the document has no such key."""
-        return self._present().get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (file order; absent optional keys left out; values spelled by `json_safe`)."""

@@ -74,10 +74,10 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
     report = table = None
     files: list[Path] = []
     if not verdicts_only:
-        report = PerfReport.from_dict(run_bench(cache, device, quick, chosen, torch_threads or None, progress,
-                                                peers=peer_names))
+        doc = run_bench(cache, device, quick, chosen, torch_threads or None, progress, peers=peer_names)
+        report = PerfReport.from_dict(doc)   # the document's keys checked: none missing, none unknown
         atomic_write_text(out / "bench.json", json.dumps(report.to_dict(), indent=2, allow_nan=False))
-        table = render_markdown(report)
+        table = render_markdown(doc)
         atomic_write_text(out / "bench.md", table)
         files += [out / "bench.json", out / "bench.md"]
     verdict_report = markdown = None
