@@ -45,6 +45,12 @@ class SubopResult:
 
 
 
+def subop_words(r: SubopResult) -> str:
+    """The evidence of one sub-op result in words ('' for an 'ok' sub-op with nothing to say): what `bisect`'s
+    summary and `check`'s causes print after the sub-op's name."""
+    return r.detail
+
+
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
 QUANT_FORMAT = {"rope_kv": QuantFormat.FP8_E4M3, "comp_rows": QuantFormat.FP8_E4M3, "index_rows": QuantFormat.FP4_E2M1}
 QUANT_MBITS = {name: f.mbits for name, f in QUANT_FORMAT.items()}   # 3, 3, 1
