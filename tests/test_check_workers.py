@@ -125,14 +125,12 @@ def test_workers_with_a_ray_address_is_refused(tiny_f32):
 def test_bisect_teacher_forced_pass_on_two_workers_is_the_serial_one(tiny_f32):
     """`bisect --workers 2`: the teacher-forced pass and its round-off twins as units; the report (but for its
     `seconds`) is the serial one."""
-    from parity.bisect.bisect_report import to_json as bisect_json
-
     prompt = list(range(1, 14))
     runs = []
     for workers in (1, 2):
         r = api.bisect(tiny_f32, engine="torch", tokens=prompt, decode=1, envelope=ENV_F32,
                        options=RunOptions(inject=("sink-dropped@2",)), workers=workers)
-        doc = json.loads(json.dumps(bisect_json(r), default=str))
+        doc = json.loads(json.dumps(r.to_dict(), default=str))
         doc.pop("seconds")
         for timing in ("seconds", "envelope"):   # the verdict's `check` (its times and envelope lookup time)
             doc["check"].pop(timing)

@@ -81,9 +81,7 @@ def torch_bisect_report(model: Path) -> Any:
 
 def bisect_documents(report: Any) -> dict[str, Any]:
     """{"json": the JSON document, "text": the summary} of one bisect report."""
-    from parity.bisect.bisect_report import to_json
-
-    return {"json": json.loads(json.dumps(to_json(report))), "text": report.summary}
+    return {"json": json.loads(json.dumps(report.to_dict())), "text": report.summary}
 
 
 def main(out: Path) -> None:

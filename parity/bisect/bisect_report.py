@@ -61,6 +61,23 @@ class BisectReport:
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", BisectVerdict(self.verdict))   # a mistyped word is an error naming it
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document: every field of the report (numpy arrays as nested lists), the trajectory with its
+        counts, first divergent step, divergence rate and step x layer excess."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["culprit"] = asdict(self.culprit) if self.culprit else None
+        d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
+        d["probes"] = [asdict(p) for p in self.probes]
+        d["routing"] = [asdict(r) for r in self.routing]
+        d["subops"] = [asdict(s) for s in self.subops]
+        if self.trajectory is not None:
+            t = self.trajectory
+            fd = t.first_divergent
+            d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
+                               "first_divergent_step": fd.step if fd else None,
+                               "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
+        return _plain(d)
+
 
 # ---------------------------------------------------------------- text summary
 
@@ -181,22 +198,6 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def to_json(report: BisectReport) -> dict:
-    """The JSON document: every field of the report (numpy arrays as nested lists), the trajectory with its
-    counts, first divergent step, divergence rate and step x layer excess."""
-    d = {k: getattr(report, k) for k in report.__dataclass_fields__}
-    d["culprit"] = asdict(report.culprit) if report.culprit else None
-    d["attribution"] = [asdict(a) | {"kind": a.kind} for a in report.attribution]
-    d["probes"] = [asdict(p) for p in report.probes]
-    d["routing"] = [asdict(r) for r in report.routing]
-    d["subops"] = [asdict(s) for s in report.subops]
-    if report.trajectory is not None:
-        t = report.trajectory
-        fd = t.first_divergent
-        d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
-                           "first_divergent_step": fd.step if fd else None,
-                           "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
-    return _plain(d)
 
 
 def plot(report: BisectReport, path: str) -> object:

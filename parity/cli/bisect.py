@@ -150,9 +150,7 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
                             ray=ray)
     _figures(report, plot, html_path)
     if as_json:
-        from parity.bisect.bisect_report import to_json
-
-        echo_json(to_json(report))
+        echo_json(report.to_dict())
     else:
         from parity.compare.textcells import fit_line
 
