@@ -36,27 +36,22 @@ def layer_input(chunk: ChunkResult, layer: int) -> np.ndarray:
 def teacher_forced(engine: Engine, ref: Sequence[ChunkResult], layers: Sequence[int], capture: bool = False,
                    on_chunk: Callable[[int], None] | None = None) -> dict[int, list[LayerOutput]]:
     """Run `engine`'s layers on the reference's inputs over the reference's chunk schedule.
-    Returns layer -> one LayerOutput per chunk. One state serves all layers (caches are per layer), so each
-    layer may run alone: with a work pool active (`parity.check.parallel`) one unit per layer."""
+    Returns layer -> one LayerOutput per chunk. Layer after layer, each over every chunk in its own state (caches
+    are per layer, so a layer alone gives the same outputs, and its weights are dequantized once however many
+    chunks); with a work pool active (`parallel`) one unit per layer. `on_chunk(i)` reports progress in chunks:
+    after the k-th of K layers, i = k * len(ref) // K - 1 (at least 0)."""
     pooled = parallel.for_engine(engine)
     if pooled is not None:
         d, eref = pooled
-        outs_of = {}
-        for k, (l, (outs, _)) in enumerate(zip(layers, d.layers([(eref, None, l) for l in layers], ref, capture),
-                                               strict=True)):
-            outs_of[l] = outs
-            if on_chunk:
-                on_chunk(max(0, (k + 1) * len(ref) // len(layers) - 1))
-        return outs_of
-    state = engine.new_state()
-    outs: dict[int, list[LayerOutput]] = {l: [] for l in layers}
-    for i, chunk in enumerate(ref):
-        for l in layers:
-            outs[l].append(engine.forward_layer(state, l, layer_input(chunk, l), chunk.tokens, chunk.start_pos,
-                                                capture=capture))
+        runs = (outs for outs, _ in d.layers([(eref, None, l) for l in layers], ref, capture))
+    else:
+        runs = (parallel.layer_run(engine, l, parallel.layer_inputs(ref, l), capture) for l in layers)
+    outs_of = {}
+    for k, (l, outs) in enumerate(zip(layers, runs, strict=True)):
+        outs_of[l] = outs
         if on_chunk:
-            on_chunk(i)
-    return outs
+            on_chunk(max(0, (k + 1) * len(ref) // len(layers) - 1))
+    return outs_of
 
 
 @dataclass(frozen=True)

@@ -372,7 +372,7 @@ def _local_stage(trace: Trace, ref_engine: Engine, cand: list[ChunkResult] | Non
         say(f"round-off null: {n_twins} twins of the reference on the candidate's inputs "
             f"({n_twins * len(layers)} layer-runs)")
         if cand is not None and layers:
-            nulls = layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, n_twins))
+            nulls = layer_nulls(ref_engine, cand, tf, n_twins, lambda i: count("round-off twins", i, len(layers)))
         local = local_errors(trace, tf, nulls)
         st.runs["null"] = n_twins * len(layers)
     st.notes.append(_evidence_note(subops is not None and cand is not None, cand is not None))

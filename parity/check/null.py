@@ -18,13 +18,12 @@ gives on correct runs is measured by `make bench` (docs/check.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from parity.check import parallel
-from parity.check.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RoundoffTwins
@@ -144,45 +143,44 @@ def sorted_sel(outs: Sequence[LayerOutput]) -> np.ndarray | None:
 
 
 def layer_nulls(engine: Engine, cand: Sequence[ChunkResult], exact: dict[int, list[LayerOutput]],
-                n: int = N_TWINS, on_twin: Callable[[int], None] | None = None) -> dict[int, LayerNull]:
+                n: int = N_TWINS, on_layer: Callable[[int], None] | None = None) -> dict[int, LayerNull]:
     """The round-off ensembles of every layer of `exact` (engine's teacher-forced runs on the candidate's
-    inputs): n twins of `engine` (`RoundoffTwins`), each one pass over those layers. n layer-runs per layer."""
+    inputs): n twins of `engine` (`RoundoffTwins`), n layer-runs per layer. Layer-major: a layer's n twins run
+    one after another, so its weights are dequantized once for all of them (a reference whose cache holds one
+    layer of a 43-layer model would dequantize every layer n times in twin-major order). `on_layer(k)` after the
+    k-th layer."""
     if not isinstance(engine, RoundoffTwins):
         raise ParityError(f"engine {engine.name} has no round-off twins (RoundoffTwins): no measured null")
     layers = sorted(exact)
-    base = {l: carriers(exact[l], l) for l in layers}
-    dist: dict[int, dict[str, list[np.ndarray]]] = {l: {q: [] for q in base[l]} for l in layers}
-    ids: dict[int, list[np.ndarray]] = {l: [] for l in layers}
-    sel: dict[int, list[np.ndarray]] = {l: [] for l in layers}
-    for seed, runs in enumerate(_twin_runs(engine, cand, layers, n), 1):
-        for l in layers:
-            for q, arr in carriers(runs[l], l).items():
-                dist[l][q].append(rel_l2(base[l][q], arr))
-            ids[l].append(sorted_ids(runs[l]))
-            picks = sorted_sel(runs[l])
-            if picks is not None:
-                sel[l].append(picks)
-        if on_twin:
-            on_twin(seed)
-    return {l: LayerNull({q: np.stack(v) for q, v in dist[l].items()}, np.stack(ids[l]),
-                         np.stack(sel[l]) if sel[l] else None) for l in layers}
-
-
-def _twin_runs(engine: Engine, cand: Sequence[ChunkResult], layers: list[int], n: int
-               ) -> Iterator[dict[int, list[LayerOutput]]]:
-    """Twin 1..n of `engine` over `layers` on the candidate's inputs, one dict a twin, in seed order: in this
-    process, or as units of (twin, layers) on the active work pool (`parity.check.parallel`)."""
     pooled = parallel.for_engine(engine)
     if pooled is None:
-        for seed in range(1, n + 1):
-            yield teacher_forced(engine.roundoff_twin(seed), cand, layers)   # type: ignore[attr-defined]
-        return
-    d, ref = pooled
-    jobs = parallel.twin_groups(ref, layers, n, d.pool.workers)
-    results = d.groups(jobs, cand)
-    per_seed = len(jobs) // max(n, 1)
-    for _ in range(n):
-        runs: dict[int, list[LayerOutput]] = {}
-        for (_, _, group), (outs, _) in zip(jobs[:per_seed], (next(results) for _ in range(per_seed)), strict=True):
-            runs.update(zip(group, outs, strict=True))
-        yield runs
+        nulls = (twin_null(engine, parallel.layer_inputs(cand, l), exact[l], l, n) for l in layers)
+    else:
+        d, ref = pooled
+        nulls = d.twin_nulls(ref, layers, n, cand, {l: carriers(exact[l], l) for l in layers})
+    out = {}
+    for k, (l, null) in enumerate(zip(layers, nulls, strict=True), 1):
+        out[l] = null
+        if on_layer:
+            on_layer(k)
+    return out
+
+
+def twin_null(engine: Engine, inputs: parallel.Inputs, exact: Sequence[LayerOutput] | dict[str, np.ndarray],
+              layer: int, n: int) -> LayerNull:
+    """One layer's null: twins 1..n of `engine` over `inputs` (per chunk (start_pos, tokens, carrier entering
+    the layer)), each reduced to its distances from `exact` (the exact run's outputs, or their `carriers`) as it
+    finishes. A pure function of its arguments, so a worker process computes the same null."""
+    base = exact if isinstance(exact, dict) else carriers(exact, layer)
+    dist: dict[str, list[np.ndarray]] = {q: [] for q in base}
+    ids: list[np.ndarray] = []
+    sel: list[np.ndarray] = []
+    for seed in range(1, n + 1):
+        runs = parallel.layer_run(engine.roundoff_twin(seed), layer, inputs)   # type: ignore[attr-defined]
+        for q, arr in carriers(runs, layer).items():
+            dist[q].append(rel_l2(base[q], arr))
+        ids.append(sorted_ids(runs))
+        picks = sorted_sel(runs)
+        if picks is not None:
+            sel.append(picks)
+    return LayerNull({q: np.stack(v) for q, v in dist.items()}, np.stack(ids), np.stack(sel) if sel else None)

@@ -106,27 +106,42 @@ def worker_engine(ref: EngineRef) -> tuple[Engine, str]:
 Inputs = Sequence[tuple[int, np.ndarray, np.ndarray]]   # per chunk: (start_pos, tokens, carrier entering the layer)
 
 
+def layer_run(engine: Engine, layer: int, inputs: Inputs, capture: bool = False,
+              given: Sequence[Any] | None = None) -> list[LayerOutput]:
+    """`layer` of `engine` over every chunk of `inputs` (per chunk (start_pos, tokens, carrier entering it)) in
+    a fresh state; with `given` (per chunk) every sub-op on those values (`OpForcing.forward_ops`)."""
+    state = engine.new_state()
+    if given is None:
+        return [engine.forward_layer(state, layer, x, t, s, capture=capture) for s, t, x in inputs]
+    return [engine.forward_ops(state, layer, x, t, s, g)   # type: ignore[attr-defined]
+            for (s, t, x), g in zip(inputs, given, strict=True)]
+
+
 def run_layers(ref: EngineRef, seed: int | None, layers: tuple[int, ...], capture: bool, forced_ops: bool,
                *data: Any) -> tuple[list[list[LayerOutput]], str]:
-    """One unit: `layers` of the engine `ref` (its round-off twin `seed` when not None) over every chunk, one
-    state (each layer has its own cache: the same outputs as each layer alone); `data`: each layer's inputs
-    (per chunk (start_pos, tokens, carrier)), then with `forced_ops` each layer's given sub-op values per chunk
-    (`OpForcing.forward_ops`: every sub-op on those). Top-level arguments, so Ray resolves shared ones. Returns
-    the outputs per layer and what building the engine printed."""
+    """One unit: `layers` of the engine `ref` (its round-off twin `seed` when not None) over every chunk, layer
+    after layer (each layer has its own cache: the same outputs as each layer alone, and a layer's weights are
+    dequantized once); `data`: each layer's inputs (per chunk (start_pos, tokens, carrier)), then with
+    `forced_ops` each layer's given sub-op values per chunk (`OpForcing.forward_ops`: every sub-op on those).
+    Top-level arguments, so Ray resolves shared ones. Returns the outputs per layer and what building the engine
+    printed."""
     engine, said = worker_engine(ref)
     if seed is not None:
         engine = engine.roundoff_twin(seed)   # type: ignore[attr-defined]
-    state = engine.new_state()
     inputs = [[(s, t, np.ascontiguousarray(x)) for s, t, x in chunks]   # as `attribution.layer_input` gives them
               for chunks in data[: len(layers)]]
     given = data[len(layers):] if forced_ops else [None] * len(layers)
-    outs: list[list[LayerOutput]] = [[] for _ in layers]
-    for i in range(len(inputs[0])):
-        for k, layer in enumerate(layers):
-            s, t, x = inputs[k][i]
-            outs[k].append(engine.forward_layer(state, layer, x, t, s, capture=capture) if given[k] is None else
-                           engine.forward_ops(state, layer, x, t, s, given[k][i]))   # type: ignore[attr-defined]
-    return outs, said
+    return [layer_run(engine, layer, inputs[k], capture, given[k]) for k, layer in enumerate(layers)], said
+
+
+def run_twin_null(ref: EngineRef, layer: int, n: int, exact: dict[str, np.ndarray], inputs: Inputs) -> Any:
+    """One unit of the round-off null: `layer`'s n twins of the engine `ref` on `inputs`, reduced to their
+    distances from `exact` (the exact run's carriers): `parity.check.null.twin_null` in a worker."""
+    from parity.check.null import twin_null
+
+    engine, _ = worker_engine(ref)
+    inputs = [(s, t, np.ascontiguousarray(x)) for s, t, x in inputs]
+    return twin_null(engine, inputs, exact, layer, n)
 
 
 # ---------------------------------------------------------------- parent side
@@ -173,6 +188,13 @@ class Distributor:
         units = [(ref, seed, group, capture, dumps is not None, *(shared[l] for l in group),
                   *((given[l] for l in group) if dumps is not None else ())) for ref, seed, group in jobs]
         yield from self.pool.ordered(run_layers, units)
+
+    def twin_nulls(self, ref: EngineRef, layers: Sequence[int], n: int, cand: Sequence[ChunkResult],
+                   exact: dict[int, dict[str, np.ndarray]]) -> Iterator[Any]:
+        """The round-off null of every layer (one unit a layer: its n twins, so a worker dequantizes the layer
+        once), in the order of `layers`."""
+        units = [(ref, l, n, self.pool.share(exact[l]), self.pool.share(layer_inputs(cand, l))) for l in layers]
+        yield from self.pool.ordered(run_twin_null, units)
 
     def said(self, text: str) -> None:
         """Count what building a unit's engine printed, where the serial code built (and silenced) that engine."""
@@ -228,17 +250,6 @@ def loader_of(factory: Any) -> EngineLoader | None:
         factory = getattr(factory, "loader", None) or getattr(factory, "factory", None)
         seen += 1
     return None
-
-
-def twin_groups(ref: EngineRef, layers: Sequence[int], n: int, workers: int
-                ) -> list[tuple[EngineRef, int | None, tuple[int, ...]]]:
-    """Seed-major units of the round-off twins (the serial order): each twin's layers split into as few groups as
-    keep every worker busy (about 2 units per worker in all; one group when n twins are enough), so a small layer
-    does not pay a unit's overhead alone."""
-    k = max(1, min(len(layers), -(-2 * workers // max(n, 1))))
-    size = -(-len(layers) // k)
-    groups = [tuple(layers[i : i + size]) for i in range(0, len(layers), size)]
-    return [(ref, seed, g) for seed in range(1, n + 1) for g in groups]
 
 
 def with_options(ref: EngineRef, **changes: Any) -> EngineRef:
