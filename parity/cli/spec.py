@@ -111,7 +111,7 @@ def spec(model, draft, script, engine, depth, pairing, steps, tokens, tokens_fil
 def _show(report: object, as_json: bool, markdown_path: str | None, html_path: str | None) -> None:
     """--markdown FILE ('-': stdout), --html FILE, then the report as JSON or text on stdout (none when the
     Markdown went there)."""
-    from parity.spec.printers import to_json, to_markdown, to_text
+    from parity.spec.printers import to_markdown, to_text
 
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
@@ -120,7 +120,7 @@ def _show(report: object, as_json: bool, markdown_path: str | None, html_path: s
 
         write_spec_html(html_path, report)
     if as_json:
-        echo_json(to_json(report))
+        echo_json(report.to_dict())
     elif markdown_path != "-":
         click.echo(to_text(report))
 

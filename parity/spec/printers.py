@@ -1,11 +1,10 @@
-"""Printers of a `SpecReport`: the headline, plain text, Markdown and JSON. No computation here."""
+"""Printers of a `SpecReport`: the headline, plain text and Markdown (its JSON document is `SpecReport.to_dict`). No
+computation here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import fit_line, table_lines
 from parity.spec.accept import DEFECT_LABELS
 
@@ -98,42 +97,3 @@ def to_markdown(report: SpecReport) -> str:
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(round_cells(i, report)) + " |" for i in range(len(report.rounds))]
     return "\n".join(out) + "\n"
-
-
-def to_json(report: SpecReport) -> dict[str, Any]:
-    """exact, first_divergence ({step, class, spec_induced, position, spec, plain, reference, margin, margin_ulps,
-    tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos, anchor, drafts, confidence, verified,
-    cut, verify, reference, margins, accepted, replayed, labels, reference_drafts, seconds}]), acceptance
-    ({per_slot, reference_per_slot, mean}), state_divergence ({round, start_pos, component, kind, why} or null;
-    kind shape | non-finite | values), drafter_divergence ({round, start_pos, component: the first draft
-    checkpoint where the candidate's drafter departs from the reference drafter on the candidate's inputs, kind,
-    why} or null), state_flip_possible (a values difference with QAT sims on: noted, not a
-    defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step, position, token, reference, margin,
-    tie}]}: every committed token judged on its own prefix), state_checked, state_note (why not; with a partial view
-    the components compared; else null), cost,
-    tokens, options, seconds, defects. A run read from a trace (`--candidate`): spec_induced, plain and
-    tokens.plain null."""
-    d = report.divergence
-    div = None
-    if d is not None:
-        div = {"class": d.cls, **{k: v for k, v in asdict(d).items() if k != "cls"}}
-    rounds = [{**asdict(r), "reference": list(a.reference), "margins": list(a.margins), "ties": list(a.ties),
-               "labels": list(a.labels), "reference_drafts": list(a.reference_drafts)}
-              for r, a in zip(report.rounds, report.attribution, strict=True)]
-    return json_safe({"exact": report.exact, "first_divergence": div, "labels": report.labels, "rounds": rounds,
-                      "acceptance": {"per_slot": list(report.per_slot),
-                                     "reference_per_slot": list(report.reference_per_slot),
-                                     "mean": report.mean_accepted},
-                      "state_divergence": asdict(report.state_divergence) if report.state_divergence else None,
-                      "drafter_divergence": (asdict(report.drafter_divergence) if report.drafter_divergence
-                                             else None),
-                      "committed": {"counts": report.committed_counts,
-                                    "divergent": [{"class": x.cls, **{k: v for k, v in asdict(x).items() if k != "cls"}}
-                                                  for x in report.committed if x.cls != "MATCH"]},
-                      "state_checked": report.state_checked, "state_note": report.state_note,
-                      "state_flip_possible": report.state_flip_possible,
-                      "cost": report.cost, "defects": report.defects,
-                      "tokens": {"prompt": list(report.prompt), "spec": list(report.spec_tokens),
-                                 "plain": None if report.plain_tokens is None else list(report.plain_tokens),
-                                 "reference": list(report.reference_tokens)},
-                      "options": report.options, "seconds": report.seconds})

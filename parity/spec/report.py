@@ -1,16 +1,17 @@
 """`v4parity spec`'s result as data: one run of the speculative driver, its exactness and its attribution.
-Printers live in parity/spec/printers.py."""
+Printers live in parity/spec/printers.py; the JSON document is `SpecReport.to_dict`."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from parity.check.envelope import Envelope
+from parity.compare.jsonvalues import json_safe
 from parity.contract.engine import Engine
 from parity.contract.errors import ParityError
 from parity.contract.progress import SILENT, ProgressSink
@@ -110,6 +111,44 @@ class SpecReport:
     def first_round(self, labels: Sequence[str]) -> int | None:
         """Index of the first round with one of `labels`, or None."""
         return next((i for i, a in enumerate(self.attribution) if set(a.labels) & set(labels)), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document: exact, first_divergence ({step, class, spec_induced, position, spec, plain,
+        reference, margin, margin_ulps, tie, tie_ulps} or null), labels ({LABEL: count}), rounds ([{start_pos,
+        anchor, drafts, confidence, verified, cut, verify, reference, margins, accepted, replayed, labels,
+        reference_drafts, seconds}]), acceptance ({per_slot, reference_per_slot, mean}), state_divergence ({round,
+        start_pos, component, kind, why} or null; kind shape | non-finite | values), drafter_divergence ({round,
+        start_pos, component: the first draft checkpoint where the candidate's drafter departs from the reference
+        drafter on the candidate's inputs, kind, why} or null), state_flip_possible (a values difference with QAT
+        sims on: noted, not a defect), committed ({counts: {MATCH, TIE, WRONG}, divergent: [{class, step,
+        position, token, reference, margin, tie}]}: every committed token judged on its own prefix), state_checked,
+        state_note (why not; with a partial view the components compared; else null), cost, tokens, options,
+        seconds, defects. A run read from a trace (`--candidate`): spec_induced, plain and tokens.plain null."""
+        div = None if self.divergence is None else _with_class(self.divergence)
+        rounds = [{**asdict(r), "reference": list(a.reference), "margins": list(a.margins), "ties": list(a.ties),
+                   "labels": list(a.labels), "reference_drafts": list(a.reference_drafts)}
+                  for r, a in zip(self.rounds, self.attribution, strict=True)]
+        return json_safe({"exact": self.exact, "first_divergence": div, "labels": self.labels, "rounds": rounds,
+                          "acceptance": {"per_slot": list(self.per_slot),
+                                         "reference_per_slot": list(self.reference_per_slot),
+                                         "mean": self.mean_accepted},
+                          "state_divergence": asdict(self.state_divergence) if self.state_divergence else None,
+                          "drafter_divergence": (asdict(self.drafter_divergence) if self.drafter_divergence
+                                                 else None),
+                          "committed": {"counts": self.committed_counts,
+                                        "divergent": [_with_class(x) for x in self.committed if x.cls != "MATCH"]},
+                          "state_checked": self.state_checked, "state_note": self.state_note,
+                          "state_flip_possible": self.state_flip_possible,
+                          "cost": self.cost, "defects": self.defects,
+                          "tokens": {"prompt": list(self.prompt), "spec": list(self.spec_tokens),
+                                     "plain": None if self.plain_tokens is None else list(self.plain_tokens),
+                                     "reference": list(self.reference_tokens)},
+                          "options": self.options, "seconds": self.seconds})
+
+
+def _with_class(x: Divergence | Committed) -> dict[str, Any]:
+    """A record's fields with its `cls` spelled "class" (first), as the JSON document holds them."""
+    return {"class": x.cls, **{k: v for k, v in asdict(x).items() if k != "cls"}}
 
 
 def spec_report(cand: Engine, ref: Engine, kind: str, prompt: Sequence[int], steps: int, env: Envelope, *,
