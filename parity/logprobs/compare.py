@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from parity.compare.jsonvalues import json_safe
 from parity.compare.verdict import StepVerdict, classify_step
 from parity.contract.errors import ParityError
 from parity.logprobs import printers
@@ -187,8 +188,13 @@ class Comparison:
         return printers.summary_line(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document (`parity.logprobs.printers.to_dict`): infinite bounds become the string "inf"."""
-        return printers.to_dict(self)
+        """The JSON document: every field, the counts and first steps, ds4_test, incomplete and the summary line;
+        non-finite values spelled by `json_safe` (an infinite bound is the string "inf")."""
+        d = asdict(self)
+        d.update(counts=self.counts(), first_divergent_step=self.first_divergent_step(),
+                 first_non_match_step=self.first_non_match_step(), ds4_test=self.ds4_test(),
+                 incomplete=self.incomplete, summary=printers.summary_line(self))
+        return json_safe(d)
 
 
 def _xlogy(x: float, y: float) -> float:

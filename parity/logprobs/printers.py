@@ -1,13 +1,11 @@
-"""Printers of a logprob `Comparison`: the summary line, plain text, Markdown and the JSON document. No
-computation here beyond formatting (the numbers are the comparison's own)."""
+"""Printers of a logprob `Comparison`: the summary line, plain text and Markdown (its JSON document is
+`Comparison.to_dict`). No computation here beyond formatting (the numbers are the comparison's own)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import fit_line, md_cell
 
 if TYPE_CHECKING:
@@ -27,16 +25,6 @@ def summary_line(cmp: Comparison) -> str:
     return (f"logprobs: {len(cmp.compared)}/{len(cmp.steps)} steps compared{mode}: "
             f"MATCH {c['MATCH']}, TIE-FLIP {c['TIE-FLIP']}, DRIFT {c['DRIFT']}, WRONG {c['WRONG']}; "
             f"first divergent step: {'none' if fd is None else fd}; ds4_test: {ds4}{tail}")
-
-
-def to_dict(cmp: Comparison) -> dict[str, Any]:
-    """The JSON document: every field, the counts and first steps, ds4_test, incomplete and the summary line;
-    non-finite values spelled by `json_safe` (an infinite bound is the string "inf")."""
-    d = asdict(cmp)
-    d.update(counts=cmp.counts(), first_divergent_step=cmp.first_divergent_step(),
-             first_non_match_step=cmp.first_non_match_step(), ds4_test=cmp.ds4_test(),
-             incomplete=cmp.incomplete, summary=summary_line(cmp))
-    return json_safe(d)
 
 
 def _fmt(x: float | None, spec: str = ".3g") -> str:
