@@ -308,7 +308,7 @@ def test_validate_report_json_spelling_is_json_safe_under_to_dict():
     "inf" / "nan" (`parity.compare.jsonvalues.json_safe`), never the non-JSON Infinity/NaN tokens."""
     import dataclasses
 
-    from parity.validate.report import to_json_text
+    from parity.validate.report import render_json
     from parity.validate.result import Timing, ValidateReport
 
     timing = Timing("in-process", 1.0, 1, 1, 1.0, 1.0, 1.0, 1.0)
@@ -320,6 +320,6 @@ def test_validate_report_json_spelling_is_json_safe_under_to_dict():
     d = r.to_dict()
     assert d["aggregates"]["kl_max"] == {"value": "inf", "ci": ["nan", 1.0], "mde": None, "n": 1}
     assert "timing" not in d and set(d) == {f.name for f in dataclasses.fields(r)} - {"timing"}
-    text = to_json_text(r)
+    text = render_json(r)
     assert json.loads(text) == d and "Infinity" not in text and "NaN" not in text
     assert r == dataclasses.replace(r, timing=Timing("Ray (local, 2 CPUs)", 9.0, 0, 1, 1.0, 1.0, 1.0, 1.0))

@@ -95,7 +95,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     """
     from parity import api
     from parity.validate.prompts import CORPUS
-    from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_markdown, to_html, to_json_text
+    from parity.validate.report import FIGURE, MARKDOWN, REPORT, render_json, render_markdown, to_html
 
     out = Path(_out_dir(ctx, model, approx, output, resume, corpus, prompt_file))
     workers, ray = pool_args(workers, ray)
@@ -106,7 +106,7 @@ def validate(ctx, model, exact, approx, prompt_file, corpus, boundary, n, decode
     if html_path:
         to_html(html_path, report)
     if as_json:
-        click.echo(to_json_text(report), nl=False)
+        click.echo(render_json(report), nl=False)
     else:
         click.echo(render_markdown(report), nl=False)
         click.echo(f"wrote {out / REPORT}, {out / MARKDOWN}, {out / FIGURE}; {report.timing.wall_s_this_session:.1f} s "

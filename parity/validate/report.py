@@ -127,7 +127,7 @@ def plot_report(report: ValidateReport, path: Path) -> Path:
     return path
 
 
-def to_json_text(report: ValidateReport) -> str:
+def render_json(report: ValidateReport) -> str:
     """report.json as written and as `validate --json` prints it: sorted keys, indent 1, strict JSON."""
     return json.dumps(json.loads(dumps(report.to_dict())), indent=1, sort_keys=True) + "\n"
 
@@ -146,7 +146,7 @@ def to_html(path: str, report: ValidateReport) -> Path:
 
 def write_files(report: ValidateReport, out: Path) -> None:
     """report.json, report.md, validate.png and timing.json into the run directory `out` (each atomically)."""
-    atomic_write_bytes(out / REPORT, to_json_text(report).encode())
+    atomic_write_bytes(out / REPORT, render_json(report).encode())
     atomic_write_bytes(out / MARKDOWN, render_markdown(report).encode())
     plot_report(report, out / FIGURE)
     atomic_write_bytes(out / TIMING, (json.dumps(report.timing.to_dict(), indent=2) + "\n").encode())
