@@ -69,7 +69,7 @@ class BisectReport:
         d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
         d["probes"] = [asdict(p) for p in self.probes]
         d["routing"] = [asdict(r) for r in self.routing]
-        d["subops"] = [asdict(s) for s in self.subops]
+        d["subops"] = [s.to_dict() for s in self.subops]
         if self.trajectory is not None:
             t = self.trajectory
             fd = t.first_divergent

@@ -52,7 +52,7 @@ from parity.check.attribution import (
 from parity.check.draft_check import DraftCheck, judge_records
 from parity.check.envelope import Envelope, checkpoint_errors
 from parity.check.null import N_TWINS, judge, layer_nulls
-from parity.check.subops import SubopResult, drill_down, inherited_flips
+from parity.check.subops import SubopResult, drill_down, inherited_flips, subop_words
 from parity.compare.metrics import rel_l2
 from parity.compare.verdict import BisectVerdict, LayerKind, SubopStatus
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
@@ -381,7 +381,7 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
             step, where = _where(hit.position, P)
             clock.lap("drill_down")
             return LocalStage(BisectVerdict.DEFECT,
-                              Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {hit.detail}"),
+                              Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {subop_words(hit)}"),
                               attribution, probes, subops, runs)
     clock.lap("drill_down")
     by_null = isinstance(ref_engine, RoundoffTwins)   # `local` and the drill-down judged by the round-off null
@@ -393,8 +393,8 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
         return LocalStage(BisectVerdict.DEFECT, Culprit(layer, None, pos, step, f"{where}; {why}"), attribution, probes,
                           subops, runs)
     noisy = next(s for s in subops if s.status is SubopStatus.NOISE)
-    return LocalStage(BisectVerdict.NOISE, Culprit(layer, noisy.name, None, None, noisy.detail), attribution, probes,
-                      subops, runs)
+    return LocalStage(BisectVerdict.NOISE, Culprit(layer, noisy.name, None, None, subop_words(noisy)), attribution,
+                      probes, subops, runs)
 
 
 def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: Envelope,
@@ -406,7 +406,7 @@ def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: 
     say(f"no local departure; naming the QAT code flip the drift tips over at layer {first}")
     flips = inherited_flips(ref_engine, fs.ref, fs.free, first, env)
     named = [s for s in flips if s.status is SubopStatus.NOISE and s.flips]
-    why = (f"{named[0].name}: {named[0].detail}" if named else
+    why = (f"{named[0].name}: {subop_words(named[0])}" if named else
            "no isolated QAT code flip found there (near-ties or amplification downstream)")
     return LocalStage(BisectVerdict.NOISE, Culprit(first, named[0].name if named else None, None, None, (
         f"no candidate layer departs on the reference's inputs; the excess ({fs.max_excess[worst]:.3g} at {worst}; "

@@ -9,16 +9,29 @@ check package, below the bisection.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from parity.check.attribution import teacher_forced
 from parity.check.envelope import ROW_CAPTURES, Envelope, aligned_weights
 from parity.check.null import N_TWINS
+from parity.check.subop_evidence import (
+    Cascade,
+    NearTies,
+    OpDeparts,
+    OpExcess,
+    OpStructural,
+    OpTie,
+    Outside,
+    RowCount,
+    SetDiff,
+    SubopEvidence,
+    evidence_words,
+)
 from parity.compare.metrics import rel_l2, set_overlap
-from parity.compare.verdict import QuantFlip, QuantFormat, SubopStatus, flip_words
+from parity.compare.verdict import QuantFlip, QuantFormat, SubopStatus
 from parity.contract.checkpoints import SUBOPS, block, block_attn
 from parity.contract.engine import Engine, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
@@ -37,18 +50,26 @@ class SubopResult:
     floor: float           # envelope floor (0 for set comparisons)
     excess: float
     position: int | None   # first position outside the envelope
-    detail: str = ""       # the evidence in words (for a flip: `flip_words` of `flips`)
-    flips: tuple[QuantFlip, ...] = ()   # the isolated QAT code flips behind a 'noise' status, one per capture
+    evidence: tuple[SubopEvidence, ...] = ()   # what the status rests on, as records (`parity.check.subop_evidence`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", SubopStatus(self.status))   # a mistyped status is an error naming it
 
+    @property
+    def flips(self) -> tuple[QuantFlip, ...]:
+        """The isolated QAT code flips behind a 'noise' status, one per capture (the `QuantFlip`s of `evidence`)."""
+        return tuple(e for e in self.evidence if isinstance(e, QuantFlip))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record: the numbers, the evidence in words (`detail`, by `subop_words`) and the flips."""
+        return {"name": self.name, "status": self.status, "err": self.err, "floor": self.floor, "excess": self.excess,
+                "position": self.position, "detail": subop_words(self), "flips": [asdict(f) for f in self.flips]}
 
 
 def subop_words(r: SubopResult) -> str:
     """The evidence of one sub-op result in words ('' for an 'ok' sub-op with nothing to say): what `bisect`'s
     summary and `check`'s causes print after the sub-op's name."""
-    return r.detail
+    return "; ".join(evidence_words(e) for e in r.evidence)
 
 
 # Captures that went through an FP8/FP4 round trip: mantissa bits of the format, for code-flip recognition.
@@ -107,18 +128,15 @@ class _Judge:
         worst = float(err.max()) if len(err) else 0.0
         if real:
             i = real[0]
-            what = (f"rel-L2 {err[i]:.3g}" if np.isfinite(err[i]) else
-                    f"non-finite candidate value {b[i].ravel()[~np.isfinite(b[i].ravel())][0]}")
+            bad_row = b[i].ravel()
+            value = None if np.isfinite(err[i]) else float(bad_row[~np.isfinite(bad_row)][0])
             return SubopResult(name, SubopStatus.DEFECT, float(err[i]), floor, float(self.env.excess(err[i], floor)),
-                               int(pos[i]), f"{name}: {what} at position {pos[i]}")
+                               int(pos[i]), (Outside(name, float(err[i]), int(pos[i]), value),))
         status = SubopStatus.NOISE if (flips or (err > tol).any()) else SubopStatus.OK
-        flip = ((QuantFlip(name, QUANT_FORMAT[name], len(flips), self.taint),)
-                if flips and self.taint is not None else ())   # flips set the taint
-        detail = (flip_words(flip[0]) if flip else
-                  f"excess only in the cascade of a flip at position {self.taint}" if status is SubopStatus.NOISE
-                  else "")
-        return SubopResult(name, status, worst, floor, float(self.env.excess(worst, floor)),
-                           None, detail, flip)
+        evidence: tuple[SubopEvidence, ...] = (
+            (QuantFlip(name, QUANT_FORMAT[name], len(flips), self.taint),) if flips and self.taint is not None
+            else (Cascade(self.taint),) if status is SubopStatus.NOISE else ())   # flips set the taint
+        return SubopResult(name, status, worst, floor, float(self.env.excess(worst, floor)), None, evidence)
 
     def rows(self, name: str, ref_outs: Sequence[LayerOutput], cand_outs: Sequence[LayerOutput]) -> SubopResult:
         """Emitted rows: a row missing or extra at some chunk is a defect at the position that emits it."""
@@ -127,9 +145,7 @@ class _Judge:
             if nr != nc:
                 j = min(nr, nc)
                 pos = (j + 1) * self.ratio - 1 if self.ratio else int(self.positions[0])
-                return SubopResult(name, SubopStatus.DEFECT, 1.0, 0.0, np.inf, pos,
-                                   f"{name}: candidate has {nc} rows, reference {nr} (row {j} missing or extra, "
-                                   f"emitted at position {pos})")
+                return SubopResult(name, SubopStatus.DEFECT, 1.0, 0.0, np.inf, pos, (RowCount(name, nc, nr, pos),))
         a, b = ref_outs[-1].captures[name], cand_outs[-1].captures[name]
         row_pos = (np.arange(len(a)) + 1) * max(self.ratio, 1) - 1
         return self.floats(name, a, b, row_pos)
@@ -147,14 +163,12 @@ class _Judge:
             if margin is not None and np.isfinite(margin[i]) and margin[i] <= tol:
                 self.flip(p)
                 continue
-            why = "" if margin is None else (" (hash routing is a table lookup)" if not np.isfinite(margin[i])
-                                             else f" at router margin {margin[i]:.3g} > noise {tol:.3g}")
-            ra, rb = (sorted(set(x[i][x[i] >= 0].tolist())) for x in (a, b))
+            ra, rb = (tuple(sorted(set(x[i][x[i] >= 0].tolist()))) for x in (a, b))
+            m = None if margin is None else float(margin[i])
             return SubopResult(name, SubopStatus.DEFECT, float(miss[i]), 0.0, np.inf, p,
-                               f"{name} at position {p}: reference {ra}, candidate {rb}{why}")
+                               (SetDiff(name, p, ra, rb, m, None if m is None else tol),))
         status = SubopStatus.NOISE if worst > 0 else SubopStatus.OK
-        detail = f"near-tie flips (margin <= {tol:.3g}) or cascade from position {self.taint}" if worst else ""
-        return SubopResult(name, status, worst, 0.0, 0.0, None, detail)
+        return SubopResult(name, status, worst, 0.0, 0.0, None, (NearTies(tol, self.taint),) if worst else ())
 
 
 def _worst(results: list[SubopResult], name: str) -> SubopResult:
@@ -164,7 +178,7 @@ def _worst(results: list[SubopResult], name: str) -> SubopResult:
             return replace(r, name=name)
     best = max(results, key=lambda r: (r.status is SubopStatus.NOISE, r.excess))
     return SubopResult(name, best.status, best.err, best.floor, best.excess, best.position,
-                       "; ".join(r.detail for r in results if r.detail), tuple(f for r in results for f in r.flips))
+                       tuple(e for r in results for e in r.evidence))
 
 
 def drill_down(ref_engine: Engine, cand: Engine, ref: Sequence[ChunkResult], layer: int,
@@ -215,12 +229,14 @@ def null_drill_down(v: OpVerdict) -> list[SubopResult]:
         floor, excess = (worst.twin_max, worst.ratio) if worst is not None else (0.0, 0.0)
         if sub == culprit:
             own = t is not None and t.significant and sub != struct_op
-            detail = v.fit.structural if sub == struct_op else t.summary() if own else v.fit.test.summary()
-            pos = t.first.position if own and t.first is not None else v.fit.position
-            out.append(SubopResult(sub, SubopStatus.DEFECT, err, floor, excess, pos, f"{sub}: {detail}"))
+            finding = (OpStructural(sub, v.fit.structural) if sub == struct_op and v.fit.structural is not None
+                       else OpDeparts(sub, t if own and t is not None else v.fit.test))
+            pos = t.first.position if own and t is not None and t.first is not None else v.fit.position
+            out.append(SubopResult(sub, SubopStatus.DEFECT, err, floor, excess, pos, (finding,)))
         elif ties or (t is not None and t.exceed):
+            excess_cells = (OpExcess(t),) if t is not None and t.exceed else ()
             out.append(SubopResult(sub, SubopStatus.NOISE, err, floor, excess, None,
-                                   "; ".join([*ties, *([t.summary()] if t is not None and t.exceed else [])])))
+                                   (*(OpTie(w) for w in ties), *excess_cells)))
         else:
             out.append(SubopResult(sub, SubopStatus.OK, err, floor, excess, None))
     return out
