@@ -150,6 +150,7 @@ class TorchState:
 
 class TorchEngine:
     name = "torch"
+    layerwise_state = True   # capability LayerwiseState: one cache per layer in a state
     faults = FAULTS  # capability: the porting bugs of the trunk RunOptions.inject can switch on
     draft_faults = DRAFT_FAULTS  # those of the draft heads (RunOptions.inject takes them too; the trunk ignores them)
     spec_faults = SPEC_FAULTS  # those of the speculative path (verify batches, snapshots; plain decode ignores them)

@@ -55,6 +55,7 @@ class HFState:
 
 class HFEngine:
     name = "hf"
+    layerwise_state = True   # capability LayerwiseState: one cache per layer in a state
 
     def __init__(self, model_path: str, options: RunOptions) -> None:
         check_options(options)

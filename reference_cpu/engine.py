@@ -99,6 +99,7 @@ class ReferenceEngine:
     """
 
     name = "reference"
+    layerwise_state = True   # capability LayerwiseState: one cache per layer in a state
 
     def __init__(self, model_path: str, options: RunOptions, threads: int | None = None,
                  draft: str | None = None) -> None:

@@ -36,16 +36,17 @@ def layer_input(chunk: ChunkResult, layer: int) -> np.ndarray:
 def teacher_forced(engine: Engine, ref: Sequence[ChunkResult], layers: Sequence[int], capture: bool = False,
                    on_chunk: Callable[[int], None] | None = None) -> dict[int, list[LayerOutput]]:
     """Run `engine`'s layers on the reference's inputs over the reference's chunk schedule.
-    Returns layer -> one LayerOutput per chunk. Layer after layer, each over every chunk in its own state (caches
-    are per layer, so a layer alone gives the same outputs, and its weights are dequantized once however many
-    chunks); with a work pool active (`parallel`) one unit per layer. `on_chunk(i)` reports progress in chunks:
+    Returns layer -> one LayerOutput per chunk. One state; an engine with `LayerwiseState` (caches per layer, so a
+    layer alone gives the same outputs) runs layer after layer, each over every chunk (its weights dequantized
+    once however many chunks), any other chunk after chunk (`parallel.over_chunks`); with a work pool active
+    (`parallel`) one unit per layer. `on_chunk(i)` reports progress in chunks:
     after the k-th of K layers, i = k * len(ref) // K - 1 (at least 0)."""
     pooled = parallel.for_engine(engine)
     if pooled is not None:
         d, eref = pooled
         runs = (outs for outs, _ in d.layers([(eref, None, l) for l in layers], ref, capture))
     else:
-        runs = (parallel.layer_run(engine, l, parallel.layer_inputs(ref, l), capture) for l in layers)
+        runs = iter(parallel.over_chunks(engine, layers, [parallel.layer_inputs(ref, l) for l in layers], capture))
     outs_of = {}
     for k, (l, outs) in enumerate(zip(layers, runs, strict=True)):
         outs_of[l] = outs

@@ -36,13 +36,13 @@ import numpy as np
 
 from parity.check.null import N_TWINS
 from parity.compare.metrics import max_abs, rel_l2
-from parity.contract.checkpoints import LOGITS
-from parity.contract.engine import Engine, RoundoffTwins, RunOptions
+from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn
+from parity.contract.engine import Engine, LayerOutput, RoundoffTwins, RunOptions
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_bytes
 from parity.contract.progress import SILENT, ProgressSink
 from parity.gguf.weights import same_model
-from parity.tracing.runner import ChunkResult, run_sequence, stack
+from parity.tracing.runner import ChunkResult, chunk_schedule, layer_outputs, run_lockstep, run_sequence, stack
 
 ENVELOPE_VERSION = 2   # 2: floors measured by the round-off null
 K = 10.0
@@ -146,28 +146,27 @@ def checkpoint_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) ->
     return out
 
 
-def capture_errors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
-    """Largest per-position (per-row for emitted rows) rel-L2 of every float capture: 'layer:name' -> err.
-    Discrete captures (ids) are skipped: they are judged by margins, not floors."""
+def capture_errors(ref: Sequence[LayerOutput], got: Sequence[LayerOutput], layer: int) -> dict[str, float]:
+    """Largest per-position (per-row for emitted rows) rel-L2 of every float capture of one layer's runs:
+    'layer:name' -> err. Discrete captures (ids) are skipped: they are judged by margins, not floors."""
     out: dict[str, float] = {}
-    for layer in range(len(ref[0].captures)):
-        for name in ref[0].captures[layer]:
-            if name in DISCRETE:
-                continue
-            if any(name not in r.captures[layer] for r in got):
-                raise ParityError(f"a benign run did not fill capture {name!r} at layer {layer}; the envelope needs "
-                                  "every capture of parity.contract.checkpoints.SUBOPS")
-            if name == "expert_weights":
-                a, b = _aligned_weights(ref, got, layer)
-            elif name in ROW_CAPTURES:
-                a, b = ref[-1].captures[layer][name], got[-1].captures[layer][name]
-                if a.shape != b.shape:  # a benign pair never differs in emitted rows
-                    raise ParityError(f"benign runs emitted different {name} at layer {layer}: {a.shape} vs {b.shape}")
-            else:
-                a = np.concatenate([r.captures[layer][name] for r in ref])
-                b = np.concatenate([r.captures[layer][name] for r in got])
-            e = rel_l2(a, b) if len(a) else np.zeros(1)
-            out[subop_key(layer, name)] = float(e.max())
+    for name in ref[0].captures:
+        if name in DISCRETE:
+            continue
+        if any(name not in r.captures for r in got):
+            raise ParityError(f"a benign run did not fill capture {name!r} at layer {layer}; the envelope needs "
+                              "every capture of parity.contract.checkpoints.SUBOPS")
+        if name == "expert_weights":
+            a, b = _aligned_weights(ref, got)
+        elif name in ROW_CAPTURES:
+            a, b = ref[-1].captures[name], got[-1].captures[name]
+            if a.shape != b.shape:  # a benign pair never differs in emitted rows
+                raise ParityError(f"benign runs emitted different {name} at layer {layer}: {a.shape} vs {b.shape}")
+        else:
+            a = np.concatenate([r.captures[name] for r in ref])
+            b = np.concatenate([r.captures[name] for r in got])
+        e = rel_l2(a, b) if len(a) else np.zeros(1)
+        out[subop_key(layer, name)] = float(e.max())
     return out
 
 
@@ -187,36 +186,61 @@ def aligned_weights(ids_a: np.ndarray, w_a: np.ndarray, ids_b: np.ndarray,
     return wa, wb, (ia == ib).all(axis=1)
 
 
-def _aligned_weights(ref: Sequence[ChunkResult], got: Sequence[ChunkResult], layer: int) -> tuple[np.ndarray, ...]:
+def _aligned_weights(ref: Sequence[LayerOutput], got: Sequence[LayerOutput]) -> tuple[np.ndarray, ...]:
     """Expert weights of both runs aligned by id, at the positions where both chose the same set."""
-    def cat(rs: Sequence[ChunkResult], name: str) -> np.ndarray:
-        return np.concatenate([r.captures[layer][name] for r in rs])
+    def cat(rs: Sequence[LayerOutput], name: str) -> np.ndarray:
+        return np.concatenate([r.captures[name] for r in rs])
     wa, wb, same = aligned_weights(cat(ref, "expert_ids"), cat(ref, "expert_weights"),
                                    cat(got, "expert_ids"), cat(got, "expert_weights"))
     return wa[same], wb[same]
 
 
-def margin_drift(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
-    """Per layer: largest |router_margin_ref - router_margin_got| where both chose the same expert set."""
-    out = {}
-    for layer in range(len(ref[0].diags)):
-        ma = np.concatenate([r.diags[layer].router_margin for r in ref])
-        mb = np.concatenate([r.diags[layer].router_margin for r in got])
-        ia = np.sort(np.concatenate([r.diags[layer].expert_ids for r in ref]), axis=1)
-        ib = np.sort(np.concatenate([r.diags[layer].expert_ids for r in got]), axis=1)
-        same = (ia == ib).all(axis=1) & np.isfinite(ma) & np.isfinite(mb)
-        out[str(layer)] = float(np.abs(ma - mb)[same].max()) if same.any() else 0.0
-    return out
+def margin_drift(ref: Sequence[LayerOutput], got: Sequence[LayerOutput]) -> float:
+    """One layer: largest |router_margin_ref - router_margin_got| where both chose the same expert set."""
+    ma = np.concatenate([r.diag.router_margin for r in ref])
+    mb = np.concatenate([r.diag.router_margin for r in got])
+    ia = np.sort(np.concatenate([r.diag.expert_ids for r in ref]), axis=1)
+    ib = np.sort(np.concatenate([r.diag.expert_ids for r in got]), axis=1)
+    same = (ia == ib).all(axis=1) & np.isfinite(ma) & np.isfinite(mb)
+    return float(np.abs(ma - mb)[same].max()) if same.any() else 0.0
+
+
+@dataclass
+class PairFloors:
+    """The floors of one benign pair, gathered layer by layer (`add_layer`) and at the ends (`add_ends`);
+    `floors()` in the order of `pair_floors`: checkpoints, logits, 'logit_rel', 'layer:capture', 'margin:layer'."""
+
+    layers: dict[int, tuple[dict[str, float], dict[str, float], float]] = field(default_factory=dict)
+    ends: dict[str, float] = field(default_factory=dict)
+
+    def add_layer(self, layer: int, ref: Sequence[LayerOutput], got: Sequence[LayerOutput]) -> None:
+        carriers = {name: float(rel_l2(np.concatenate([getattr(r, what) for r in ref]),
+                                       np.concatenate([getattr(g, what) for g in got])).max())
+                    for name, what in ((block_attn(layer), "attn_carrier"), (block(layer), "carrier"))}
+        captures = capture_errors(ref, got, layer) if ref[0].captures and got[0].captures else {}
+        self.layers[layer] = (carriers, captures, margin_drift(ref, got))
+
+    def add_ends(self, ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> None:
+        for name in (EMBED, FINAL_NORM, LOGITS):
+            self.ends[name] = float(rel_l2(stack(ref, name), stack(got, name)).max())
+        self.ends["logit_rel"] = float(logit_rel_rows(stack(ref, LOGITS), stack(got, LOGITS)).max())
+
+    def floors(self) -> dict[str, float]:
+        layers = [self.layers[l] for l in sorted(self.layers)]
+        return {EMBED: self.ends[EMBED], **{k: v for c, _, _ in layers for k, v in c.items()},
+                FINAL_NORM: self.ends[FINAL_NORM], LOGITS: self.ends[LOGITS], "logit_rel": self.ends["logit_rel"],
+                **{k: v for _, caps, _ in layers for k, v in caps.items()},
+                **{f"margin:{l}": m for l, (_, _, m) in zip(sorted(self.layers), layers, strict=True)}}
 
 
 def pair_floors(ref: Sequence[ChunkResult], got: Sequence[ChunkResult]) -> dict[str, float]:
-    """All floors of one benign pair: checkpoints, 'logit_rel', 'layer:capture', 'margin:layer'."""
-    out = {n: float(e.max()) for n, e in checkpoint_errors(ref, got).items()}
-    out["logit_rel"] = float(logit_rel_rows(stack(ref, LOGITS), stack(got, LOGITS)).max())
-    if ref[0].captures and got[0].captures:
-        out.update(capture_errors(ref, got))
-    out.update({f"margin:{k}": v for k, v in margin_drift(ref, got).items()})
-    return out
+    """All floors of one benign pair of whole-model runs: checkpoints, 'logit_rel', 'layer:capture',
+    'margin:layer'."""
+    pair = PairFloors()
+    for layer in range(len(ref[0].diags)):
+        pair.add_layer(layer, layer_outputs(ref, layer), layer_outputs(got, layer))
+    pair.add_ends(ref, got)
+    return pair.floors()
 
 
 F32_PAIRS = ("oracle", "rechunk")   # pairs whose arithmetic the float32 null covers (rechunk: float32 candidates)
@@ -252,36 +276,30 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
                      progress: ProgressSink = SILENT) -> Envelope:
     """The round-off null (`n_twins` twins of `ref32`) and the benign pairs on `prompt` (+ `decode` greedy steps
     of the float32 reference, teacher-forced on every side); floors by `merge_floors`. `cand_f32` (the candidate
-    in float32) adds the `dtype` pair for a bf16 candidate. `progress.note(message)` announces the stages,
-    `progress.count(stage, done, total)` counts finished runs."""
+    in float32) adds the `dtype` pair for a bf16 candidate. After the float32 reference's own run (which picks
+    the decode tokens), every other run goes in lockstep, layer after layer (`run_lockstep`): engines sharing the
+    reference's weight cache dequantize each layer once for all of them, and each pair's floors are taken per
+    layer as it finishes. `progress.note(message)` announces the stages, `progress.count(stage, done, total)`
+    counts finished runs, then layers."""
     if not isinstance(ref32, RoundoffTwins):
         raise ParityError(f"engine {ref32.name} has no round-off twins (RoundoffTwins): no measured envelope")
     say = progress.note
-    n_runs, done = 4 + n_twins + (cand_f32 is not None), [0]
-
-    def counted(result: list[ChunkResult]) -> list[ChunkResult]:
-        done[0] += 1
-        progress.count("envelope runs", done[0], n_runs)
-        return result
-
     say("envelope: reference float32")
-    base = counted(run_sequence(ref32, prompt, decode, capture=True))
-    forced = [int(t) for t in np.concatenate([r.tokens for r in base])[len(prompt):]]
-
-    def run(engine: Engine, ch: int | None) -> list[ChunkResult]:
-        return counted(run_sequence(engine, prompt, decode, chunk=ch, forced=forced, capture=True))
-
-    say(f"envelope: {n_twins} round-off twins of the reference (the null)")
-    twins = [pair_floors(base, run(ref32.roundoff_twin(seed), None)) for seed in range(1, n_twins + 1)]
-    say("envelope: reference float64")
-    pairs = {"oracle": (base, run(ref64, None))}
-    say(f"envelope: {cand.name} {cand.options.dtype}, prefill in one chunk and in chunks of {chunk}")
-    one = run(cand, None)
-    pairs["rechunk"] = (one, run(cand, chunk))
-    if cand_f32 is not None:
-        say(f"envelope: {cand_f32.name} float32 (dtype pair)")
-        pairs["dtype"] = (run(cand_f32, None), one)
-    floors = {name: pair_floors(a, b) for name, (a, b) in pairs.items()}
+    base = run_sequence(ref32, prompt, decode, capture=True)
+    progress.count("envelope runs", 1, 1)
+    tokens = [*prompt, *(int(t) for t in np.concatenate([r.tokens for r in base])[len(prompt):])]
+    one, chunked = chunk_schedule(len(prompt), None), chunk_schedule(len(prompt), chunk)
+    runs = {**{f"twin {seed}": (ref32.roundoff_twin(seed), one) for seed in range(1, n_twins + 1)},   # type: ignore[attr-defined]
+            "float64": (ref64, one), "cand": (cand, one), "cand chunked": (cand, chunked),
+            **({"cand float32": (cand_f32, one)} if cand_f32 is not None else {})}
+    pairs_of = {**{f"twin {seed}": (None, f"twin {seed}") for seed in range(1, n_twins + 1)},
+                "oracle": (None, "float64"), "rechunk": ("cand", "cand chunked"),
+                **({"dtype": ("cand float32", "cand")} if cand_f32 is not None else {})}
+    say(f"envelope: {n_twins} round-off twins of the reference (the null), the reference float64 and "
+        f"{cand.name} {cand.options.dtype} (one chunk and chunks of {chunk})"
+        + (f" and {cand_f32.name} float32" if cand_f32 is not None else "") + ", layer after layer")
+    floors = _lockstep_floors(base, runs, pairs_of, tokens, decode, progress)
+    twins = [floors.pop(f"twin {seed}") for seed in range(1, n_twins + 1)]
     null = {key: sorted(t[key] for t in twins) for key in twins[0]}
     merged, excluded = merge_floors(null, floors, f32_pairs(cand.options.dtype))
     for name, keys in excluded.items():
@@ -295,12 +313,35 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
         router_margin={k.split(":", 1)[1]: v for k, v in merged.items() if k.startswith("margin:")},
         logit_rel=merged["logit_rel"],
         components=floors,
-        calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk, "pairs": sorted(pairs),
+        calibration={"prompt_len": len(prompt), "decode": decode, "chunk": chunk, "pairs": sorted(floors),
                      "twins": n_twins, "engine": cand.name, "fp8_kv": cand.options.fp8_kv,
                      "fp4_indexer": cand.options.fp4_indexer},
         null=null,
         excluded=excluded,
     )
+
+
+def _lockstep_floors(base: Sequence[ChunkResult], runs: dict[str, tuple[Engine, list[int]]],
+                     pairs_of: dict[str, tuple[str | None, str]], tokens: Sequence[int], decode: int,
+                     progress: ProgressSink) -> dict[str, dict[str, float]]:
+    """Every pair's floors (pair -> `pair_floors` order), the runs of `runs` (name -> engine, prompt chunks; then
+    `decode` single steps) in lockstep; a pair's side None is `base`."""
+    names = list(runs)
+    acc = {pair: PairFloors() for pair in pairs_of}
+    n_layers = len(base[0].diags)
+
+    def on_layer(layer: int, outs: list[list[LayerOutput]]) -> None:
+        by_name = dict(zip(names, outs, strict=True))
+        for pair, (a, b) in pairs_of.items():
+            acc[pair].add_layer(layer, layer_outputs(base, layer) if a is None else by_name[a], by_name[b])
+        progress.count("envelope layers", layer + 1, n_layers)
+
+    ends = run_lockstep([(engine, [*sizes, *[1] * decode]) for engine, sizes in runs.values()], tokens, True,
+                        on_layer)
+    by_name = dict(zip(names, ends, strict=True))
+    for pair, (a, b) in pairs_of.items():
+        acc[pair].add_ends(base if a is None else by_name[a], by_name[b])
+    return {pair: f.floors() for pair, f in acc.items()}
 
 
 def f32_pairs(dtype: str) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.contract.engine import Engine, LayerOutput, RunOptions, Variants, load_engine
+from parity.contract.engine import Engine, LayerOutput, LayerwiseState, RunOptions, Variants, load_engine
 from parity.contract.workpool import WorkPool
 from parity.tracing.runner import ChunkResult
 
@@ -110,11 +110,26 @@ def layer_run(engine: Engine, layer: int, inputs: Inputs, capture: bool = False,
               given: Sequence[Any] | None = None) -> list[LayerOutput]:
     """`layer` of `engine` over every chunk of `inputs` (per chunk (start_pos, tokens, carrier entering it)) in
     a fresh state; with `given` (per chunk) every sub-op on those values (`OpForcing.forward_ops`)."""
+    return over_chunks(engine, (layer,), [inputs], capture, [given])[0]
+
+
+def over_chunks(engine: Engine, layers: Sequence[int], inputs: Sequence[Inputs], capture: bool = False,
+                given: Sequence[Sequence[Any] | None] | None = None) -> list[list[LayerOutput]]:
+    """`layers` of `engine` (each on its own inputs, `given` sub-op values or None) over every chunk in one fresh
+    state: layer after layer with `LayerwiseState` (a layer's weights dequantized once), else chunk after chunk
+    (an engine whose caches are per sequence). Outputs per layer, per chunk."""
+    given = given if given is not None else [None] * len(layers)
+
+    def one(state: Any, k: int, i: int) -> LayerOutput:
+        s, t, x = inputs[k][i]
+        return (engine.forward_layer(state, layers[k], x, t, s, capture=capture) if given[k] is None else
+                engine.forward_ops(state, layers[k], x, t, s, given[k][i]))   # type: ignore[attr-defined,index]
+
     state = engine.new_state()
-    if given is None:
-        return [engine.forward_layer(state, layer, x, t, s, capture=capture) for s, t, x in inputs]
-    return [engine.forward_ops(state, layer, x, t, s, g)   # type: ignore[attr-defined]
-            for (s, t, x), g in zip(inputs, given, strict=True)]
+    if isinstance(engine, LayerwiseState):
+        return [[one(state, k, i) for i in range(len(inputs[k]))] for k in range(len(layers))]
+    by_chunk = [[one(state, k, i) for k in range(len(layers))] for i in range(len(inputs[0]))]
+    return [[row[k] for row in by_chunk] for k in range(len(layers))]
 
 
 def run_layers(ref: EngineRef, seed: int | None, layers: tuple[int, ...], capture: bool, forced_ops: bool,
@@ -131,7 +146,7 @@ def run_layers(ref: EngineRef, seed: int | None, layers: tuple[int, ...], captur
     inputs = [[(s, t, np.ascontiguousarray(x)) for s, t, x in chunks]   # as `attribution.layer_input` gives them
               for chunks in data[: len(layers)]]
     given = data[len(layers):] if forced_ops else [None] * len(layers)
-    return [layer_run(engine, layer, inputs[k], capture, given[k]) for k, layer in enumerate(layers)], said
+    return over_chunks(engine, layers, inputs, capture, given), said
 
 
 def run_twin_null(ref: EngineRef, layer: int, n: int, exact: dict[str, np.ndarray], inputs: Inputs) -> Any:

@@ -179,6 +179,16 @@ class OpForcing(Protocol):
 
 
 @runtime_checkable
+class LayerwiseState(Protocol):
+    """Capability: a state keeps its caches per layer, so a layer may run over every chunk before the next layer
+    starts and gives the outputs of the chunk-by-chunk order (`parity.tracing.runner.run_lockstep`, layer-major
+    teacher forcing: a layer's weights dequantized once for all chunks and runs). An engine without it is run
+    chunk by chunk through one state."""
+
+    layerwise_state: bool
+
+
+@runtime_checkable
 class RoundoffTwins(Protocol):
     def roundoff_twin(self, seed: int) -> Engine:
         """The same engine (same options, weights and caches shared) with `RunOptions.roundoff_seed = seed`:

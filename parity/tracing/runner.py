@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from parity.contract.checkpoints import EMBED, FINAL_NORM, block, block_attn
-from parity.contract.engine import Engine, LayerDiag
+from parity.contract.engine import Engine, LayerDiag, LayerOutput, LayerwiseState
 from parity.contract.errors import TraceError
 
 
@@ -88,6 +88,49 @@ def run_sequence(engine: Engine, prompt: Sequence[int], decode_steps: int = 0, c
         if on_chunk:
             on_chunk(results[-1])
     return results
+
+
+def run_lockstep(runs: Sequence[tuple[Engine, Sequence[int]]], tokens: Sequence[int], capture: bool,
+                 on_layer: Callable[[int, list[list[LayerOutput]]], None]) -> list[list[ChunkResult]]:
+    """Several runs of known `tokens` (each its engine and chunk sizes covering them), layer after layer: every
+    run's layer l over all its chunks before any run's layer l + 1, so engines that share a weight cache which
+    holds one layer (round-off twins, variants) dequantize each layer once instead of once per run and chunk.
+    Each run's outputs equal `run_sequence` with the same chunks and forced tokens: an engine without
+    `LayerwiseState` (caches per sequence) runs chunk by chunk first and hands its layers over from memory.
+    `on_layer(l, outs)` gets layer l's outputs, outs[run][chunk], and may drop them. Returns per run its chunks
+    holding the embed and final_norm checkpoints and the logits (no per-layer data)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    plans, whole = [], {}
+    for r, (engine, sizes) in enumerate(runs):
+        if not sizes or sum(sizes) != len(tokens) or min(sizes) < 1:
+            raise TraceError(f"chunk sizes {list(sizes)} do not cover the {len(tokens)} tokens")
+        starts = np.cumsum([0, *sizes[:-1]])
+        chunks = [(int(s), tokens[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
+        plans.append((engine, engine.new_state(), chunks))
+        if not isinstance(engine, LayerwiseState):
+            state = plans[-1][1]
+            whole[r] = [forward_chunk(engine, state, t, s, capture) for s, t in chunks]
+    embeds = [[engine.embed(t) for _, t in chunks] for engine, _, chunks in plans]
+    carriers = [list(e) for e in embeds]
+    for l in range(plans[0][0].config.n_layers):
+        outs = [layer_outputs(whole[r], l) if r in whole else
+                [engine.forward_layer(state, l, carriers[r][i], t, s, capture=capture)
+                 for i, (s, t) in enumerate(chunks)] for r, (engine, state, chunks) in enumerate(plans)]
+        carriers = [[o.carrier for o in run] for run in outs]
+        on_layer(l, outs)
+    results = []
+    for r, (engine, _, chunks) in enumerate(plans):
+        heads = ([(c.checkpoints[FINAL_NORM], c.logits) for c in whole[r]] if r in whole else
+                 [engine.head(c) for c in carriers[r]])
+        results.append([ChunkResult(s, t, {EMBED: e, FINAL_NORM: f}, logits, [])
+                        for (s, t), e, (f, logits) in zip(chunks, embeds[r], heads, strict=True)])
+    return results
+
+
+def layer_outputs(results: Sequence[ChunkResult], layer: int) -> list[LayerOutput]:
+    """One layer's outputs per chunk, as `Engine.forward_layer` returned them, from whole-model chunk results."""
+    return [LayerOutput(r.checkpoints[block_attn(layer)], r.checkpoints[block(layer)], r.diags[layer],
+                        r.captures[layer] if r.captures else {}) for r in results]
 
 
 def stack(results: list[ChunkResult], name: str) -> np.ndarray:
