@@ -29,17 +29,16 @@ def result(tiny_f32, tmp_path_factory):
 
 
 def test_fitted_drafters_are_exact_benign_and_accept_over_half(result):
-    cells = result["cells"]
-    assert [(c["engine"], c["head"]) for c in cells] == [(e, h) for e in PLAN.engines for h in HEADS]
+    cells = result.cells
+    assert [(c.engine, c.head) for c in cells] == [(e, h) for e in PLAN.engines for h in HEADS]
     for c in cells:
-        name = f"{c['engine']} {c['head']}"
-        assert c["runs"] == 1 and c["exact"] == 1 and c["state_equal"] == 1 and c["exit_0"] == 1, name
-        assert set(c["labels"]) <= {"ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED"}, (name, c["labels"])
-        assert c["committed"].get("WRONG", 0) == 0 and c["committed"].get("MATCH", 0) == PLAN.steps, name
-        width = 5 if c["head"] == "dspark" else parse_head(c["head"])[1]
-        assert len(c["per_slot"]) == width, name
-        assert min(c["per_slot"]) > BAR and min(c["reference_per_slot"]) > BAR, (name, c["per_slot"],
-                                                                                 c["reference_per_slot"])
+        name = f"{c.engine} {c.head}"
+        assert c.runs == 1 and c.exact == 1 and c.state_equal == 1 and c.exit_0 == 1, name
+        assert set(c.labels) <= {"ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED"}, (name, c.labels)
+        assert c.committed.get("WRONG", 0) == 0 and c.committed.get("MATCH", 0) == PLAN.steps, name
+        width = 5 if c.head == "dspark" else parse_head(c.head)[1]
+        assert len(c.per_slot) == width, name
+        assert min(c.per_slot) > BAR and min(c.reference_per_slot) > BAR, (name, c.per_slot, c.reference_per_slot)
     md = render_markdown(result)
     assert md.count("\n| off | ") == len(cells)
 

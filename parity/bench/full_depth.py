@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parity.bench.full_depth_report import FullDepthResult, ModelFile, StepRow
 from parity.bench.measure import load_average, prompt_tokens
 from parity.contract.errors import ParityError
 
@@ -163,16 +164,16 @@ def drift(stdout: Path) -> dict[str, Any]:
 
 
 def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float,
-        timeout_s: float | None = None) -> dict[str, Any]:
-    """Run the chosen steps, merge their rows into OUT/full_depth.json (re-read before each write: two runs with
-    different steps may share OUT), rewrite OUT/full_depth.md."""
+        timeout_s: float | None = None) -> FullDepthResult:
+    """Run the chosen steps, merge their rows into OUT/full_depth.json (re-read and checked before each write: two
+    runs with different steps may share OUT), rewrite OUT/full_depth.md."""
     unknown = [s for s in only if s not in STEPS]
     if unknown:
         raise ParityError(f"unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
     out.mkdir(parents=True, exist_ok=True)
     model.parent.mkdir(parents=True, exist_ok=True)
     result_path = out / "full_depth.json"
-    result: dict[str, Any] = {"steps": {}}
+    result = FullDepthResult(steps={})
 
     def vocab() -> int:
         from parity.gguf.weights import Weights
@@ -196,12 +197,18 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
         print(f"[full-depth] {step.name}: exit {row['exit']}, {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
               f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB (anon {row['peak_anon'] / 2**30:.2f}), load "
               f"{row['load_before']:.1f} -> {row['load_after']:.1f}", file=sys.stderr, flush=True)
-        result = json.loads(result_path.read_text()) if result_path.exists() else {"steps": {}}
-        result["steps"][step.name] = row
-        result["model"] = {"path": str(model), "bytes": model.stat().st_size if model.exists() else None}
-        result_path.write_text(json.dumps(result, indent=1))
-        (out / "full_depth.md").write_text(render_markdown(result))
+        earlier = FullDepthResult.from_dict(json.loads(result_path.read_text())) if result_path.exists() else result
+        result = FullDepthResult({**earlier.steps, step.name: StepRow.from_dict(row)},
+                                 ModelFile(str(model), model.stat().st_size if model.exists() else None))
+        write_result(out, result)
     return result
+
+
+def write_result(out: Path, result: FullDepthResult) -> None:
+    """OUT/full_depth.json (the result's document, indent 1) and its table OUT/full_depth.md."""
+    doc = result.to_dict()
+    (out / "full_depth.json").write_text(json.dumps(doc, indent=1))
+    (out / "full_depth.md").write_text(render_markdown(doc))
 
 
 def _prompt_file(out: Path, n: int, vocab: Callable[[], int]) -> str:
@@ -212,7 +219,8 @@ def _prompt_file(out: Path, n: int, vocab: Callable[[], int]) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    """One row per measured step: wall, CPU, peak RSS total / anonymous, load before -> after, files, outcome."""
+    """The table of a full_depth.json document (`FullDepthResult.to_dict`), one row per measured step: wall, CPU,
+    peak RSS total / anonymous, load before -> after, files, outcome."""
     gib = 2**30
     lines = ["| step | wall | CPU (user + sys) | peak RSS total / anon | load before -> after | files | outcome |",
              "|---|---|---|---|---|---|---|"]
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     result = run(args.model, args.out, [s for s in args.steps.split(",") if s], args.experts, args.anon_limit_gb,
                  args.step_timeout_s)
-    failed = [n for n, r in result["steps"].items() if r["killed"] or (r["exit"] != 0 and not n.startswith("check"))]
+    failed = [n for n, r in result.steps.items() if r.killed or (r.exit != 0 and not n.startswith("check"))]
     return 1 if failed else 0
 
 

@@ -10,8 +10,8 @@ against the deployed target on the trajectories it decodes. Then every (QAT sett
 stored. Per cell of the grid the table aggregates: exact runs (spec == plain == reference), runs with every state
 equal, label counts, the committed tokens' MATCH / TIE / WRONG on their own prefix, the first divergences' classes,
 the per-slot acceptance (candidate online / reference drafter offline: the mean over prompts of each run's share),
-drafts accepted per round, and the time. `run_spec_bench` returns the result, `write_spec_bench` writes
-spec_acceptance.json and spec_acceptance.md.
+drafts accepted per round, and the time. `run_spec_bench` returns the typed result (`SpecBenchResult` of
+`parity.bench.spec_bench_report`), `write_spec_bench` writes spec_acceptance.json and spec_acceptance.md.
 
     python -m parity.bench.spec_acceptance --out out/bench     (the full grid; measured 22 + 21 min for sims off + on
                                                                 at load average 14-28 on 2 cores, docs/spec.md)
@@ -27,10 +27,11 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from parity.bench.spec_bench_report import SpecBenchPlan, SpecBenchResult
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_text
 from parity.contract.progress import SILENT, Note, Notes, ProgressSink
@@ -38,26 +39,6 @@ from parity.contract.progress import SILENT, Note, Notes, ProgressSink
 PROMPT_STREAM = 3                         # seeded_prompts stream of the benchmark prompts (the fit uses 1 and 2)
 CORRECT = ("ACCEPT-OK", "DRAFTER-MISS", "NOT-VERIFIED")   # the only labels a correct engine may get (sims off)
 HEADS = ("mtp1", "mtp2", "mtp3", "dspark")
-
-
-@dataclass(frozen=True)
-class SpecBenchPlan:
-    """What `run_spec_bench` runs. heads: mtpK (MTP chain depth K) and dspark (one block of B a round); sims:
-    QAT settings (False: --no-fp8-kv --no-fp4-indexer, True: both simulations on); fit_steps: Adam steps per
-    drafter kind; fit_prompts: how many of the benchmark prompts the drafters are fitted on (None: all);
-    reuse_fits: reuse a drafter fitted earlier in the work directory on the same prompts, steps and seed."""
-
-    prompts: int
-    prompt_len: int
-    steps: int
-    engines: tuple[str, ...]
-    heads: tuple[str, ...]
-    sims: tuple[bool, ...]
-    fit_steps: dict[str, int]
-    seed: int = 0
-    fit_prompts: int | None = None
-    reuse_fits: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_head(head: str) -> tuple[str, int]:
@@ -143,7 +124,7 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: ProgressSink = SILENT,
                    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
-                   envelope: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+                   envelope: Callable[[str, Any], Any] | None = None) -> SpecBenchResult:
     """Fit the drafters, run the grid, aggregate. `trunk`: the tiny F32 GGUF; `work`: where the fitted drafters go;
     `progress.note` announces the fits and every run; `on_row(rows)` after every run (e.g. to keep partial results);
     `envelope(engine, options)` gives the tie threshold's envelope (None: measured now,
@@ -191,19 +172,19 @@ def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: Progr
             for head in plan.heads:
                 sel = [r for r in rows if (r["sims"], r["engine"], r["head"]) == (sims, engine, head)]
                 cells.append({"sims": sims, "engine": engine, "head": head, **aggregate(sel)})
-    return {"plan": asdict(plan), "prompts": prompts,
-        "fits": fits,
-            "envelopes": envelopes, "cells": cells, "runs": rows,
-            "seconds": time.perf_counter() - t_start, "load_avg_start": load_start,
-            "load_avg_end": list(os.getloadavg())}
+    return SpecBenchResult.from_dict({"plan": asdict(plan), "prompts": prompts, "fits": fits, "envelopes": envelopes,
+                                      "cells": cells, "runs": rows, "seconds": time.perf_counter() - t_start,
+                                      "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())})
 
 
 def _pcts(xs: Sequence[float | None]) -> str:
     return ", ".join("-" if x is None else f"{100 * x:.0f}" for x in xs) + " %"
 
 
-def render_markdown(result: dict[str, Any]) -> str:
-    """The grid as one Markdown table plus the fits and the conditions (load average, time)."""
+def render_markdown(report: SpecBenchResult) -> str:
+    """The grid as one Markdown table plus the fits and the conditions (load average, time), rendered from the
+    result's JSON document."""
+    result = report.to_dict()
     p = result["plan"]
     out = [f"Tiny F32 trunk (seed {p['seed']}), {p['prompts']} seeded prompts x {p['prompt_len']} tokens, "
            f"{p['steps']} steps each; drafters fitted on "
@@ -234,11 +215,10 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_spec_bench(out_dir: Path, result: dict[str, Any]) -> tuple[Path, Path]:
-    from parity.compare.jsonvalues import json_safe
-
+def write_spec_bench(out_dir: Path, result: SpecBenchResult) -> tuple[Path, Path]:
+    """OUT/spec_acceptance.json (the result's document, indent 1) and OUT/spec_acceptance.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    js = atomic_write_text(out_dir / "spec_acceptance.json", json.dumps(json_safe(result), indent=1) + "\n")
+    js = atomic_write_text(out_dir / "spec_acceptance.json", json.dumps(result.to_dict(), indent=1) + "\n")
     md = atomic_write_text(out_dir / "spec_acceptance.md", render_markdown(result))
     return js, md
 
@@ -279,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             on_row=lambda rows: atomic_write_text(partial, json.dumps(rows, default=str)))
     _, md = write_spec_bench(out, result)
     print(md.read_text())
-    ok = all((c["exact"] == c["state_equal"] == c["runs"] and c["only_correct_labels"]) if not c["sims"]
-             else c["exit_0"] == c["runs"] for c in result["cells"])
+    ok = all((c.exact == c.state_equal == c.runs and c.only_correct_labels) if not c.sims else c.exit_0 == c.runs
+             for c in result.cells)
     return 0 if ok else 1
 
 

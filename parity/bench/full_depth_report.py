@@ -1,0 +1,91 @@
+"""The typed result of the full-depth bench (`parity.bench.full_depth`, OUT/full_depth.json): frozen records, one
+field per JSON key, built from the measured rows by `from_dict` (which refuses a missing or unknown key, a scalar of
+another type or a mistyped verdict by name) and written by `to_dict` exactly as the dict-based bench wrote them.
+
+A step's row holds the measurement of its child process (`parity.bench.full_depth.run_measured`) and, spliced into
+the same JSON object, what the child printed: a check step's verdict (`CheckFound`) or error, a diff step's
+drift (`DiffFound`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from parity.bench.reports import JsonRecord, one_of, values
+from parity.compare.verdict import Judged, Verdict
+
+
+@dataclass(frozen=True)
+class CheckFound(JsonRecord):
+    """`check --json`'s verdict, level, culprit, causes and own seconds (the culprit and causes as check's JSON
+    document holds them), and where its envelope came from."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("envelope_source",)
+    NESTED: ClassVar[dict[str, Any]] = {"verdict": one_of(Verdict), "judged": one_of(Judged)}
+
+    verdict: Verdict
+    judged: Judged
+    culprit: dict[str, Any] | None
+    causes: list[dict[str, Any]]
+    seconds: float
+    envelope_source: str | None = None
+
+
+@dataclass(frozen=True)
+class DiffFound(JsonRecord):
+    """`diff --json`'s agreement, first drifting checkpoint (diff's record of it: checkpoint, layer, positions,
+    rel-L2, reason, ...), each checkpoint's worst rel-L2 over positions and the logits' largest rel-L2 (None /
+    empty when the diff printed none: an error)."""
+
+    agree: bool | None
+    first_drift: dict[str, Any] | None
+    rel_l2: dict[str, Any]
+    logits_rel_l2_max: float | None
+
+
+@dataclass(frozen=True)
+class StepRow(JsonRecord):
+    """One measured step: argv, exit status, why it was killed (or None), wall / CPU / user / system seconds, peak
+    RSS total and anonymous (bytes), 1-minute load before and after, its stderr log, what it is, the sizes of the
+    files it wrote; then what its output said (check / diff), or check's error."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("error",)
+    SPLICED: ClassVar[dict[str, type[JsonRecord]]] = {"check": CheckFound, "diff": DiffFound}
+
+    argv: list[str]
+    exit: int
+    killed: str | None
+    wall_s: float
+    cpu_s: float
+    user_s: float
+    sys_s: float
+    peak_rss: int
+    peak_anon: int
+    load_before: float
+    load_after: float
+    log: str
+    what: str
+    sizes: dict[str, int]
+    check: CheckFound | None = None
+    error: str | None = None
+    diff: DiffFound | None = None
+
+
+@dataclass(frozen=True)
+class ModelFile(JsonRecord):
+    """The model the steps ran on: its path and size in bytes (None when it does not exist)."""
+
+    path: str
+    bytes: int | None
+
+
+@dataclass(frozen=True)
+class FullDepthResult(JsonRecord):
+    """OUT/full_depth.json: the measured steps by name (in the order they were first run) and the model file."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("model",)
+    NESTED: ClassVar[dict[str, Any]] = {"steps": values(StepRow.from_dict), "model": ModelFile.from_dict}
+
+    steps: dict[str, StepRow]
+    model: ModelFile | None = None
