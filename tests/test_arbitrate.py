@@ -57,7 +57,7 @@ def test_json_of_a_non_finite_pair_is_strict_json():
     """rel_l2 is inf on a non-finite candidate; strict JSON (the CLI's) spells it "inf" instead of failing."""
     c = CheckpointClusters("blk.0", 1e-4, (("a",), ("b",)), {"a~b": float("inf")})
     a = Arbitration(("a", "b"), (0,), 1, (c,), "blk.0", ("b",), {})
-    assert json.loads(json.dumps(a.to_json(), allow_nan=False))["checkpoints"][0]["pairs"] == {"a~b": "inf"}
+    assert json.loads(json.dumps(a.to_dict(), allow_nan=False))["checkpoints"][0]["pairs"] == {"a~b": "inf"}
 
 
 def test_arbitrate_needs_two_engines(tiny_f32):

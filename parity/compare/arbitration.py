@@ -61,8 +61,6 @@ class Arbitration:
                 "checkpoints": [{"name": c.name, "tolerance": c.tolerance, "clusters": [list(g) for g in c.clusters],
                                  "pairs": {k: json_safe(v) for k, v in c.pairs.items()}} for c in self.checkpoints]}
 
-    to_json = to_dict   # the earlier spelling (tests call it); every report class's JSON method is `to_dict`
-
 
 def clusters(engines: Sequence[str], agree: Callable[[str, str], bool]) -> tuple[tuple[str, ...], ...]:
     """Connected components of the agreement graph, largest first (ties: order of `engines`)."""
