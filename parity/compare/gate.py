@@ -24,6 +24,7 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 
 from parity.compare.differ import DiffReport, Thresholds, diff_traces
+from parity.compare.jsonvalues import json_safe
 from parity.compare.rows import CheckpointRow
 from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import LOGITS
@@ -100,8 +101,11 @@ class GateResult:
         return self.passed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "golden": self.golden, "candidate": self.candidate, "cases": list(self.cases),
-                "first_drift": self.report.first_drift, "warnings": self.report.warnings}
+        """The JSON document of `gate --json`: passed, the two traces' names, the cases, the diff's first drift and
+        warnings (a non-finite number spelled by `json_safe`, not the non-JSON NaN / Infinity)."""
+        return json_safe({"passed": self.passed, "golden": self.golden, "candidate": self.candidate,
+                          "cases": list(self.cases), "first_drift": self.report.first_drift,
+                          "warnings": self.report.warnings})
 
 
 def run_gate(golden: Trace, candidate: Trace, tolerances: str | os.PathLike | dict | None = None,
