@@ -6,6 +6,9 @@ holds them), the nested values JSON-shaped as the measurements produce them. `to
 (`parity.compare.jsonvalues.json_safe`). Built from the measured document by `from_dict`, which refuses a missing
 or unknown key by name; the Markdown printers (`parity.bench.measure.render_markdown`,
 `parity.bench.verdicts.render_verdicts_markdown`) render that same document.
+
+`JsonRecord`, their base, is also the base of the full-depth and spec-acceptance results
+(`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`), whose records are typed all the way down.
 """
 
 from __future__ import annotations
