@@ -118,3 +118,31 @@ def test_a_corrupted_member_is_an_error_naming_it(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(TraceError, match=r"t\.npz: field 'attn\.sel': bad CRC-32 for member attn\.sel\.npy"):
         read_trace(path)
+
+
+def test_metrics_in_batches_are_the_one_checkpoint_answers(monkeypatch):
+    """Every metric column, bit for bit (NaN where NaN), whether checkpoints are computed 8 at a time or alone;
+    with non-finite fingerprints and statistics planted in B."""
+    a, _, _ = _planted()
+    rng = np.random.default_rng(5)
+    ckpt = {k: v.copy() for k, v in a.ckpt.cols.items()}
+    early = ckpt["ck"] < 5  # the rest equal to A's, so `exact` shows which fields each checkpoint compares
+    ckpt["fp"][early] *= 1 + 1e-2 * rng.standard_normal(ckpt["fp"][early].shape).astype(np.float32)
+    final = np.flatnonzero(ckpt["ck"] == len(a.header.checkpoints) - 1)
+    ckpt["top_ids"][final[2], 1] += 1  # final_norm compares its top-k (and one l2 number), the others do not
+    ckpt["fp"][[3, 40, 70], [0, 5, 63]] = [np.nan, np.inf, -np.inf]
+    ckpt["rms"][[11, 60]] = [np.nan, 0.0]
+    b = Trace(a.header, Table(ckpt), a.hc, a.moe, a.attn)
+    names, positions = list(a.header.checkpoints), list(a.header.positions)
+    th = differ.Thresholds()
+    batched = differ._metrics_table(a, b, names, positions, th, a.n_layers)
+    monkeypatch.setattr(differ, "METRIC_BATCH", 1)
+    alone = differ._metrics_table(a, b, names, positions, th, a.n_layers)
+    assert len(differ._batches(names, [positions] * len(names), [False] * len(names), positions)) > len(names) // 8
+    assert list(batched.columns) == list(alone.columns) and len(batched) == len(names) * len(positions)
+    for c in batched.columns:
+        x, y = batched[c].to_numpy(), alone[c].to_numpy()
+        assert x.dtype == y.dtype and (x.tobytes() == y.tobytes() if x.dtype != object else list(x) == list(y)), c
+    assert not batched["finite"].all() and batched["drift"].any()
+    last = batched[batched["checkpoint"] == "final_norm"]
+    assert (~last["exact"]).sum() == 1 and batched[batched["checkpoint"] == "blk.3"]["exact"].all()
