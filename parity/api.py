@@ -774,9 +774,11 @@ def bisect_run(model: str | os.PathLike, engine: str, *, tokens: Tokens = None, 
         report = check(t, model, envelope=envelope, envelope_search=envelope_search, progress=progress)
     except CheckPreflightError as e:
         return CommitVerdict("skip", 125, f"not comparable (check preflight): {e}")
+    from parity.check.check_report import headline
+
     if report.verdict == Verdict.DEFECT:
-        return CommitVerdict("bad", 1, report.headline, report)
-    return CommitVerdict("good", 0, report.headline, report)
+        return CommitVerdict("bad", 1, headline(report), report)
+    return CommitVerdict("good", 0, headline(report), report)
 
 
 # ---------------------------------------------------------------- peers: llama.cpp capture, arbitration

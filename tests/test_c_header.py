@@ -26,6 +26,7 @@ from requires import require_program
 
 from parity import api
 from parity.bisect.search import builtin_prompt
+from parity.check.check_report import headline
 from parity.contract.checkpoints import block
 from parity.contract.errors import TraceError
 from parity.gguf.weights import Weights
@@ -147,14 +148,14 @@ def test_side_file_is_a_stored_zip_of_the_input_vectors(reference, clean):
 def test_check_matches_the_unperturbed_trace_and_finds_the_perturbed_layer(tiny_f32, example, reference, clean,
                                                                             tmp_path):
     r = api.check(clean, tiny_f32, envelope=ENV_F32)
-    assert (r.verdict, r.judged) == ("MATCH", "op-level") and not r.causes, r.headline
+    assert (r.verdict, r.judged) == ("MATCH", "op-level") and not r.causes, headline(r)
     bad = _run(example, reference[0], tmp_path / "bad.trace", block(3), "2e-3")
     vec, ref = api.load_trace(bad).vectors[block(3)], reference[1].vectors[block(3)]
     rel = np.linalg.norm((vec - ref).reshape(len(vec), -1), axis=1) / np.linalg.norm(ref.reshape(len(ref), -1), axis=1)
     assert np.allclose(rel, 2e-3, rtol=1e-3), rel          # the planted error is what the test says it is
     r = api.check(bad, tiny_f32, envelope=ENV_F32)
     assert (r.verdict, r.judged, r.culprit.layer, r.culprit.subop, r.causes[-1].name) == \
-        ("DEFECT", "op-level", 3, "hc_ffn_post", "unexplained"), r.headline
+        ("DEFECT", "op-level", 3, "hc_ffn_post", "unexplained"), headline(r)
 
 
 def test_the_side_file_is_bound_to_its_trace(clean, tmp_path):

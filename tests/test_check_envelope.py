@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from parity import api
+from parity.check.check_report import headline
 from parity.cli import cli
 from parity.contract.engine import RunOptions
 
@@ -64,7 +65,7 @@ def test_gate_and_diff_follow_checks_verdict_with_a_model(traces, tiny_f32, tmp_
     doc = json.loads(res.stdout)
     assert doc["passed"] and doc["check"]["verdict"] in ("MATCH", "NOISE")
     own = api.check(traces["torch"], tiny_f32, envelope=ENV_F32)   # the `check` command's own verdict, same run
-    assert (doc["check"]["verdict"], doc["cases"][-1]["headline"]) == (own.verdict, own.headline)
+    assert (doc["check"]["verdict"], doc["cases"][-1]["headline"]) == (own.verdict, headline(own))
     assert doc["cases"][-1]["checkpoint"] == "check" and not all(c["passed"] for c in doc["cases"][:-1])
     res = _run("diff", traces["ref"], traces["sink"], "--check-model", tiny_f32)
     assert res.exit_code == 1, res.output

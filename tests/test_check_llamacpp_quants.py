@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from parity import api
+from parity.check.check_report import headline
 from parity.gguf.weights import Weights
 
 FILE_TYPES = ("F16", "BF16", "Q8_0", "MXFP4_MOE", "Q4_K_M", "Q2_K")
@@ -32,7 +33,7 @@ def _judge(model, tmp_path, seed: int):
 def test_llamacpp_quantized_runs_are_never_defects(llamacpp_quantized, tmp_path, monkeypatch, file_type, seed):
     monkeypatch.chdir(tmp_path)      # no stored envelope found: judged from any directory
     r = _judge(llamacpp_quantized(file_type), tmp_path, seed=seed)
-    assert r.verdict in ("MATCH", "NOISE"), r.headline
+    assert r.verdict in ("MATCH", "NOISE"), headline(r)
     assert r.judged == "op-level", r.notes
     assert all(c.kind == "benign" and c.name in BENIGN for c in r.causes), r.causes
     assert r.verdict == "MATCH" or any(c.name.startswith("act-") for c in r.causes), r.causes
@@ -44,5 +45,5 @@ def test_llamacpp_run_of_our_own_real_mix_file_is_never_a_defect(tiny_realmix, t
     require("llama_cpp")
     monkeypatch.chdir(tmp_path)
     r = _judge(tiny_realmix, tmp_path, seed=2)
-    assert r.verdict in ("MATCH", "NOISE") and r.judged == "op-level", r.headline
+    assert r.verdict in ("MATCH", "NOISE") and r.judged == "op-level", headline(r)
     assert all(c.kind == "benign" and c.name in BENIGN for c in r.causes), r.causes

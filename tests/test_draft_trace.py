@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from parity import api
+from parity.check.check_report import headline
 from parity.compare.html import diff_sections
 from parity.contract.checkpoints import dspark_checkpoints, mtp_checkpoints
 from parity.contract.engine import RunOptions
@@ -193,7 +194,7 @@ def test_a_perturbed_mtp0_is_located_by_diff_and_check(tiny_f32, drafters, tmp_p
     assert worst.min() > 1.9e-3 and worst.max() < 2.1e-3   # the perturbation: 2e-3 by construction
     report = api.check(api.save_trace(bad, tmp_path / "bad.trace"), tiny_f32, envelope=ENV_F32,
                        draft=drafters["ds4-mtp"], fault_engines=())   # no library: test_drafter_faults_are_named
-    assert report.verdict == "DEFECT" and report.culprit.layer == "drafter mtp.0", report.headline
+    assert report.verdict == "DEFECT" and report.culprit.layer == "drafter mtp.0", headline(report)
     assert [c.name for c in report.causes] == ["unexplained"]
     rows = {row.checkpoint: row for row in report.table}
     assert rows["mtp.0.in"].status == rows["mtp.0.attn"].status == "ok" and rows["mtp.0"].status == "local"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from parity import api
+from parity.check.check_report import headline
 from parity.contract.checkpoints import dspark_checkpoints, mtp_checkpoints
 from parity.contract.engine import RunOptions
 from parity.gguf.synth_draft import synthesize_drafter
@@ -52,9 +53,9 @@ def test_check_locates_the_drafter_fault_at_its_checkpoint(fault, tiny_f32, draf
     r = api.check(api.save_trace(cand, tmp_path / "cand.trace"), tiny_f32, envelope=ENV_F32, draft=drafters[kind],
                   fault_engines=("torch",) if fault in NAMED else ())
     culprit, position = CULPRIT[fault]
-    assert r.verdict == "DEFECT", r.headline
-    assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", position), r.headline
-    assert [c.name for c in r.causes] == [fault if fault in NAMED else "unexplained"], r.headline
+    assert r.verdict == "DEFECT", headline(r)
+    assert (r.culprit.layer, r.culprit.position) == (f"drafter {culprit}", position), headline(r)
+    assert [c.name for c in r.causes] == [fault if fault in NAMED else "unexplained"], headline(r)
     status = {row.checkpoint: row.status for row in r.table}
     names = mtp_checkpoints(1) if kind == "mtp" else dspark_checkpoints(3)
     assert [status[n] for n in names[: names.index(culprit)]] == ["ok"] * names.index(culprit)

@@ -18,6 +18,7 @@ from trace_samples import toy_trace
 
 from parity.check.check import Cause, CheckReport, CheckRow
 from parity.check.check_report import headline, to_markdown, to_text
+from parity.check.evidence import Drift
 from parity.cli import cli, main
 from parity.tracing.io import write_trace
 
@@ -39,9 +40,8 @@ def _invoke(*args):
 def _report_outside_blocks(verdict: str) -> CheckReport:
     rows = (CheckRow("embed", 1e-3, 4.0, None, None, 2.5e-4, 0, "outside"),
             CheckRow("blk.0.attn", 1e-3, 3.0, 1e-7, 0.0, 3e-4, 0, "outside"))
-    cause = Cause("benign", "amplified-drift", None, None, "free-running excess 4 at embed: amplified drift")
-    report = CheckReport(verdict, "", None, (cause,), rows, {"follow": 2}, (), 3)
-    return CheckReport(verdict, headline(report), None, (cause,), rows, {"follow": 2}, (), 3)
+    cause = Cause("benign", "amplified-drift", None, None, Drift(4.0, "embed", None, False))
+    return CheckReport(verdict, None, (cause,), rows, {"follow": 2}, (), 3)
 
 
 def test_a_cause_without_a_layer_names_the_embedding():
@@ -49,7 +49,7 @@ def test_a_cause_without_a_layer_names_the_embedding():
     text, md = to_text(r), to_markdown(r)
     for out in (text, md):
         assert "None" not in out, out
-    assert "amplified-drift at the embedding (embed, before layer 0)" in r.headline
+    assert "amplified-drift at the embedding (embed, before layer 0)" in headline(r)
     assert "cause (benign): amplified-drift at the embedding (embed, before layer 0)" in text
     assert "| benign | amplified-drift | the embedding (embed, before layer 0) |" in md
 

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from requires import require
 
+from parity.bisect.bisect_report import summary
 from parity.check.attribution import teacher_forced
+from parity.check.check_report import cause_words, headline
 from parity.compare.metrics import rel_l2
+from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.engine import RunOptions, load_engine
 from parity.contract.errors import ParityError
@@ -115,7 +118,7 @@ def test_bisect_hf_clean_is_no_defect(engines, tiny_f32):
     ref, hf = engines
     env = api.measure_envelope(tiny_f32, "hf", OFF)
     r = bisect(ref, hf, PROMPT[:28], 4, env)
-    assert r.verdict == "no defect", r.summary
+    assert r.verdict is Verdict.MATCH, summary(r)
 
 
 def test_check_calls_transformers_exact_indexer_tie_a_tie(tiny_f32, tmp_path):
@@ -128,6 +131,7 @@ def test_check_calls_transformers_exact_indexer_tie_a_tie(tiny_f32, tmp_path):
     t = api.trace("hf", tiny_f32, prompt, positions="all", full="all", decode=4, options=OFF)
     r = api.check(t, tiny_f32)
     ties = [c for c in r.causes if c.name == "tie"]
-    assert r.verdict == "NOISE" and ties, r.headline
+    assert r.verdict == "NOISE" and ties, headline(r)
     assert [(c.layer, c.subop) for c in ties] == [(4, "indexer_selection")], ties
-    assert "position 27" in ties[0].evidence and "+6 -2" in ties[0].evidence, ties
+    words = cause_words(ties[0])
+    assert "position 27" in words and "+6 -2" in words, ties

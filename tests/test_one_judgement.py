@@ -14,7 +14,9 @@ from parity import api
 from parity.bisect.search import builtin_prompt
 from parity.check.attribution import teacher_forced
 from parity.check.check import Cause, CheckCulprit, CheckReport, CheckRow
+from parity.check.check_report import headline
 from parity.check.envelope import load_envelope
+from parity.check.evidence import TieRule
 from parity.check.opforce import judge_ops
 from parity.check.subops import as_dumps, compare_subops, drill_down
 from parity.compare.arbitration import Arbitration, CheckpointClusters, departs_from, judged_by_checks
@@ -82,10 +84,10 @@ NAMES = ("embed", "blk.0.attn", "blk.0", "blk.1.attn", "blk.1", "final_norm", "l
 
 
 def _report(verdict: str, layer=None, cause: str | None = None, bad: tuple[str, ...] = ()) -> CheckReport:
-    causes = (Cause("defect", cause, layer, None, "evidence"),) if verdict == "DEFECT" else ()
+    causes = (Cause("defect", cause, layer, None, TieRule(cause, 2)),) if verdict == "DEFECT" else ()
     culprit = CheckCulprit(layer, None, 0, None) if verdict == "DEFECT" else None
     table = tuple(CheckRow(n, 0.0, 0.0, None, None, 0.0, None, "local" if n in bad else "ok") for n in NAMES)
-    return CheckReport(verdict, verdict, culprit, causes, table, {}, (), 4)
+    return CheckReport(verdict, culprit, causes, table, {}, (), 4)
 
 
 def _by_tolerance(engines, split_at: int, odd: tuple[str, ...]) -> Arbitration:
@@ -156,10 +158,10 @@ def test_bisect_takes_checks_verdict_where_its_own_screen_sees_nothing(tiny_f32,
     assert own.verdict == "no defect", own.summary            # the old rule misses it
     run = api.trace(cand, tiny_f32, prompt, decode=2, forced=own.tokens[len(prompt):], positions="all", full="all")
     checked = api.check(run, tiny_f32, envelope=ENV_F32, fault_engines=())
-    assert checked.verdict == "DEFECT" and checked.culprit.layer == LAYER, checked.headline
+    assert checked.verdict == "DEFECT" and checked.culprit.layer == LAYER, headline(checked)
     judged = judged_by_check(own, checked)
     assert (judged.verdict, judged.culprit.layer) == ("defect", LAYER)
-    assert judged.summary.splitlines()[0] == checked.headline and judged.check["verdict"] == "DEFECT"
+    assert judged.summary.splitlines()[0] == headline(checked) and judged.check["verdict"] == "DEFECT"
     assert "bisect's own screen said 'no defect'" in judged.summary
 
 

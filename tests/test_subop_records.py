@@ -23,6 +23,7 @@ from test_bisect_engines import SUBOP
 
 from parity import api
 from parity.bisect.search import builtin_prompt
+from parity.check.check_report import headline
 from parity.cli import cli
 from parity.contract.checkpoints import SUBOPS, block
 from parity.contract.engine import RunOptions, load_engine
@@ -165,8 +166,8 @@ def test_cli_subops_needs_every_position(tiny_f32, tmp_path):
 
 def test_clean_torch_with_qat_sims_is_match_or_noise_op_level(tiny_f32, clean, envelope):
     r = api.check(clean[0], tiny_f32, envelope=envelope)
-    assert r.verdict in ("MATCH", "NOISE") and r.judged == "op-level", r.headline
-    assert r.headline.startswith(f"{r.verdict} [op-level]:"), r.headline
+    assert r.verdict in ("MATCH", "NOISE") and r.judged == "op-level", headline(r)
+    assert headline(r).startswith(f"{r.verdict} [op-level]:"), headline(r)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -176,9 +177,9 @@ def test_a_fault_is_a_defect_at_its_layer_op_level(tiny_f32, prompt, clean, enve
     layer = next(l for l in range(faulty.n_layers)
                  if not np.array_equal(clean[1].vectors[block(l)], faulty.vectors[block(l)]))
     r = api.check(path, tiny_f32, envelope=envelope)
-    assert r.verdict == "DEFECT" and r.judged == "op-level", r.headline
-    assert (r.culprit.layer, r.causes[-1].name) == (layer, fault), r.headline
-    assert r.culprit.subop in SUBOP[fault] and r.headline.endswith("[op-level]"), r.headline
+    assert r.verdict == "DEFECT" and r.judged == "op-level", headline(r)
+    assert (r.culprit.layer, r.causes[-1].name) == (layer, fault), headline(r)
+    assert r.culprit.subop in SUBOP[fault] and headline(r).endswith("[op-level]"), headline(r)
 
 
 def test_emitted_rows_carry_the_last_position_of_their_chunk(clean):

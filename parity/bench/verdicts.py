@@ -154,8 +154,10 @@ def first_acting_layer(clean: Any, faulty: Any) -> int | None:
 
 def _row(report: Any, **what: Any) -> dict[str, Any]:
     """One result row: the run's description plus check's verdict, culprit, last named cause and cost."""
+    from parity.check.check_report import headline
+
     culprit = report.culprit
-    return {**what, "verdict": report.verdict, "headline": report.headline.splitlines()[0],
+    return {**what, "verdict": report.verdict, "headline": headline(report).splitlines()[0],
             "culprit_layer": culprit.layer if culprit else None, "culprit_subop": culprit.subop if culprit else None,
             "cause": report.causes[-1].name if report.causes else None,
             "causes": [f"{c.kind}:{c.name}@{c.layer}" for c in report.causes], "judged": report.judged,

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from parity.bisect.bisect_report import BisectReport, Culprit, judged_summary
 from parity.check.check import CheckReport
-from parity.check.check_report import to_json
+from parity.check.check_report import cause_words, headline, to_json
 from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
 from parity.contract.errors import ParityError
 
@@ -26,7 +26,7 @@ def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
     (`BisectReport.check`, its JSON)."""
     verdict = Verdict(checked.verdict).bisect_word
     return replace(report, verdict=verdict, culprit=_culprit(report, checked),
-                   summary=judged_summary(checked.headline, report.verdict, verdict, report.summary),
+                   summary=judged_summary(headline(checked), report.verdict, verdict, report.summary),
                    check=to_json(checked))
 
 
@@ -38,8 +38,8 @@ def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
     c = checked.culprit
     cause = next(x for x in checked.causes if x.kind is CauseKind.DEFECT)
     if c is None or (c.layer is None and cause.name != "embedding-differs"):   # check names a layer, or the embedding
-        raise ParityError(f"check's DEFECT ({cause.name}) names no culprit layer: {checked.headline}")
+        raise ParityError(f"check's DEFECT ({cause.name}) names no culprit layer: {headline(checked)}")
     layer = "embed" if c.layer is None else c.layer
     if report.culprit is not None and report.culprit.layer == layer:
         return report.culprit
-    return Culprit(layer, c.subop, c.position, c.decode_step, f"{cause.name}: {cause.evidence}")
+    return Culprit(layer, c.subop, c.position, c.decode_step, f"{cause.name}: {cause_words(cause)}")

@@ -31,6 +31,18 @@ from parity.check import parallel
 from parity.check.attribution import teacher_forced
 from parity.check.draft_check import check_drafter, draft_check, draft_library, unjudged
 from parity.check.envelope import Envelope
+from parity.check.evidence import (
+    EVIDENCE,
+    DrafterDefect,
+    Drift,
+    EmbeddingDiffers,
+    Evidence,
+    LayerDefect,
+    Library,
+    Reproduced,
+    Tie,
+    TieRule,
+)
 from parity.check.hypotheses import (
     Fit,
     LayerNull,
@@ -64,15 +76,26 @@ EngineFactory = Callable[[RunOptions], Engine]
 
 @dataclass(frozen=True)
 class Cause:
+    """One finding of `check`: its kind, name and place, and its evidence as data (`parity.check.evidence`; in
+    words only by the printer `parity.check.check_report.cause_words`)."""
+
     kind: CauseKind        # benign | defect
     name: str              # hypothesis or fault name, or "unexplained"
     layer: int | str | None  # a trunk layer, or "drafter <checkpoint>" (the draft head after the trunk)
     subop: str | None
-    evidence: str            # the cause in words (the JSON's; a flip's words are `flip_words` of `flips`)
-    flips: tuple[QuantFlip, ...] = ()   # a code-flip cause's flips as numbers (in memory; not in the JSON)
+    evidence: Evidence
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CauseKind(self.kind))   # a mistyped kind is an error naming it
+        if not isinstance(self.evidence, EVIDENCE):
+            raise TypeError(f"cause {self.name!r}: evidence must be a record of parity.check.evidence, not "
+                            f"{type(self.evidence).__name__}")
+
+    @property
+    def flips(self) -> tuple[QuantFlip, ...]:
+        """A code-flip cause's flips as numbers (those of the sub-op result its drift tips over); () otherwise."""
+        ev = self.evidence
+        return ev.flip.flips if isinstance(ev, Drift) and ev.flip is not None else ()
 
 
 @dataclass(frozen=True)
@@ -102,8 +125,10 @@ class CheckRow:
 
 @dataclass(frozen=True)
 class CheckReport:
+    """`check`'s findings as data; its words (the headline, text, JSON, HTML) are the printers' of
+    `parity.check.check_report`."""
+
     verdict: Verdict                  # MATCH | NOISE | DEFECT
-    headline: str
     culprit: CheckCulprit | None
     causes: tuple[Cause, ...]
     table: tuple[CheckRow, ...]
@@ -387,7 +412,7 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
     """Stage 4: the ties of every layer, then the departing layers explained (or, with none, the tie rule and
     the free-running excess explained as amplified drift); the causes go to `st`."""
     for r in local:
-        st.causes += [Cause(CauseKind.BENIGN, "tie", r.layer, sub, detail) for sub, detail in r.fit.ties]
+        st.causes += [Cause(CauseKind.BENIGN, "tie", r.layer, sub, Tie(sub, words)) for sub, words in r.fit.ties]
     departing = [r for r in local if r.departs]
     tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
     if not departing and tied and cand is not None:
@@ -400,13 +425,10 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
 
 
 def _report(trace: Trace, st: _Stages, table: Sequence[CheckRow], judged: Judged, t0: float) -> CheckReport:
-    """The frozen report of what the stages found, its verdict and headline."""
+    """The frozen report of what the stages found, and its verdict."""
     verdict = Verdict.of_causes(c.kind for c in st.causes)
-    report = CheckReport(verdict, "", st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
-                         trace.header.n_prompt, round(time.perf_counter() - t0, 3), judged)
-    from parity.check.check_report import headline
-
-    return replace(report, headline=headline(report))
+    return CheckReport(verdict, st.culprit, tuple(st.causes), tuple(table), st.runs, tuple(st.notes),
+                       trace.header.n_prompt, round(time.perf_counter() - t0, 3), judged)
 
 
 def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: Note, count: Count,
@@ -432,23 +454,16 @@ def _drafts(trace: Trace, ref_engine: Engine, n_twins: int, st: _Stages, say: No
     first = dc.first
     if first is not None and first.test.first is not None:
         pos = first.test.first.position
-        evidence = (f"{first.test.summary()} (rel-L2 {first.err:.3g}; teacher-forced on the candidate's trunk "
-                    "carriers)")
         say(f"drafter: {first.checkpoint} departs; running the drafter faults")
         opts = ref_engine.options
         best, runs = draft_library(trace, dc, RunOptions(fp8_kv=opts.fp8_kv, fp4_indexer=opts.fp4_indexer),
                                    fault_engines)
         st.runs["drafter_library"] = runs
-        if best is not None and best.explains:
-            cause = Cause(CauseKind.DEFECT, best.name, f"drafter {first.checkpoint}", None,
-                          f"matches {best.name}: {best.exceed} of {best.cells} draft cells outside the round-off "
-                          f"twins around its run (residual {best.worst:.3g}); exact path: {evidence}")
-        else:
-            closest = (f"; the closest drafter fault, {best.name}, leaves {best.exceed} of {best.cells} cells outside"
-                       if best is not None else "; no engine offers drafter faults" if not fault_engines else
-                       "; no drafter fault of this head was tried")
-            cause = Cause(CauseKind.DEFECT, "unexplained", f"drafter {first.checkpoint}", None, evidence + closest)
-        st.causes.append(cause)
+        library = ((Library.NONE_OFFERED if not fault_engines else Library.NONE_TRIED) if best is None else
+                   Library.MATCHED if best.explains else Library.PARTIAL)
+        name = best.name if best is not None and library is Library.MATCHED else "unexplained"
+        st.causes.append(Cause(CauseKind.DEFECT, name, f"drafter {first.checkpoint}", None,
+                               DrafterDefect(first.test, first.err, library, best)))
         if st.culprit is None:
             st.culprit = CheckCulprit(f"drafter {first.checkpoint}", None, pos, _decode_step(pos, h.n_prompt))
     return [CheckRow(r.checkpoint, None, None, r.err, r.test.worst.ratio if r.test.worst else 0.0, r.twin_max,
@@ -465,33 +480,26 @@ def _explain_free(trace: Trace, ref_engine: Engine, ref: Sequence[ChunkResult], 
         return
     if EMBED in out:   # a table lookup: no round-off to amplify, so a difference there is the embedding's own
         pos = int(trace.header.positions[int(np.argmax(free[EMBED] > env.limit(env.floor(EMBED))))])
-        st.causes.append(Cause(CauseKind.DEFECT, "embedding-differs", None, None,
-                               f"the candidate's embedding of the same tokens differs from the reference's lookup "
-                               f"(rel-L2 {float(free[EMBED].max()):.3g}, excess "
-                               f"{float(env.excess_at(EMBED, free[EMBED].max())):.3g} over the envelope, first at "
-                               f"position {pos}); every later difference may be inherited from it"))
+        st.causes.append(Cause(CauseKind.DEFECT, "embedding-differs", None, None, EmbeddingDiffers(
+            float(free[EMBED].max()), float(env.excess_at(EMBED, free[EMBED].max())), pos)))
         st.culprit = CheckCulprit(None, None, pos, _decode_step(pos, trace.header.n_prompt))
         return
     first = next((checkpoint_layer(n) for n in out if checkpoint_layer(n) is not None), None)
     worst = max(out, key=lambda n: float(env.excess_at(n, free[n].max())))
     ex = float(env.excess_at(worst, free[worst].max()))
-    base = (f"free-running excess {ex:.3g} at {worst} with every layer inside the envelope on the candidate's own "
-            "inputs: amplified sub-envelope drift")
     if cand is None or first is None:
-        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None, base + " (no local error available)"))
+        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None, Drift(ex, worst, first, False)))
         return
     say(f"free-running excess from layer {first}: looking for the QAT code flip the drift tips over")
     subs = inherited_flips(ref_engine, ref, cand, first, env)
     st.runs["flip_check"] = 2
     flip = next((s for s in subs if s.status is SubopStatus.NOISE and s.flips), None)
     if flip is None:
-        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None,
-                               base + f"; no isolated QAT code flip at layer {first} (near-ties or amplification)"))
+        st.causes.append(Cause(CauseKind.BENIGN, "amplified-drift", first, None, Drift(ex, worst, first, True)))
         return
     fp8 = any(f.format is QuantFormat.FP8_E4M3 for f in flip.flips)
     st.causes.append(Cause(CauseKind.BENIGN, "fp8-code-flip" if fp8 else "fp4-code-flip", first, flip.name,
-                           base + f"; the reference's layer {first} on the candidate's inputs: {flip.detail}",
-                           flip.flips))
+                           Drift(ex, worst, first, True, flip)))
 
 
 def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, cand: list[ChunkResult],
@@ -516,8 +524,8 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
             st.runs["hypotheses"] += 1
             flip = routing_replay(trace, make_reference, ref_engine.options, cand, d.layer, nulls[d.layer])
             if flip is not None:
-                st.causes.append(Cause(CauseKind.BENIGN, "routing-flip", d.layer, "router", _evidence(d, flip[2])
-                                       + "; the candidate's expert picks differ only at router margins within noise"))
+                st.causes.append(Cause(CauseKind.BENIGN, "routing-flip", d.layer, "router",
+                                       Reproduced(d.fit, flip[2], routing=True)))
                 continue
         hit = tester.explain(d.layer)
         if hit is None:
@@ -530,15 +538,8 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
         for part in v.parts or (v.name,):
             sub = d.fit.subop or name_subop(ref_engine, tester.engine_of(part), cand, d.layer, env)
             st.runs["drill_down"] += 0 if d.fit.subop else 2
-            st.causes.append(Cause(CauseKind.BENIGN, part, d.layer, sub, _evidence(d, f)
-                                   + (f" (together with {v.name})" if v.parts else "")))
-
-
-def _evidence(d: LayerLocal, f: Fit) -> str:
-    return (f"exact path: {d.fit.test.exceed} of {d.fit.test.cells} cells outside all {d.fit.test.twins} "
-            f"round-off twins (p = {d.fit.test.p_value:.2g}, rel-L2 {d.fit.worst:.3g}) -> with the variant: "
-            f"{f.test.exceed} (p = {f.test.p_value:.2g}, rel-L2 {f.worst:.3g})"
-            + (f"; {d.fit.structural}" if d.fit.structural else ""))
+            st.causes.append(Cause(CauseKind.BENIGN, part, d.layer, sub,
+                                   Reproduced(d.fit, f, v.name if v.parts else None)))
 
 
 def _layer_null(ref_engine: Engine, cand: list[ChunkResult], tf: dict[int, list[LayerOutput]],
@@ -567,9 +568,7 @@ def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tf: dic
         st.runs["defect_library"] += n
         if best is not None and best.fit.explains and not best.fit.ties:
             sub = r.fit.ties[0][0]
-            st.causes.append(Cause(CauseKind.DEFECT, best.name, r.layer, sub,
-                                   f"matches {best.name}: it breaks all {len(r.fit.ties)} ties as the candidate does "
-                                   "(the exact rule and the round-off twins break them otherwise)"))
+            st.causes.append(Cause(CauseKind.DEFECT, best.name, r.layer, sub, TieRule(best.name, len(r.fit.ties))))
             pos = r.fit.position
             st.culprit = CheckCulprit(r.layer, sub, pos, _decode_step(pos, trace.header.n_prompt))
             return
@@ -593,25 +592,19 @@ def _defect(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], d: LayerL
     say(f"layer {d.layer}: no benign hypothesis explains it; running the defect library")
     best, n = defect_library(trace, ref_engine, cand, d.layer, null, fault_engines)
     st.runs["defect_library"] += n
-    unexplained = d.fit.worst
     own = d.fit.subop
     position = d.fit.position
     if best is not None and best.fit.explains:
         sub = own if own is not None else name_subop(ref_engine, best.engine, cand, d.layer, env)
         st.runs["drill_down"] += 2 if own is None else 0
-        ev = (f"matches {best.name}: residual {best.fit.worst:.3g} vs unexplained {unexplained:.3g}, "
-              f"{best.fit.test.exceed} vs {d.fit.test.exceed} of {d.fit.test.cells} cells outside the round-off "
-              f"twins" + (f"; {d.fit.structural}" if d.fit.structural else ""))
-        st.causes.append(Cause(CauseKind.DEFECT, best.name, d.layer, sub, ev))
+        st.causes.append(Cause(CauseKind.DEFECT, best.name, d.layer, sub,
+                               LayerDefect(d.fit, Library.MATCHED, best.name, best.fit)))
     else:
         sub = own
-        partial = best is not None and best.fit.test.exceed < d.fit.test.exceed and best.fit.worst < unexplained
-        closest = (f"; the closest known fault, {best.name}, explains part of it ({best.fit.test.exceed} cells "
-                   f"outside, residual {best.fit.worst:.3g})" if partial else
-                   "; no known fault explains any of it" if best is not None else "; no engine offers fault switches")
-        st.causes.append(Cause(CauseKind.DEFECT, "unexplained", d.layer, sub,
-                               f"{d.fit.test.summary()} (rel-L2 {unexplained:.3g})"
-                               + (f"; {d.fit.structural}" if d.fit.structural else "") + closest))
+        partial = best is not None and best.fit.test.exceed < d.fit.test.exceed and best.fit.worst < d.fit.worst
+        library = Library.PARTIAL if partial else Library.NO_MATCH if best is not None else Library.NONE_OFFERED
+        st.causes.append(Cause(CauseKind.DEFECT, "unexplained", d.layer, sub, LayerDefect(
+            d.fit, library, best.name if best is not None else None, best.fit if best is not None else None)))
     st.culprit = CheckCulprit(d.layer, sub, position, _decode_step(position, trace.header.n_prompt))
 
 

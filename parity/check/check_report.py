@@ -1,5 +1,6 @@
-"""Printers of a `CheckReport`: the headline, plain text, Markdown, JSON, a figure and an HTML page. No computation
-here."""
+"""Printers of a `CheckReport`: the headline, a cause's evidence in words, plain text, Markdown, JSON, a figure and
+an HTML page. No computation here: the report and its causes hold data (`parity.check.evidence`); every sentence
+about them is made here."""
 
 from __future__ import annotations
 
@@ -8,13 +9,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.check.evidence import (
+    DrafterDefect,
+    Drift,
+    EmbeddingDiffers,
+    LayerDefect,
+    Library,
+    Reproduced,
+    Tie,
+    TieRule,
+)
 from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import md_cell, table_lines
 from parity.compare.verdict import CauseKind, Judged, RowStatus, Verdict
 from parity.contract.checkpoints import checkpoint_layer
 
 if TYPE_CHECKING:
-    from parity.check.check import CheckReport, CheckRow
+    from parity.check.check import Cause, CheckReport, CheckRow
+    from parity.check.hypotheses import Fit
 
 
 # Checkpoints outside every block: where a cause without a layer (layer None) lies.
@@ -59,8 +71,80 @@ def _benign_summary(report: CheckReport) -> str:
     return "; ".join(f"{n} at {at(ls)}" + (f" ({s})" if s else "") for (n, s), ls in groups.items())
 
 
+def _structural(fit: Fit) -> str:
+    return f"; {fit.structural}" if fit.structural else ""
+
+
+def _reproduced(e: Reproduced) -> str:
+    x, v = e.exact, e.variant
+    return (f"exact path: {x.test.exceed} of {x.test.cells} cells outside all {x.test.twins} round-off twins "
+            f"(p = {x.test.p_value:.2g}, rel-L2 {x.worst:.3g}) -> with the variant: {v.test.exceed} "
+            f"(p = {v.test.p_value:.2g}, rel-L2 {v.worst:.3g})" + _structural(x)
+            + ("; the candidate's expert picks differ only at router margins within noise" if e.routing else "")
+            + (f" (together with {e.stack})" if e.stack else ""))
+
+
+def _drift(e: Drift) -> str:
+    from parity.check.subops import subop_words
+
+    base = (f"free-running excess {e.excess:.3g} at {e.checkpoint} with every layer inside the envelope on the "
+            "candidate's own inputs: amplified sub-envelope drift")
+    if not e.local:
+        return base + " (no local error available)"
+    if e.flip is None:
+        return base + f"; no isolated QAT code flip at layer {e.layer} (near-ties or amplification)"
+    return base + f"; the reference's layer {e.layer} on the candidate's inputs: {subop_words(e.flip)}"
+
+
+def _layer_defect(e: LayerDefect) -> str:
+    x, f = e.exact, e.fault_fit
+    if f is not None and e.library is Library.MATCHED:
+        return (f"matches {e.fault}: residual {f.worst:.3g} vs unexplained {x.worst:.3g}, {f.test.exceed} vs "
+                f"{x.test.exceed} of {x.test.cells} cells outside the round-off twins" + _structural(x))
+    closest = ("; no engine offers fault switches" if f is None else
+               f"; the closest known fault, {e.fault}, explains part of it ({f.test.exceed} cells outside, residual "
+               f"{f.worst:.3g})" if e.library is Library.PARTIAL else "; no known fault explains any of it")
+    return f"{x.test.summary()} (rel-L2 {x.worst:.3g})" + _structural(x) + closest
+
+
+def _drafter_defect(e: DrafterDefect) -> str:
+    exact = f"{e.test.summary()} (rel-L2 {e.rel_l2:.3g}; teacher-forced on the candidate's trunk carriers)"
+    m = e.fault
+    if m is None:
+        return exact + ("; no engine offers drafter faults" if e.library is Library.NONE_OFFERED else
+                        "; no drafter fault of this head was tried")
+    if e.library is Library.MATCHED:
+        return (f"matches {m.name}: {m.exceed} of {m.cells} draft cells outside the round-off twins around its run "
+                f"(residual {m.worst:.3g}); exact path: {exact}")
+    return exact + f"; the closest drafter fault, {m.name}, leaves {m.exceed} of {m.cells} cells outside"
+
+
+def cause_words(cause: Cause) -> str:
+    """A cause's evidence in words (the text's, Markdown's, HTML's and the JSON's "evidence"), from its record."""
+    e = cause.evidence
+    if isinstance(e, Reproduced):
+        return _reproduced(e)
+    if isinstance(e, Tie):
+        return e.words
+    if isinstance(e, Drift):
+        return _drift(e)
+    if isinstance(e, EmbeddingDiffers):
+        return (f"the candidate's embedding of the same tokens differs from the reference's lookup (rel-L2 "
+                f"{e.rel_l2:.3g}, excess {e.excess:.3g} over the envelope, first at position {e.position}); every "
+                "later difference may be inherited from it")
+    if isinstance(e, TieRule):
+        return (f"matches {e.fault}: it breaks all {e.ties} ties as the candidate does (the exact rule and the "
+                "round-off twins break them otherwise)")
+    if isinstance(e, LayerDefect):
+        return _layer_defect(e)
+    if isinstance(e, DrafterDefect):
+        return _drafter_defect(e)
+    raise TypeError(f"cause {cause.name!r}: no printer for evidence {type(e).__name__}")
+
+
 def headline(report: CheckReport) -> str:
-    """The verdict in words a person reads (first output line)."""
+    """The verdict in words a person reads (first output line), rendered from the report's verdict, culprit and
+    causes (never stored)."""
     local = {Judged.OP_LEVEL: "every op on the candidate's own inputs is within its round-off twins",
              Judged.LAYER_LEVEL: "every layer on the candidate's own inputs is within its round-off twins",
              Judged.FREE_RUNNING: "free-running only (no teacher-forced verdict)"}[Judged(report.judged)]
@@ -72,7 +156,7 @@ def headline(report: CheckReport) -> str:
         return f"NOISE [{report.judged}]: every departure is explained as benign: {_benign_summary(report)}"
     d = next(c for c in report.causes if c.kind == CauseKind.DEFECT)
     what = f"matches known fault {d.name}" if d.name != "unexplained" else "unexplained by every known fault"
-    return f"DEFECT at {_where(report)}: {what} ({d.evidence}) [{report.judged}]"
+    return f"DEFECT at {_where(report)}: {what} ({cause_words(d)}) [{report.judged}]"
 
 
 def _num(x: float | None) -> str:
@@ -99,10 +183,10 @@ def wrap(line: str, indent: str, width: int = TEXT_WIDTH) -> list[str]:
 
 def to_text(report: CheckReport) -> str:
     """The plain-text report, every line within TEXT_WIDTH columns (long lines wrapped here, never in the data)."""
-    lines = wrap(report.headline, "  ")
+    lines = wrap(headline(report), "  ")
     for c in report.causes:
         lines += wrap(f"  cause ({c.kind}): {c.name} at {layer_words(c.layer, report)}"
-                      + (f", {c.subop}" if c.subop else "") + f": {c.evidence}", "      ")
+                      + (f", {c.subop}" if c.subop else "") + f": {cause_words(c)}", "      ")
     for n in report.notes:
         lines += wrap(f"  note: {n}", "      ")
     cost = ", ".join(f"{k} {v}" for k, v in report.layer_runs.items() if v)
@@ -121,11 +205,11 @@ def envelope_cost(report: CheckReport) -> str:
 
 
 def to_markdown(report: CheckReport) -> str:
-    out = [f"# v4parity check: {report.verdict}", "", report.headline, ""]
+    out = [f"# v4parity check: {report.verdict}", "", headline(report), ""]
     if report.causes:
         out += ["| kind | name | layer | sub-op | evidence |", "|---|---|---|---|---|"]
-        out += [f"| {c.kind} | {c.name} | {layer_words(c.layer, report)} | {c.subop or '-'} | {md_cell(c.evidence)} |"
-                for c in report.causes]
+        out += [f"| {c.kind} | {c.name} | {layer_words(c.layer, report)} | {c.subop or '-'} | "
+                f"{md_cell(cause_words(c))} |" for c in report.causes]
         out.append("")
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(row_cells(r)) + " |" for r in report.table]
@@ -141,7 +225,8 @@ def to_json(report: CheckReport) -> dict[str, Any]:
                       "seconds": report.seconds, "envelope": {"source": report.envelope_source,
                                                               "seconds": report.envelope_seconds},
                    "culprit": asdict(report.culprit) if report.culprit else None,
-                   "causes": [{k: v for k, v in asdict(c).items() if k != "flips"} for c in report.causes],
+                   "causes": [{"kind": c.kind, "name": c.name, "layer": c.layer, "subop": c.subop,
+                               "evidence": cause_words(c)} for c in report.causes],
                    "table": [asdict(r) for r in report.table]})
 
 
@@ -166,7 +251,7 @@ def plot(report: CheckReport, path: str) -> None:
     from parity.compare.plot import wrapped_title
     from parity.contract.files import save_figure
 
-    ax.set_title(wrapped_title(report.headline), fontsize=8)  # wrapped, never cut
+    ax.set_title(wrapped_title(headline(report)), fontsize=8)  # wrapped, never cut
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
@@ -181,7 +266,7 @@ def to_html(path: str, report: CheckReport) -> Path:
     if report.causes:
         sections.append(Section("Causes", table(
             ["kind", "name", "layer", "sub-op", "evidence"],
-            [[c.kind, c.name, c.layer, c.subop or "-", c.evidence] for c in report.causes],
+            [[c.kind, c.name, c.layer, c.subop or "-", cause_words(c)] for c in report.causes],
             ["pass" if c.kind == CauseKind.BENIGN else "fail" for c in report.causes], left=["name", "evidence"])))
     rows = [row_cells(r) for r in report.table]
     sections.append(Section("Per checkpoint (free-running and teacher-forced local error, excess over the envelope)",
@@ -190,4 +275,4 @@ def to_html(path: str, report: CheckReport) -> Path:
     sections.append(Section("Excess per checkpoint", image(plot_png(plot, report), "excess over the envelope")))
     if report.notes:
         sections.append(Section("Notes", "".join(f'<p class="note">{esc(n)}</p>' for n in report.notes)))
-    return write_html(path, "v4parity check", report.headline, report.verdict != Verdict.DEFECT, sections)
+    return write_html(path, "v4parity check", headline(report), report.verdict != Verdict.DEFECT, sections)
