@@ -21,9 +21,12 @@ import pytest
 from click.testing import CliRunner
 
 from gpu_engine.faults import FAULTS
+from parity.bisect.bisect_report import summary
+from parity.bisect.findings import InheritedDrift, SubopNoise
 from parity.bisect.search import bisect, builtin_prompt
 from parity.check.envelope import load_envelope
 from parity.cli import cli
+from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import block
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights
@@ -48,6 +51,13 @@ SUBOP = {
     "csa-halves-swapped": {"compressor_rows"},
     "compressed-row-visible-late": {"indexer_selection"},  # a late row is missing from the selectable set
 }
+
+
+def _flips(culprit) -> tuple:
+    """The QAT code flips a NOISE culprit names (the flip sub-op's records)."""
+    f = culprit.finding
+    result = f.flip if isinstance(f, InheritedDrift) else f.result if isinstance(f, SubopNoise) else None
+    return result.flips if result is not None else ()
 
 
 def _envelope(model: Path, dtype: str):
@@ -92,18 +102,18 @@ def test_injected_fault_is_named(tiny_f32, ref_f32, prompt, torch_clean_run, fau
     if fault == "indexer-ties-highest":
         # one exact indexer-score tie on this prompt: the round-off twins break it either way, so no layer departs
         # locally, as `check` calls the same run a TIE (tests/test_check.py): one judgement in both commands
-        assert r.verdict != "defect" and r.attribution[layer].kind != "local", r.summary
+        assert r.verdict is not Verdict.DEFECT and r.attribution[layer].kind != "local", summary(r)
         return
-    assert r.verdict == "defect", r.summary
-    assert c.layer == layer and c.subop in SUBOP[fault], r.summary
-    assert r.attribution[layer].kind == "local", r.summary
+    assert r.verdict is Verdict.DEFECT, summary(r)
+    assert c.layer == layer and c.subop in SUBOP[fault], summary(r)
+    assert r.attribution[layer].kind == "local", summary(r)
     if fault == "no-decode-compression":
         cfg = ref_f32.config
         m = cfg.ratio(min(l for l in range(cfg.n_layers) if cfg.ratio(l) > 0))
         first_emit = next(t for t in range(len(prompt), len(prompt) + DECODE) if (t + 1) % m == 0)
-        assert (c.position, c.decode_step) == (first_emit, first_emit - len(prompt)), r.summary
+        assert (c.position, c.decode_step) == (first_emit, first_emit - len(prompt)), summary(r)
     elif c.subop != "hc_attn_post":  # comb-not-transposed's attention HC_post departs only by the Sinkhorn
-        assert c.decode_step is None and c.position < len(prompt), r.summary  # residual, wherever it peaks
+        assert c.decode_step is None and c.position < len(prompt), summary(r)  # residual, wherever it peaks
     assert r.runs["splice"] <= 1 + int(np.ceil(np.log2(ref_f32.config.n_layers)))
 
 
@@ -120,9 +130,9 @@ def test_no_fault_no_defect(request, quant, dtype):
     # 2.13 / numpy 2.4.6 the built-in prompt on tiny-f32 float32 rounds one FP8 KV code of layer 4 at position 15
     # the other way (rope_kv rel-L2 4e-4 vs floor 4.7e-7, every layer's local excess <= 0.13), which it did not
     # when the envelope was measured.
-    assert r.verdict == "no defect" or (r.verdict == "noise" and "code flip" in r.culprit.detail), r.summary
+    assert r.verdict is Verdict.MATCH or (r.verdict is Verdict.NOISE and _flips(r.culprit)), summary(r)
     assert r.runs["full"] == 2
-    assert r.runs["splice"] == 0 or r.verdict == "noise", r.summary  # a clean run costs two runs, nothing else
+    assert r.runs["splice"] == 0 or r.verdict is Verdict.NOISE, summary(r)  # a clean run costs two runs, nothing else
 
 
 @pytest.mark.parametrize("seed", [500, 502, 507, 508])
@@ -132,7 +142,7 @@ def test_clean_engine_is_never_called_defective_on_random_prompts(tiny_f32, ref_
     prompt = [0, *np.random.default_rng(seed).integers(2, ref_f32.config.vocab_size, 27).tolist()]
     r = bisect(ref_f32, load_engine("torch", str(tiny_f32), RunOptions()), prompt, DECODE,
                _envelope(tiny_f32, "float32"))
-    assert r.verdict in ("no defect", "noise"), r.summary
+    assert r.verdict in (Verdict.MATCH, Verdict.NOISE), summary(r)
 
 
 def test_bf16_drift_is_real_but_inside_its_own_envelope(tiny_f32):
@@ -169,7 +179,7 @@ def test_routing_replay_uses_reference_experts(tiny_f32, ref_f32, prompt):
     router = ReplayRouter()
     cand = load_engine("torch", str(tiny_f32), RunOptions(dtype="bfloat16", expert_override=router))
     r = bisect(ref_f32, cand, prompt, DECODE, _envelope(tiny_f32, "bfloat16"), replay=router)
-    assert r.verdict == "no defect", r.summary
+    assert r.verdict is Verdict.MATCH, summary(r)
     got = run_sequence(cand, prompt, DECODE, forced=r.tokens[len(prompt):])
     ref = run_sequence(ref_f32, prompt, DECODE, forced=r.tokens[len(prompt):])
     for a, b in zip(ref, got, strict=True):

@@ -13,12 +13,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
+from parity.bisect.bisect_report import summary
+from parity.bisect.findings import SubopDeparts
 from parity.bisect.search import bisect
 from parity.bisect.trajectory import classify_steps
 from parity.check.envelope import gate, load_envelope, measure_envelope, save_envelope
+from parity.check.subop_evidence import OpDeparts, OpStructural
 from parity.check.subops import is_code_flip
 from parity.compare.metrics import rel_l2
-from parity.compare.verdict import StepVerdict
+from parity.compare.verdict import StepVerdict, Verdict
 from parity.contract.checkpoints import SUBOP_NAMES
 from parity.contract.engine import LayerDiag, LayerOutput, RunOptions
 from parity.contract.errors import ParityError
@@ -216,9 +219,9 @@ def test_envelope_is_measured_and_round_trips(env32, envbf16, tmp_path):
 
 def test_no_defect_float32_and_bf16(env32, envbf16):
     r = bisect(FakeEngine(), FakeEngine(), PROMPT, 4, env32)
-    assert r.verdict == "no defect", r.summary
+    assert r.verdict is Verdict.MATCH, summary(r)
     rb = bisect(FakeEngine(), FakeEngine(RunOptions(dtype="bfloat16")), PROMPT, 4, envbf16)
-    assert rb.verdict == "no defect", rb.summary
+    assert rb.verdict is Verdict.MATCH, summary(rb)
     # and bf16 judged against the float32 envelope is not "clean": the envelopes differ for a reason
     assert max(bisect(FakeEngine(), FakeEngine(RunOptions(dtype="bfloat16")), PROMPT, 4, env32).max_excess.values()) > 1
 
@@ -236,8 +239,8 @@ def test_cases_cover_every_subop():
 @pytest.mark.parametrize(("layer", "sub"), CASES, ids=[f"{s}@{l}" for l, s in CASES])
 def test_defect_named_at_layer_and_subop(env32, layer, sub):
     r = bisect(FakeEngine(), FakeEngine(defect=(layer, sub)), PROMPT, 2, env32)
-    assert r.verdict == "defect", r.summary
-    assert (r.culprit.layer, r.culprit.subop) == (layer, sub), r.summary
+    assert r.verdict is Verdict.DEFECT, summary(r)
+    assert (r.culprit.layer, r.culprit.subop) == (layer, sub), summary(r)
     assert r.attribution[layer].kind == "local"
     assert all(a.kind == "clean" for a in r.attribution[:layer])
     assert all(a.kind == "propagated" for a in r.attribution[layer + 1:])   # drift carried, not made, downstream
@@ -246,7 +249,7 @@ def test_defect_named_at_layer_and_subop(env32, layer, sub):
 
 def test_head_defect_is_named_head(env32):
     r = bisect(FakeEngine(), FakeEngine(defect=("head",)), PROMPT, 1, env32)
-    assert (r.verdict, r.culprit.layer) == ("defect", "head"), r.summary
+    assert (r.verdict, r.culprit.layer) == (Verdict.DEFECT, "head"), summary(r)
     assert all(a.kind == "clean" for a in r.attribution)
 
 
@@ -254,8 +257,8 @@ def test_decode_only_defect_names_the_decode_step(env32):
     # prompt of 14 tokens (positions 0..13); layer 1 (ratio 4) should emit at t=15 = decode step 1
     r = bisect(FakeEngine(), FakeEngine(defect=(1, "compressor_rows", "decode")), PROMPT, 4, env32)
     assert (r.culprit.layer, r.culprit.subop, r.culprit.position, r.culprit.decode_step) == \
-        (1, "compressor_rows", 15, 1), r.summary
-    assert "decode step 1" in r.summary
+        (1, "compressor_rows", 15, 1), summary(r)
+    assert "decode step 1" in summary(r)
 
 
 def test_an_isolated_code_step_no_round_off_twin_makes_is_a_defect(env32):
@@ -265,23 +268,23 @@ def test_an_isolated_code_step_no_round_off_twin_makes_is_a_defect(env32):
     # alone: one cell outside all 19 twins is chance at 1 in 20 a cell); the attention that reads the moved KV row from
     # position 5 on is the first op whose cells depart significantly, from position 5
     r = bisect(FakeEngine(), FakeEngine(defect=(1, "rope", "flip")), PROMPT, 2, env32)
-    assert r.verdict == "defect", r.summary
-    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (1, "attention", 5), r.summary
-    assert "11 of 16 cells outside all 19 round-off twins" in r.culprit.detail, r.summary
+    assert r.verdict is Verdict.DEFECT, summary(r)
+    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (1, "attention", 5), summary(r)
+    assert _null_test(r).exceed == 11 and (_null_test(r).cells, _null_test(r).twins) == (16, 19), summary(r)
     assert next(s for s in r.subops if s.name == "rope").status != "defect"
 
 
 def test_routing_flip_is_judged_by_the_twins_not_by_the_envelopes_router_margin(env32):
     # the fake "router" defect picks the K lowest scores: a flip at margins of O(1), which no round-off twin makes
     r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, env32)
-    assert r.verdict == "defect" and r.culprit.subop == "router", r.summary
-    assert "no round-off twin makes it" in r.culprit.detail, r.summary
+    assert r.verdict is Verdict.DEFECT and r.culprit.subop == "router", summary(r)
+    assert isinstance(_culprit_evidence(r), OpStructural), summary(r)   # a pick no round-off twin makes
     # an envelope whose router-margin noise covers those margins calls the free-running flips noise, but the
     # drill-down's verdict is the null's (`check`'s), so it stays a defect at the router
     loose = replace(env32, router_margin={**env32.router_margin, "0": 100.0})
     r = bisect(FakeEngine(), FakeEngine(defect=(0, "router")), PROMPT[:6], 0, loose)
-    assert r.routing[0].noise_flips == r.routing[0].flips > 0, r.summary
-    assert r.verdict == "defect" and r.culprit.subop == "router", r.summary
+    assert r.routing[0].noise_flips == r.routing[0].flips > 0, summary(r)
+    assert r.verdict is Verdict.DEFECT and r.culprit.subop == "router", summary(r)
 
 
 def test_routing_replay_removes_router_defect(env32):
@@ -295,7 +298,7 @@ def test_routing_replay_removes_router_defect(env32):
     replay = FakeEngine(RunOptions(expert_override=lambda l, s, n: diags[l].expert_ids[s:s + n]),
                         defect=(0, "router"))
     again = bisect(ref, replay, PROMPT[:6], 0, env32)
-    assert again.verdict == "no defect" and all(r.flips == 0 for r in again.routing)
+    assert again.verdict is Verdict.MATCH and all(r.flips == 0 for r in again.routing)
 
 
 def test_missing_capture_and_nan_are_clear_errors(env32):
@@ -320,8 +323,22 @@ def test_missing_capture_and_nan_are_clear_errors(env32):
             return out
 
     r = bisect(FakeEngine(), NaNAttention(), PROMPT, 0, env32)
-    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "hc_ffn_post", 3), r.summary
-    assert "1 of them non-finite" in r.culprit.detail   # the null: a NaN cell is outside every twin
+    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (2, "hc_ffn_post", 3), summary(r)
+    assert _null_test(r).nonfinite == 1, summary(r)   # the null: a NaN cell is outside every twin
+
+
+def _culprit_evidence(r):
+    """The one evidence record of the culprit sub-op the drill-down named."""
+    assert isinstance(r.culprit.finding, SubopDeparts), r.culprit
+    (e,) = r.culprit.finding.result.evidence
+    return e
+
+
+def _null_test(r):
+    """The culprit sub-op's round-off null test."""
+    e = _culprit_evidence(r)
+    assert isinstance(e, OpDeparts), e
+    return e.test
 
 
 def test_code_flip_recognised_and_dense_rounding_is_not():

@@ -2,11 +2,14 @@
 from stored text into data with printers (issue 26, point 1).
 
 The fixtures (tests/fixtures/bisect_words: per case the JSON document exactly as `v4parity bisect --json` prints it
-and the text summary) were written by `python tests/test_bisect_words.py tests/fixtures/bisect_words` at commit
-bea1a1f, before the change. The cases are tests/test_bisect_fake.py's NumPy engine with a known defect, judged by
-the round-off null (the reference has twins) and by the envelope's floors (the same reference without twins:
-`compare_subops`' words for floats, emitted rows, selected sets and QAT code flips), and a report re-judged by a
-`check` report (`parity.bisect.by_check`). Timings are zeroed: the only values that change from run to run.
+and the text summary) were written by the code of commit bea1a1f, before the change (this module's `main` as
+committed in 6b2c0d5; `floors_router_loose` by the same calls). The cases are tests/test_bisect_fake.py's NumPy
+engine with a known defect, judged by the round-off null (the reference has twins) and by the envelope's floors
+(the same reference without twins: `compare_subops`' words for floats, non-finite values, emitted rows, selected
+sets, near-tie flips and their cascade, QAT code flips), and reports re-judged by a hand-made `check` report
+(`parity.bisect.by_check`; check's headline and cause words, which are check's own, are compared as check's
+printers write them). Timings are zeroed: the only values that change from run to run. `python
+tests/test_bisect_words.py DIR` writes the fixtures of the code as it is now.
 """
 
 from __future__ import annotations
@@ -75,42 +78,29 @@ def cases() -> dict[str, tuple[Any, Any, list[int], int]]:
     }
 
 
-OLD_HEADLINE, OLD_EVIDENCE = "{}: hand-made headline of check", "evidence in words"   # the fixtures' check words
+# the hand-made check report's headline and cause evidence as the code at bea1a1f stored them (text fields)
+OLD_HEADLINE, OLD_EVIDENCE = "{}: hand-made headline of check", "evidence in words"
 
 
 def _check(verdict: str, layer: int | None, cause: str) -> Any:
-    """A `check` report on the same run (hand-made: its verdict, culprit and one defect cause)."""
-    from parity.check import check
+    """A `check` report on the same run (hand-made: its verdict, culprit, one defect cause and one table row)."""
     from parity.check.check import Cause, CheckCulprit, CheckReport, CheckRow
+    from parity.check.evidence import TieRule
 
-    if hasattr(check, "EVIDENCE"):   # causes hold their evidence as records (helper s1's change in progress)
-        from parity.check.evidence import TieRule
-
-        evidence: Any = TieRule("hand-made", 3)
-    else:
-        evidence = OLD_EVIDENCE
-    causes = (Cause("defect", cause, layer, None, evidence),) if verdict == "DEFECT" else ()
+    causes = (Cause("defect", cause, layer, None, TieRule("hand-made", 3)),) if verdict == "DEFECT" else ()
     culprit = CheckCulprit(layer, None, 3, None) if verdict == "DEFECT" else None
-    words = {"headline": OLD_HEADLINE.format(verdict)} if "headline" in CheckReport.__dataclass_fields__ else {}
     table = (CheckRow("blk.1", 1e-6, 0.5, None, None, 1e-6, None, "ok"),)
-    return CheckReport(verdict=verdict, culprit=culprit, causes=causes, table=table, layer_runs={}, notes=(),
-                       n_prompt=14, **words)
+    return CheckReport(verdict, culprit, causes, table, {}, (), 14)
 
 
 def _check_words(report: Any) -> dict[str, str]:
-    """The words this code prints for a hand-made check report -> the fixtures' spelling of them: its headline,
-    its cause's evidence (check's own printers, `parity.check.check_report`, whose words are check's business)."""
-    from parity.check import check_report
+    """The words of check's printers (`parity.check.check_report`) for the hand-made check report -> the words
+    the fixtures hold in their place (check's words are check's business, pinned by its own tests)."""
+    from parity.check.check_report import cause_words, headline
 
-    c = report.check
-    check = c.check if hasattr(c, "check") else c
-    if isinstance(check, dict):   # bisect kept check's JSON only: its words are the fixtures'
-        return {}
-    out = {(check_report.headline(check) if hasattr(check_report, "headline") else check.headline):
-           OLD_HEADLINE.format(check.verdict.value)}
-    for cause in check.causes:
-        words = check_report.cause_words(cause) if hasattr(check_report, "cause_words") else cause.evidence
-        out[f"{cause.name}: {words}"] = f"{cause.name}: {OLD_EVIDENCE}"
+    check = report.by_check.check
+    out = {headline(check): OLD_HEADLINE.format(check.verdict.value)}
+    out |= {f"{c.name}: {cause_words(c)}": f"{c.name}: {OLD_EVIDENCE}" for c in check.causes}
     return out
 
 
@@ -125,6 +115,10 @@ def reports() -> dict[str, Any]:
     env = measure_envelope(fake(), fake(RunOptions(dtype="float64")), fake(), prompt[:10], 3)
     out = {case: replace(bisect(ref, cand, p, decode, env), seconds={})
            for case, (ref, cand, p, decode) in cases().items()}
+    # the router's flips inside a (loose) router-margin noise: near-tie flips and their cascade, a NOISE verdict
+    loose = replace(env, router_margin={**env.router_margin, "0": 100.0})
+    out["floors_router_loose"] = replace(bisect(NoTwins(fake()), fake(defect=(0, "router")), prompt[:6], 0, loose),
+                                         seconds={})
     out["judged_same_layer"] = judged_by_check(out["attention"], _check("DEFECT", 1, "sink-dropped"))
     out["judged_other_layer"] = judged_by_check(out["attention"], _check("DEFECT", 2, "sink-dropped"))
     out["judged_clean_by_defect"] = judged_by_check(out["clean"], _check("DEFECT", 0, "unexplained"))
@@ -134,17 +128,14 @@ def reports() -> dict[str, Any]:
 
 def json_text(report: Any) -> str:
     """The JSON document as `v4parity bisect --json` prints it (`parity.cli.common.echo_json`)."""
-    from parity.bisect import bisect_report
-
-    doc = report.to_dict() if hasattr(report, "to_dict") else bisect_report.to_json(report)
-    return json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False)
+    return json.dumps(report.to_dict(), indent=1, allow_nan=False, ensure_ascii=False)
 
 
 def summary_text(report: Any) -> str:
     """The text summary `v4parity bisect` prints."""
-    from parity.bisect import bisect_report
+    from parity.bisect.bisect_report import summary
 
-    return bisect_report.summary(report) if hasattr(bisect_report, "summary") else report.summary
+    return summary(report)
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +158,8 @@ def test_bisect_json_and_text_are_byte_identical(made, case):
         from parity.check.check_report import to_json
 
         report = made[case]
-        checked = report.check.check if hasattr(report.check, "check") else report.check
         got, want = json.loads(got_json), json.loads(want_json)
-        assert got.pop("check") == json.loads(json.dumps(checked if isinstance(checked, dict) else to_json(checked)))
+        assert got.pop("check") == json.loads(json.dumps(to_json(report.by_check.check)))
         want.pop("check")
         got_json, want_json = (json.dumps(d, indent=1, allow_nan=False, ensure_ascii=False) for d in (got, want))
         for now, then in _check_words(report).items():

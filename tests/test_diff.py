@@ -301,11 +301,15 @@ def test_long_titles_wrap_instead_of_being_cut():
 
 
 def test_bisect_plot_title_is_wrapped_not_cut(tmp_path):
-    from types import SimpleNamespace
-
+    from parity.bisect.bisect_report import BisectReport
     from parity.bisect.bisect_report import plot as plot_report
+    from parity.bisect.findings import Culprit, LayerDeparts
+    from parity.compare.verdict import Verdict
 
-    line = "DEFECT at layer 2, sub-op compressor_rows: decode step 3 (position 31); " * 3
-    report = SimpleNamespace(summary=line.strip() + "\nmore", trajectory=None, attribution=[], culprit=None)
+    report = BisectReport(Verdict.DEFECT, Culprit(2, "compressor_rows", 31, 3, LayerDeparts(True)), 28, 4,
+                          list(range(32)), {"k": 10.0}, {})
+    line = ("DEFECT at layer 2, sub-op compressor_rows: decode step 3 (position 31); the layer departs by the "
+            "round-off null on the reference's inputs, no single captured sub-op does")   # the summary's first line
     fig = plot_report(report, str(tmp_path / "b.png"))
-    assert fig._suptitle.get_text().replace("\n", " ") == line.strip() and (tmp_path / "b.png").exists()
+    assert fig._suptitle.get_text().replace("\n", " ") == line and "\n" in fig._suptitle.get_text()
+    assert (tmp_path / "b.png").exists()

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from requires import require
 
+from parity.bisect.bisect_report import summary
 from parity.check.attribution import teacher_forced
 from parity.compare.metrics import rel_l2
+from parity.compare.verdict import Verdict
 from parity.contract.checkpoints import trace_checkpoints
 from parity.contract.engine import RunOptions, load_engine
 from parity.contract.errors import ParityError
@@ -151,7 +153,7 @@ def test_bisect_llamacpp_clean_is_no_defect(engines, tiny_f32):
     ref, lcp = engines
     env = api.measure_envelope(tiny_f32, "llamacpp", LCP)
     r = bisect(ref, lcp, builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id), 4, env)
-    assert r.verdict == "no defect", r.summary
+    assert r.verdict is Verdict.MATCH, summary(r)
 
 
 def test_mxfp4_experts_llamacpp_rounds_activations_to_q8_0(tiny_mxfp4):
@@ -185,5 +187,6 @@ def test_bisect_localises_llamacpp_q8_0_rounding_with_mxfp4_experts(tiny_mxfp4):
     lcp = load_engine("llamacpp", str(tiny_mxfp4), LCP)
     env = api.measure_envelope(tiny_mxfp4, "llamacpp", LCP)
     r = bisect(ref, lcp, builtin_prompt(ref.config.vocab_size, ref.config.bos_token_id), 4, env)
-    assert r.verdict == "defect" and (r.culprit.layer, r.culprit.subop, r.culprit.position) == (0, "routed_experts", 0)
+    assert r.verdict is Verdict.DEFECT
+    assert (r.culprit.layer, r.culprit.subop, r.culprit.position) == (0, "routed_experts", 0)
     assert r.runs["teacher_forced"] == 1 and r.runs["splice"] >= 2 and r.runs["drill_down_layers"] == 1

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from parity import api
+from parity.bisect.bisect_report import summary
 from parity.bisect.search import builtin_prompt
 from parity.check.attribution import teacher_forced
 from parity.check.check import Cause, CheckCulprit, CheckReport, CheckRow
@@ -18,8 +19,10 @@ from parity.check.check_report import headline
 from parity.check.envelope import load_envelope
 from parity.check.evidence import TieRule
 from parity.check.opforce import judge_ops
+from parity.check.subop_evidence import OpDeparts
 from parity.check.subops import as_dumps, compare_subops, drill_down
 from parity.compare.arbitration import Arbitration, CheckpointClusters, departs_from, judged_by_checks
+from parity.compare.verdict import Verdict
 from parity.contract.engine import RunOptions, load_engine
 from parity.gguf.weights import Weights
 from parity.tracing.runner import run_sequence
@@ -69,7 +72,9 @@ def test_bisect_drill_down_judges_sub_ops_by_the_null_not_by_k_floor(tiny_f32, r
     subs = {s.name: s for s in drill_down(ref, cand, chunks, LAYER, env)}
     hit = subs[CAPTURE]
     assert hit.status == "defect", hit
-    assert f"{len(np.concatenate([c.tokens for c in chunks]))} of" in hit.detail and "round-off twins" in hit.detail
+    (finding,) = hit.evidence                     # the op's own null test, every position outside every twin
+    assert isinstance(finding, OpDeparts) and finding.subop == CAPTURE, hit
+    assert finding.test.exceed == len(np.concatenate([c.tokens for c in chunks])) and finding.test.twins == 19
     assert hit.err == pytest.approx(BIAS, rel=0.05) and hit.excess > 3, hit
     assert [s.name for s in subs.values() if s.status == "defect"] == [CAPTURE]
     # the same data judged as `check` judges dumped sub-ops (op-level) names the same op
@@ -155,14 +160,14 @@ def test_bisect_takes_checks_verdict_where_its_own_screen_sees_nothing(tiny_f32,
     env = load_envelope(ENV_F32, "float32", Weights(tiny_f32).identity())
     cand = _CarrierBiased(ref)
     own = bisect(ref, cand, prompt, 2, env)
-    assert own.verdict == "no defect", own.summary            # the old rule misses it
+    assert own.verdict is Verdict.MATCH, summary(own)            # the old rule misses it
     run = api.trace(cand, tiny_f32, prompt, decode=2, forced=own.tokens[len(prompt):], positions="all", full="all")
     checked = api.check(run, tiny_f32, envelope=ENV_F32, fault_engines=())
     assert checked.verdict == "DEFECT" and checked.culprit.layer == LAYER, headline(checked)
     judged = judged_by_check(own, checked)
-    assert (judged.verdict, judged.culprit.layer) == ("defect", LAYER)
-    assert judged.summary.splitlines()[0] == headline(checked) and judged.check["verdict"] == "DEFECT"
-    assert "bisect's own screen said 'no defect'" in judged.summary
+    assert (judged.verdict, judged.culprit.layer) == (Verdict.DEFECT, LAYER)
+    assert summary(judged).splitlines()[0] == headline(checked) and judged.by_check.check is checked
+    assert "bisect's own screen said 'no defect'" in summary(judged)
 
 
 def test_a_checkpoint_missing_from_checks_table_is_an_error_not_ok():
@@ -173,19 +178,22 @@ def test_a_checkpoint_missing_from_checks_table_is_an_error_not_ok():
 
 
 def test_bisects_culprit_comes_from_check_and_an_unplaced_defect_is_an_error():
-    from parity.bisect.bisect_report import BisectReport, Culprit
+    from parity.bisect.bisect_report import BisectReport
     from parity.bisect.by_check import judged_by_check
+    from parity.bisect.findings import CheckCause, Culprit, LayerDeparts
     from parity.contract.errors import ParityError
 
-    own = BisectReport("defect", "DEFECT at layer 1, sub-op attention: x", Culprit(1, "attention", 3, None, "x"),
-                       4, 0, [0, 1, 2, 3], {"k": 10.0}, {})
+    own = BisectReport(Verdict.DEFECT, Culprit(1, "attention", 3, None, LayerDeparts(True)), 4, 0, [0, 1, 2, 3],
+                       {"k": 10.0}, {})
     kept = judged_by_check(own, _report("DEFECT", 1, "sink-dropped"))        # same layer: bisect's sub-op stays
     assert (kept.culprit.layer, kept.culprit.subop) == (1, "attention")
     moved = judged_by_check(own, _report("DEFECT", 0, "sink-dropped"))       # check's layer wins
-    assert (moved.culprit.layer, moved.culprit.subop, moved.verdict.value) == (0, None, "defect")
+    assert (moved.culprit.layer, moved.culprit.subop, moved.verdict) == (0, None, Verdict.DEFECT)
+    assert isinstance(moved.culprit.finding, CheckCause) and moved.culprit.finding.cause.name == "sink-dropped"
+    assert (moved.by_check.own_verdict, moved.by_check.own_culprit) == (Verdict.DEFECT, own.culprit)
     embed = judged_by_check(own, _report("DEFECT", None, "embedding-differs"))
     assert embed.culprit.layer == "embed"
     with pytest.raises(ParityError, match="names no culprit layer"):
         judged_by_check(own, _report("DEFECT", None, "unexplained"))
     clean = judged_by_check(own, _report("MATCH"))
-    assert clean.culprit is None and clean.verdict.value == "no defect"
+    assert clean.culprit is None and clean.verdict is Verdict.MATCH

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import verdict_cases as vc
 
+from parity.bisect.bisect_report import culprit_words, verdict_word
 from parity.compare.verdict import (
-    BisectVerdict,
     CauseKind,
     Judged,
     LayerKind,
@@ -73,7 +73,6 @@ def test_the_enums_cover_every_value_the_reports_emit(check_reports, bisect_repo
         Judged: {d["judged"] for d in checks},
         CauseKind: {c["kind"] for d in checks for c in d["causes"]},
         RowStatus: {r["status"] for d in checks for r in d["table"]},
-        BisectVerdict: {d["verdict"] for d in bisects},
         SubopStatus: {s["status"] for d in bisects for s in d["subops"]},
         LayerKind: {a["kind"] for d in bisects for a in d["attribution"]},
         StepVerdict: {s["verdict"] for d in _logprob_docs() for s in d["steps"] if s["verdict"] is not None}
@@ -84,7 +83,7 @@ def test_the_enums_cover_every_value_the_reports_emit(check_reports, bisect_repo
     # the runs reach more than one member where the model makes them: a clean pair that is NOISE (one FP8 code flip
     # named) and a DEFECT; bisect's three words (a defect, a clean fake pair, torch's named flip)
     assert emitted[Verdict] == {"NOISE", "DEFECT"}
-    assert emitted[BisectVerdict] == {"no defect", "noise", "defect"}
+    assert {d["verdict"] for d in bisects} == {verdict_word(v) for v in Verdict} == {"no defect", "noise", "defect"}
     assert {"ok", "noise", "defect"} == emitted[SubopStatus]
 
 
@@ -122,11 +121,12 @@ def test_a_code_flip_is_a_record_and_its_words_are_printed_from_it(bisect_report
     # torch vs the reference on tiny f32: NOISE, decided on the flip record (not on the words of its detail)
     # (the flip's numbers as tests/test_bisect_engines.py measured them: one FP8 KV code of layer 4, position 15)
     r = bisect_reports["torch_clean"]
-    assert r.verdict is BisectVerdict.NOISE and r.verdict.verdict is Verdict.NOISE
+    assert r.verdict is Verdict.NOISE
     assert (r.culprit.layer, r.culprit.subop) == (4, "rope")
     f = QuantFlip("rope_kv", QuantFormat.FP8_E4M3, 1, 15)
     assert flip_words(f) == "1 isolated FP8 e4m3 code flip(s) in rope_kv from position 15"
-    assert r.culprit.detail.endswith(f"shows rope: {flip_words(f)}")
+    assert r.culprit.finding.flip.flips == (f,)
+    assert culprit_words(r.culprit).endswith(f"shows rope: {flip_words(f)}")
     assert (QuantFormat.FP8_E4M3.mbits, QuantFormat.FP4_E2M1.mbits) == (3, 1)   # e4m3, e2m1
 
 
@@ -147,15 +147,17 @@ def test_verdicts_are_checked_where_they_are_built():
 
     with pytest.raises(ValueError, match="'DEFECTIVE' is not a valid Verdict"):
         Verdict("DEFECTIVE")
-    with pytest.raises(ValueError, match="not a valid BisectVerdict"):
-        BisectVerdict("MATCH")
+    from parity.bisect.bisect_report import BisectReport
+
+    with pytest.raises(ValueError, match="'no defect' is not a valid Verdict"):   # bisect's words are printed only
+        BisectReport("no defect", None, 1, 0, [0], {}, {})
     with pytest.raises(ValueError, match="not a valid SubopStatus"):
         SubopResult("rope", "fine", 0.0, 0.0, 0.0, None)
     with pytest.raises(ValueError, match="not a valid RowStatus"):
         CheckRow("embed", None, None, None, None, 0.0, None, "OK")
     with pytest.raises(ValueError, match="not a valid CauseKind"):
         Cause("harmless", "x", 0, None, "")
-    assert [v.bisect_word.verdict for v in Verdict] == list(Verdict)
+    assert [verdict_word(v) for v in Verdict] == ["no defect", "noise", "defect"]   # MATCH, NOISE, DEFECT
     assert Verdict.of_causes([]) is Verdict.MATCH and Verdict.of_causes([CauseKind.BENIGN]) is Verdict.NOISE
     assert Verdict.of_causes([CauseKind.BENIGN, CauseKind.DEFECT]) is Verdict.DEFECT
 
@@ -181,7 +183,7 @@ def test_no_decision_searches_prose_in_parity():
 
 
 VERDICT_ATTRS = {"verdict", "status", "kind", "judged"}
-ENUMS = (Verdict, BisectVerdict, CauseKind, Judged, LayerKind, RowStatus, StepVerdict, SubopStatus)
+ENUMS = (Verdict, CauseKind, Judged, LayerKind, RowStatus, StepVerdict, SubopStatus)
 
 
 def spelled_verdicts(source: str, path: str = "<string>") -> list[str]:

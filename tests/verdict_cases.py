@@ -81,7 +81,9 @@ def torch_bisect_report(model: Path) -> Any:
 
 def bisect_documents(report: Any) -> dict[str, Any]:
     """{"json": the JSON document, "text": the summary} of one bisect report."""
-    return {"json": json.loads(json.dumps(report.to_dict())), "text": report.summary}
+    from parity.bisect.bisect_report import summary
+
+    return {"json": json.loads(json.dumps(report.to_dict())), "text": summary(report)}
 
 
 def main(out: Path) -> None:

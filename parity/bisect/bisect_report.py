@@ -1,33 +1,38 @@
 """A `BisectReport` (frozen report data) and its printers: the text summary, JSON, a figure and an HTML page.
 
-The search (`parity.bisect.search`) builds the report; every word and number a person reads is written here. The
-report keeps its text summary as a field (`summary`, part of the JSON document) because `bisect`'s verdict is
-later re-judged by `check` (`parity.bisect.by_check`), which puts `check`'s headline above it; the field is always
-written by a function of this module.
+The search (`parity.bisect.search`) builds the report, `parity.bisect.by_check` re-judges it by `check`; both store
+data only (the culprit's finding, `parity.bisect.findings`; the drafter stage and `check`'s report with what they
+replaced). Every word and number a person reads is written here: `summary(report)` (the text summary, also the
+JSON document's "summary"), `culprit_words`, `verdict_word` (the verdict in bisect's words: 'no defect' /
+'noise' / 'defect').
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from parity.bisect.findings import (
+    CheckCause,
+    CheckJudgement,
+    Culprit,
+    DraftDeparts,
+    DrafterOutcome,
+    EmbedDiffers,
+    HeadDiffers,
+    InheritedDrift,
+    LayerDeparts,
+    SubopDeparts,
+    SubopNoise,
+)
 from parity.bisect.trajectory import Trajectory
 from parity.check.attribution import LayerAttribution, LayerRouting
-from parity.check.subops import SubopResult
-from parity.compare.verdict import BisectVerdict
-
-
-@dataclass(frozen=True)
-class Culprit:
-    layer: int | str               # layer index, or "embed" / "head"
-    subop: str | None
-    position: int | None
-    decode_step: int | None        # 0-based decode step when the position is past the prompt
-    detail: str
+from parity.check.subops import SubopResult, subop_words
+from parity.compare.verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,7 @@ class SpliceProbe:
 
 @dataclass(frozen=True)
 class BisectReport:
-    verdict: BisectVerdict         # "defect" | "no defect" | "noise" (`Verdict` in bisect's words)
-    summary: str                   # the text summary, written by this module's printers
+    verdict: Verdict               # MATCH | NOISE | DEFECT (in bisect's words by `verdict_word`)
     culprit: Culprit | None
     n_prompt: int
     decode: int
@@ -56,16 +60,23 @@ class BisectReport:
     trajectory: Trajectory | None = None
     runs: dict[str, int] = field(default_factory=dict)     # engine runs by kind
     seconds: dict[str, float] = field(default_factory=dict)
-    check: dict | None = None      # `check`'s JSON document on the same run, whose verdict this is (`bisect.by_check`)
+    worst_position: int | None = None    # a clean run: the position of the largest excess along its checkpoint
+    drafter: DrafterOutcome | None = None   # the drafter stage, after a trunk with no defect
+    by_check: CheckJudgement | None = None  # `check`'s report on the same run, whose verdict this is (`by_check`)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "verdict", BisectVerdict(self.verdict))   # a mistyped word is an error naming it
+        object.__setattr__(self, "verdict", Verdict(self.verdict))   # a mistyped verdict is an error naming it
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document: every field of the report (numpy arrays as nested lists), the trajectory with its
-        counts, first divergent step, divergence rate and step x layer excess."""
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["culprit"] = asdict(self.culprit) if self.culprit else None
+        """The JSON document: the verdict in bisect's words, the text summary, every data field of the report
+        (numpy arrays as nested lists; the culprit and sub-ops with their evidence in words), the trajectory with
+        its counts, first divergent step, divergence rate and step x layer excess, and `check`'s JSON document when
+        the verdict is check's."""
+        from parity.check.check_report import to_json
+
+        d: dict[str, Any] = {"verdict": verdict_word(self.verdict), "summary": summary(self)}
+        d |= {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in _NOT_IN_JSON}
+        d["culprit"] = _culprit_json(self.culprit) if self.culprit else None
         d["attribution"] = [asdict(a) | {"kind": a.kind} for a in self.attribution]
         d["probes"] = [asdict(p) for p in self.probes]
         d["routing"] = [asdict(r) for r in self.routing]
@@ -76,7 +87,68 @@ class BisectReport:
             d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
                                "first_divergent_step": fd.step if fd else None,
                                "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
+        d["check"] = to_json(self.by_check.check) if self.by_check is not None else None
         return _plain(d)
+
+
+# data the JSON document renders (verdict, summary, check) or leaves to the summary (worst_position, drafter)
+_NOT_IN_JSON = ("verdict", "worst_position", "drafter", "by_check")
+
+
+def _culprit_json(c: Culprit) -> dict[str, Any]:
+    """The culprit's JSON record: where, and what it rests on in words ("detail")."""
+    return {"layer": c.layer, "subop": c.subop, "position": c.position, "decode_step": c.decode_step,
+            "detail": culprit_words(c)}
+
+
+# ---------------------------------------------------------------- words
+
+_WORDS = {Verdict.MATCH: "no defect", Verdict.NOISE: "noise", Verdict.DEFECT: "defect"}
+
+
+def verdict_word(v: Verdict) -> str:
+    """The verdict in bisect's words (its JSON and text): 'no defect', 'noise', 'defect'."""
+    return _WORDS[Verdict(v)]
+
+
+def where_words(c: Culprit) -> str:
+    """'prefill position 3', 'decode step 1 (position 15)' or 'position unknown'."""
+    if c.position is None:
+        return "position unknown"
+    if c.decode_step is not None:
+        return f"decode step {c.decode_step} (position {c.position})"
+    return f"prefill position {c.position}"
+
+
+def culprit_words(c: Culprit) -> str:
+    """What the culprit rests on, in words (the JSON's culprit "detail", the summary's first line)."""
+    f = c.finding
+    if isinstance(f, EmbedDiffers):
+        return f"{where_words(c)}; embedding lookup differs"
+    if isinstance(f, HeadDiffers):
+        return "layers clean; final norm / output head differ"
+    if isinstance(f, SubopDeparts):
+        return f"{where_words(c)}; {subop_words(f.result)}"
+    if isinstance(f, LayerDeparts):
+        why = ("the layer departs by the round-off null on the reference's inputs, no single captured sub-op does"
+               if f.by_null else "no captured sub-op differs: the defect is between captures")
+        return f"{where_words(c)}; {why}"
+    if isinstance(f, SubopNoise):
+        return subop_words(f.result)
+    if isinstance(f, InheritedDrift):
+        why = (f"{f.flip.name}: {subop_words(f.flip)}" if f.flip is not None else
+               "no isolated QAT code flip found there (near-ties or amplification downstream)")
+        return (f"no candidate layer departs on the reference's inputs; the excess ({f.excess:.3g} at {f.checkpoint}; "
+                f"the splice first departs after layer {f.splice_layer}) is amplified sub-envelope drift; the "
+                f"reference's layer {c.layer} on the candidate's inputs shows {why}")
+    if isinstance(f, DraftDeparts):
+        return (f"{f.engine}'s draft head on the reference's trunk carriers: {f.test.summary()} "
+                f"(rel-L2 {f.rel_l2:.3g})")
+    if isinstance(f, CheckCause):
+        from parity.check.check_report import cause_words
+
+        return f"{f.cause.name}: {cause_words(f.cause)}"
+    raise TypeError(f"not a bisect finding: {type(f).__name__}")
 
 
 # ---------------------------------------------------------------- text summary
@@ -86,14 +158,32 @@ def step_counts(traj: Trajectory) -> str:
     return ", ".join(f"{n} {v}" for v, n in traj.counts.items() if n) or "none"
 
 
-def clean_summary(report: BisectReport, worst_position: int) -> str:
+def summary(report: BisectReport) -> str:
+    """The text summary: `check`'s headline over bisect's own summary when the verdict is check's; the drafter's
+    DEFECT over the trunk's summary, or the trunk's summary and the drafter's line; else the clean or the
+    localised run's summary."""
+    if report.by_check is not None:
+        j = report.by_check
+        own = replace(report, verdict=j.own_verdict, culprit=j.own_culprit, by_check=None)
+        return judged_summary(j.check, j.own_verdict, report.verdict, summary(own))
+    if report.drafter is not None:
+        d = report.drafter
+        trunk = summary(replace(report, verdict=d.trunk_verdict, culprit=d.trunk_culprit, drafter=None))
+        c = report.culprit
+        if c is not None and isinstance(c.finding, DraftDeparts):
+            return f"DEFECT at {c.layer}, {where_words(c)}: {culprit_words(c)}\ntrunk: " + trunk
+        return trunk + f"\ndrafter: every draft checkpoint within its {d.twins} round-off twins"
+    return summarize(report) if report.culprit is not None else clean_summary(report)
+
+
+def clean_summary(report: BisectReport) -> str:
     """The summary of a run with every checkpoint inside the envelope: the largest excess, where it is
     (`worst_position`: its position along the checkpoint with the largest excess), the steps, routing flips."""
     worst = max(report.max_excess, key=report.max_excess.get)
     flips = sum(r.flips for r in report.routing)
     assert report.trajectory is not None
     return (f"NO DEFECT: every checkpoint within the envelope (max excess {report.max_excess[worst]:.2g} at "
-            f"{worst}, position {worst_position}); steps {step_counts(report.trajectory)}"
+            f"{worst}, position {report.worst_position}); steps {step_counts(report.trajectory)}"
             + (f"; {flips} routing flips, all without effect beyond the envelope" if flips else ""))
 
 
@@ -102,11 +192,11 @@ def summarize(report: BisectReport) -> str:
     numbers (the envelope's K from `report.envelope`)."""
     c = report.culprit
     assert c is not None
-    head = "DEFECT" if report.verdict is BisectVerdict.DEFECT else "NOISE (no defect)"
+    head = "DEFECT" if report.verdict is Verdict.DEFECT else "NOISE (no defect)"
     where = f" at layer {c.layer}" if isinstance(c.layer, int) else f" at {c.layer}"
-    if report.verdict is BisectVerdict.NOISE and c.subop is None:
+    if report.verdict is Verdict.NOISE and c.subop is None:
         where = ""
-    lines = [f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {c.detail}"]
+    lines = [f"{head}{where}" + (f", sub-op {c.subop}" if c.subop else "") + f": {culprit_words(c)}"]
     lines += _culprit_layer_lines(report)
     if report.probes:
         lines.append(f"  mirror splice (candidate below k, reference from k): {_probe_words(report.probes)}")
@@ -161,23 +251,15 @@ def _trajectory_line(t: Trajectory) -> str:
             f"divergence rate {t.divergence_rate:.2f}")
 
 
-def drafter_clean_summary(trunk: str, n_twins: int) -> str:
-    """The trunk's summary followed by the drafter stage's line when every draft checkpoint is within its twins."""
-    return trunk + f"\ndrafter: every draft checkpoint within its {n_twins} round-off twins"
-
-
-def drafter_defect_summary(culprit: Culprit, where: str, trunk: str) -> str:
-    """A drafter DEFECT first (`culprit.layer` is 'drafter CHECKPOINT'), the trunk's summary after it."""
-    return f"DEFECT at {culprit.layer}, {where}: {culprit.detail}\ntrunk: " + trunk
-
-
-def judged_summary(headline: str, own: BisectVerdict, verdict: BisectVerdict, summary: str) -> str:
+def judged_summary(check: Any, own: Verdict, verdict: Verdict, own_summary: str) -> str:
     """`check`'s headline first (the verdict is check's, `parity.bisect.by_check`), a line when bisect's own screen
     (`own`) said otherwise, then bisect's summary indented as evidence."""
-    lines = [headline]
+    from parity.check.check_report import headline
+
+    lines = [headline(check)]
     if own != verdict:
-        lines.append(f"  (bisect's own screen said {own.value!r}; the verdict is check's, on the same run)")
-    lines += ["bisect's localisation (evidence):", *("  " + ln for ln in summary.splitlines())]
+        lines.append(f"  (bisect's own screen said {verdict_word(own)!r}; the verdict is check's, on the same run)")
+    lines += ["bisect's localisation (evidence):", *("  " + ln for ln in own_summary.splitlines())]
     return "\n".join(lines)
 
 
@@ -232,7 +314,7 @@ def plot(report: BisectReport, path: str) -> object:
     from parity.compare.plot import wrapped_title
     from parity.contract.files import save_figure
 
-    fig.suptitle(wrapped_title(report.summary.splitlines()[0]), fontsize=9)  # wrapped, never cut
+    fig.suptitle(wrapped_title(summary(report).splitlines()[0]), fontsize=9)  # wrapped, never cut
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
     return fig
@@ -242,7 +324,7 @@ def to_html(path: str, report: BisectReport) -> Path:
     """`bisect --html`: one self-contained page, the verdict first, the full summary, the figure of `plot`."""
     from parity.compare.html import Section, image, plot_png, preformatted, write_html
 
-    sections = [Section("Summary", preformatted(report.summary)),
+    text = summary(report)
+    sections = [Section("Summary", preformatted(text)),
                 Section("Excess map", image(plot_png(plot, report), "bisect excess map"))]
-    return write_html(path, "v4parity bisect", report.summary.splitlines()[0], report.verdict != BisectVerdict.DEFECT,
-                      sections)
+    return write_html(path, "v4parity bisect", text.splitlines()[0], report.verdict is not Verdict.DEFECT, sections)

@@ -13,28 +13,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from parity.bisect.bisect_report import BisectReport, Culprit, judged_summary
+from parity.bisect.bisect_report import BisectReport
+from parity.bisect.findings import CheckCause, CheckJudgement, Culprit
 from parity.check.check import CheckReport
-from parity.check.check_report import cause_words, headline, to_json
-from parity.compare.verdict import BisectVerdict, CauseKind, Verdict
+from parity.check.check_report import headline
+from parity.compare.verdict import CauseKind, Verdict
 from parity.contract.errors import ParityError
 
 
 def judged_by_check(report: BisectReport, checked: CheckReport) -> BisectReport:
-    """`report` with `checked`'s verdict (in bisect's words, `Verdict.bisect_word`), culprit and headline; bisect's
-    own summary follows as evidence (the text by `bisect_report.judged_summary`), and the check report is kept
-    (`BisectReport.check`, its JSON)."""
-    verdict = Verdict(checked.verdict).bisect_word
-    return replace(report, verdict=verdict, culprit=_culprit(report, checked),
-                   summary=judged_summary(headline(checked), report.verdict, verdict, report.summary),
-                   check=to_json(checked))
+    """`report` with `checked`'s verdict and culprit; `checked` and bisect's own verdict and culprit are kept
+    (`BisectReport.by_check`): the summary puts check's headline above bisect's own (`bisect_report.summary`)."""
+    return replace(report, verdict=checked.verdict, culprit=_culprit(report, checked),
+                   by_check=CheckJudgement(checked, report.verdict, report.culprit))
 
 
 def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
     """bisect's culprit where it names check's culprit layer (it adds the sub-op), else check's own; none for a
     MATCH, and for a NOISE bisect's (the benign flip it named) only when bisect also said noise."""
     if checked.verdict is not Verdict.DEFECT:
-        return report.culprit if checked.verdict is Verdict.NOISE and report.verdict is BisectVerdict.NOISE else None
+        return report.culprit if checked.verdict is Verdict.NOISE and report.verdict is Verdict.NOISE else None
     c = checked.culprit
     cause = next(x for x in checked.causes if x.kind is CauseKind.DEFECT)
     if c is None or (c.layer is None and cause.name != "embedding-differs"):   # check names a layer, or the embedding
@@ -42,4 +40,4 @@ def _culprit(report: BisectReport, checked: CheckReport) -> Culprit | None:
     layer = "embed" if c.layer is None else c.layer
     if report.culprit is not None and report.culprit.layer == layer:
         return report.culprit
-    return Culprit(layer, c.subop, c.position, c.decode_step, f"{cause.name}: {cause_words(cause)}")
+    return Culprit(layer, c.subop, c.position, c.decode_step, CheckCause(cause))

@@ -31,14 +31,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from parity.bisect.bisect_report import (
-    BisectReport,
+from parity.bisect.bisect_report import BisectReport, SpliceProbe
+from parity.bisect.findings import (
     Culprit,
-    SpliceProbe,
-    clean_summary,
-    drafter_clean_summary,
-    drafter_defect_summary,
-    summarize,
+    DraftDeparts,
+    DrafterOutcome,
+    EmbedDiffers,
+    HeadDiffers,
+    InheritedDrift,
+    LayerDeparts,
+    SubopDeparts,
+    SubopNoise,
 )
 from parity.bisect.trajectory import Trajectory, trajectory
 from parity.check.attribution import (
@@ -52,9 +55,9 @@ from parity.check.attribution import (
 from parity.check.draft_check import DraftCheck, judge_records
 from parity.check.envelope import Envelope, checkpoint_errors
 from parity.check.null import N_TWINS, judge, layer_nulls
-from parity.check.subops import SubopResult, drill_down, inherited_flips, subop_words
+from parity.check.subops import SubopResult, drill_down, inherited_flips
 from parity.compare.metrics import rel_l2
-from parity.compare.verdict import BisectVerdict, LayerKind, SubopStatus
+from parity.compare.verdict import LayerKind, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, SUBOPS, block, block_attn, draft_positions
 from parity.contract.engine import Engine, LayerDiag, LayerOutput, RoundoffTwins
 from parity.contract.errors import ParityError
@@ -195,7 +198,7 @@ class FreeStage:
 class LocalStage:
     """Steps 2-4: what localisation found (verdict 'defect' or 'noise')."""
 
-    verdict: BisectVerdict
+    verdict: Verdict
     culprit: Culprit
     attribution: list[LayerAttribution]
     probes: list[SpliceProbe] = field(default_factory=list)
@@ -203,12 +206,9 @@ class LocalStage:
     runs: dict[str, int] = field(default_factory=dict)
 
 
-def _where(pos: int | None, n_prompt: int) -> tuple[int | None, str]:
-    if pos is None:
-        return None, "position unknown"
-    if pos >= n_prompt:
-        return pos - n_prompt, f"decode step {pos - n_prompt} (position {pos})"
-    return None, f"prefill position {pos}"
+def _step(pos: int | None, n_prompt: int) -> int | None:
+    """The 0-based decode step of a position past the prompt, else None."""
+    return pos - n_prompt if pos is not None and pos >= n_prompt else None
 
 
 class _Clock:
@@ -273,15 +273,14 @@ def bisect(ref_engine: Engine, cand: Engine, prompt: Sequence[int], decode: int,
     base = dict(n_prompt=len(prompt), decode=decode, tokens=fs.tokens, envelope=envelope, max_excess=fs.max_excess,
                 row_mismatch=fs.row_mismatch, routing=fs.routing, trajectory=fs.trajectory)
     if fs.clean:
-        report = BisectReport(BisectVerdict.NO_DEFECT, "", None, runs=runs, seconds=clock.seconds, **base)
         worst = max(fs.max_excess, key=fs.max_excess.get)
-        report = replace(report, summary=clean_summary(report, int(fs.errs[worst].argmax())))
+        report = BisectReport(Verdict.MATCH, None, runs=runs, seconds=clock.seconds,
+                              worst_position=int(fs.errs[worst].argmax()), **base)
     else:
         ls = localise(ref_engine, cand, fs, len(prompt), env, say, clock, progress.count)
-        report = BisectReport(ls.verdict, "", ls.culprit, attribution=ls.attribution, probes=ls.probes,
+        report = BisectReport(ls.verdict, ls.culprit, attribution=ls.attribution, probes=ls.probes,
                               subops=ls.subops, runs=runs | ls.runs, seconds=clock.seconds, **base)
-        report = replace(report, summary=summarize(report))
-    if draft and report.verdict is not BisectVerdict.DEFECT:   # the drafter: one more layer after a trunk, no defect
+    if draft and report.verdict is not Verdict.DEFECT:   # the drafter: one more layer after a trunk, no defect
         report = _drafter_verdict(report, drafter_stage(ref_engine, cand, fs, draft, say), cand.name, len(prompt))
         clock.lap("drafter")
     clock.lap("verdict")
@@ -292,15 +291,14 @@ def _drafter_verdict(report: BisectReport, dc: DraftCheck, cand: str, n_prompt: 
     """The report with the drafter stage's outcome: a DEFECT at the first departing draft checkpoint (the trunk's
     verdict kept in the summary), else a line saying every draft checkpoint is within its twins."""
     runs = {**report.runs, "drafter": 2 + N_TWINS}
+    outcome = DrafterOutcome(N_TWINS, report.verdict, report.culprit)
     first = dc.first
     if first is None or first.test.first is None:
-        return replace(report, runs=runs, summary=drafter_clean_summary(report.summary, N_TWINS))
+        return replace(report, runs=runs, drafter=outcome)
     pos = first.test.first.position
-    step, where = _where(pos, n_prompt)
-    detail = f"{cand}'s draft head on the reference's trunk carriers: {first.test.summary()} (rel-L2 {first.err:.3g})"
-    culprit = Culprit(f"drafter {first.checkpoint}", None, pos, step, detail)
-    return replace(report, verdict=BisectVerdict.DEFECT, culprit=culprit, runs=runs,
-                   summary=drafter_defect_summary(culprit, where, report.summary))
+    culprit = Culprit(f"drafter {first.checkpoint}", None, pos, _step(pos, n_prompt),
+                      DraftDeparts(cand, first.test, first.err))
+    return replace(report, verdict=Verdict.DEFECT, culprit=culprit, runs=runs, drafter=outcome)
 
 
 def drafter_stage(ref_engine: Engine, cand: Engine, fs: FreeStage, draft: dict, say: Note) -> DraftCheck:
@@ -351,15 +349,14 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
     clock.lap("teacher_forced")
     if fs.max_excess[EMBED] > 1:
         pos = int(np.argmax(fs.errs[EMBED] > env.limit(env.floor(EMBED))))
-        return LocalStage(BisectVerdict.DEFECT,
-                          Culprit("embed", None, pos, *_step_detail(pos, P, "embedding lookup differs")), attribution,
+        return LocalStage(Verdict.DEFECT, Culprit("embed", None, pos, _step(pos, P), EmbedDiffers()), attribution,
                           runs=runs)
     layer, probes = mirror_bisect(ref_engine, fs.free, fs.errs, fs.ref, env, say)
     runs["splice"] = len(probes)
     clock.lap("splice")
     if layer == L:
-        return LocalStage(BisectVerdict.DEFECT,
-                          Culprit("head", None, None, None, "layers clean; final norm / output head differ"),
+        return LocalStage(Verdict.DEFECT,
+                          Culprit("head", None, None, None, HeadDiffers()),
                           attribution, probes, runs=runs)
     local = [a.layer for a in attribution if a.kind is LayerKind.LOCAL]
     if not local:
@@ -378,22 +375,18 @@ def localise(ref_engine: Engine, cand: Engine, fs: FreeStage, n_prompt: int, env
         if hit or cand_layer == layer:
             subops = subs
         if hit:
-            step, where = _where(hit.position, P)
             clock.lap("drill_down")
-            return LocalStage(BisectVerdict.DEFECT,
-                              Culprit(cand_layer, hit.name, hit.position, step, f"{where}; {subop_words(hit)}"),
+            return LocalStage(Verdict.DEFECT,
+                              Culprit(cand_layer, hit.name, hit.position, _step(hit.position, P), SubopDeparts(hit)),
                               attribution, probes, subops, runs)
     clock.lap("drill_down")
     by_null = isinstance(ref_engine, RoundoffTwins)   # `local` and the drill-down judged by the round-off null
     if by_null or not any(s.status is SubopStatus.NOISE for s in subops):
         pos = attribution[layer].worst_position
-        step, where = _where(pos, P)
-        why = ("the layer departs by the round-off null on the reference's inputs, no single captured sub-op does"
-               if by_null else "no captured sub-op differs: the defect is between captures")
-        return LocalStage(BisectVerdict.DEFECT, Culprit(layer, None, pos, step, f"{where}; {why}"), attribution, probes,
-                          subops, runs)
+        return LocalStage(Verdict.DEFECT, Culprit(layer, None, pos, _step(pos, P), LayerDeparts(by_null)),
+                          attribution, probes, subops, runs)
     noisy = next(s for s in subops if s.status is SubopStatus.NOISE)
-    return LocalStage(BisectVerdict.NOISE, Culprit(layer, noisy.name, None, None, subop_words(noisy)), attribution,
+    return LocalStage(Verdict.NOISE, Culprit(layer, noisy.name, None, None, SubopNoise(noisy)), attribution,
                       probes, subops, runs)
 
 
@@ -405,21 +398,12 @@ def _inherited_noise(ref_engine: Engine, fs: FreeStage, splice_layer: int, env: 
     first = _first_free_departure(fs.max_excess, ref_engine.config.n_layers)
     say(f"no local departure; naming the QAT code flip the drift tips over at layer {first}")
     flips = inherited_flips(ref_engine, fs.ref, fs.free, first, env)
-    named = [s for s in flips if s.status is SubopStatus.NOISE and s.flips]
-    why = (f"{named[0].name}: {subop_words(named[0])}" if named else
-           "no isolated QAT code flip found there (near-ties or amplification downstream)")
-    return LocalStage(BisectVerdict.NOISE, Culprit(first, named[0].name if named else None, None, None, (
-        f"no candidate layer departs on the reference's inputs; the excess ({fs.max_excess[worst]:.3g} at {worst}; "
-        f"the splice first departs after layer {splice_layer}) is amplified sub-envelope drift; the reference's "
-        f"layer {first} on the candidate's inputs shows {why}")), [])
+    named = next((s for s in flips if s.status is SubopStatus.NOISE and s.flips), None)
+    drift = InheritedDrift(fs.max_excess[worst], worst, splice_layer, named)
+    return LocalStage(Verdict.NOISE, Culprit(first, named.name if named else None, None, None, drift), [])
 
 
 def _first_free_departure(excess: dict[str, float], n_layers: int) -> int:
     """The first layer (depth order) with a free-running checkpoint outside the envelope; the last layer when
     only final_norm / logits are out."""
     return next((l for l in range(n_layers) if max(excess[block_attn(l)], excess[block(l)]) > 1), n_layers - 1)
-
-
-def _step_detail(pos: int, n_prompt: int, what: str) -> tuple[int | None, str]:
-    step, where = _where(pos, n_prompt)
-    return step, f"{where}; {what}"

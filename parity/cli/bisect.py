@@ -24,7 +24,7 @@ from parity.cli.common import (
     usage_errors,
     warn,
 )
-from parity.compare.verdict import BisectVerdict
+from parity.compare.verdict import Verdict
 
 
 def _stderr(msg: str) -> None:
@@ -152,10 +152,12 @@ def bisect(model, engine, tokens, tokens_file, prompt, prompt_file, tokenizer, f
     if as_json:
         echo_json(report.to_dict())
     else:
+        from parity.bisect.bisect_report import summary
         from parity.compare.textcells import fit_line
 
-        click.echo(report.summary if wide else "\n".join(fit_line(line) for line in report.summary.splitlines()))
-    sys.exit(1 if report.verdict == BisectVerdict.DEFECT else 0)
+        text = summary(report)
+        click.echo(text if wide else "\n".join(fit_line(line) for line in text.splitlines()))
+    sys.exit(1 if report.verdict is Verdict.DEFECT else 0)
 
 
 def _figures(report: object, plot: str | None, html_path: str | None) -> None:

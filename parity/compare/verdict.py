@@ -1,8 +1,8 @@
 """The harness's verdict vocabulary, in one place: every verdict and status a report holds is a member of an enum
 here (str-valued, so JSON and text keep the spelling they always had), and the records decisions are made on.
 
-* `Verdict`: a run's verdict (MATCH / NOISE / DEFECT), `check`'s spelling; `BisectVerdict` is the same verdict in
-  `bisect`'s words ('no defect' / 'noise' / 'defect'; `Verdict.bisect_word`, `BisectVerdict.verdict`);
+* `Verdict`: a run's verdict (MATCH / NOISE / DEFECT), the one vocabulary of `check`, `bisect` and the rest (`bisect`
+  prints it in its own words, 'no defect' / 'noise' / 'defect': `parity.bisect.bisect_report.verdict_word`);
 * sub-statuses: `SubopStatus` (a sub-op in a drill-down), `RowStatus` (a checkpoint row of `check`), `CauseKind`
   (a cause of `check`), `Judged` (what `check`'s local verdict rests on), `LayerKind` (a layer in `bisect`'s
   attribution), `StepVerdict` (one greedy step);
@@ -36,29 +36,11 @@ class Verdict(StrEnum):
     NOISE = "NOISE"
     DEFECT = "DEFECT"
 
-    @property
-    def bisect_word(self) -> BisectVerdict:
-        """`bisect`'s spelling of this verdict (its report and JSON): 'no defect', 'noise', 'defect'."""
-        return BisectVerdict[{"MATCH": "NO_DEFECT"}.get(self.name, self.name)]
-
     @classmethod
     def of_causes(cls, kinds: Iterable[CauseKind]) -> Verdict:
         """DEFECT when some cause is a defect, NOISE when there are causes (all benign), else MATCH."""
         kinds = list(kinds)
         return cls.DEFECT if CauseKind.DEFECT in kinds else cls.NOISE if kinds else cls.MATCH
-
-
-class BisectVerdict(StrEnum):
-    """`Verdict` as `bisect` spells it in its report and JSON (`BisectVerdict(word)` rejects any other word)."""
-
-    NO_DEFECT = "no defect"
-    NOISE = "noise"
-    DEFECT = "defect"
-
-    @property
-    def verdict(self) -> Verdict:
-        """The one verdict this word spells."""
-        return Verdict.MATCH if self is BisectVerdict.NO_DEFECT else Verdict[self.name]
 
 
 class CauseKind(StrEnum):
