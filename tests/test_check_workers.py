@@ -22,7 +22,6 @@ from requires import require
 
 from parity import api
 from parity.check.check import check
-from parity.check.check_report import to_json
 from parity.check.envelope import load_envelope
 from parity.check.parallel import EngineLoader
 from parity.cli import cli
@@ -62,7 +61,7 @@ def _judge(model, trace, pool: WorkPool) -> bytes:
                        load_envelope(ENV_F32, "float32"), config=Weights(model).config,
                        fault_engines=[("torch", EngineLoader("torch", str(model)), LIBRARY)], n_twins=TWINS,
                        pool=pool)
-    return _bytes(to_json(report))
+    return _bytes(report.to_dict())
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,12 @@ class CheckReport:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
         object.__setattr__(self, "judged", Judged(self.judged))
 
+    def to_dict(self) -> dict[str, object]:
+        """The JSON document (`parity.check.check_report.json_document`: the causes' evidence in words)."""
+        from parity.check.check_report import json_document
+
+        return json_document(self)
+
 
 @dataclass(frozen=True)
 class LayerLocal:

@@ -217,10 +217,10 @@ def to_markdown(report: CheckReport) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_json(report: CheckReport) -> dict[str, Any]:
-    """The JSON document: verdict, judged (op-level / layer-level / free-running), seconds, envelope {source
-    (a path, or "measured"), seconds}, culprit {layer, subop, position, decode_step}, causes {kind, name, layer,
-    subop, evidence}, notes, table."""
+def json_document(report: CheckReport) -> dict[str, Any]:
+    """`CheckReport.to_dict`, the JSON document: verdict, judged (op-level / layer-level / free-running), seconds,
+    envelope {source (a path, or "measured"), seconds}, culprit {layer, subop, position, decode_step}, causes {kind,
+    name, layer, subop, evidence}, notes, table."""
     return json_safe({"verdict": report.verdict, "judged": report.judged, "notes": list(report.notes),
                       "seconds": report.seconds, "envelope": {"source": report.envelope_source,
                                                               "seconds": report.envelope_seconds},
@@ -228,6 +228,9 @@ def to_json(report: CheckReport) -> dict[str, Any]:
                    "causes": [{"kind": c.kind, "name": c.name, "layer": c.layer, "subop": c.subop,
                                "evidence": cause_words(c)} for c in report.causes],
                    "table": [asdict(r) for r in report.table]})
+
+
+to_json = json_document   # the old name, until the callers being edited by others call CheckReport.to_dict
 
 
 def plot(report: CheckReport, path: str) -> None:

@@ -66,10 +66,10 @@ def arbitrate(model, engines, tokens, tokens_file, decode, chunk, qat_sims, rel_
 
 
 def _check_docs(checks: dict) -> dict:
-    """engine -> `check`'s JSON document (parity.check.check_report.to_json) plus its headline."""
-    from parity.check.check_report import headline, to_json
+    """engine -> `check`'s JSON document (`CheckReport.to_dict`) plus its headline."""
+    from parity.check.check_report import headline
 
-    return {e: {"headline": headline(c), **to_json(c)} for e, c in checks.items()}
+    return {e: {"headline": headline(c), **c.to_dict()} for e, c in checks.items()}
 
 
 def _check_lines(checks: dict) -> list[str]:

@@ -84,7 +84,7 @@ def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | 
     """--markdown FILE ('-': stdout), --plot PNG, --html FILE, then the report as JSON or text on stdout (none when
     the Markdown went there)."""
     from parity.check.check_report import plot as plot_report
-    from parity.check.check_report import to_html, to_json, to_markdown, to_text
+    from parity.check.check_report import to_html, to_markdown, to_text
 
     if markdown_path:
         write_text(markdown_path, to_markdown(report))
@@ -93,7 +93,7 @@ def _show(report: object, as_json: bool, markdown_path: str | None, plot: str | 
     if html_path:
         to_html(html_path, report)
     if as_json:
-        echo_json(to_json(report))
+        echo_json(report.to_dict())
     elif markdown_path != "-":
         click.echo(to_text(report))
 

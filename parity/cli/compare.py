@@ -211,9 +211,7 @@ def gate(golden, candidate, tolerances, junit, markdown_path, as_json, force, en
 
 
 def _check_dict(report) -> dict:
-    from parity.check.check_report import to_json
-
-    return {"check": to_json(report)} if report is not None else {}
+    return {"check": report.to_dict()} if report is not None else {}
 
 
 def _echo_check(report) -> None:
