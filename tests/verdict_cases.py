@@ -41,9 +41,9 @@ def check_reports(model: Path, work: Path) -> dict[str, Any]:
 
 def documents(report: Any) -> dict[str, Any]:
     """{"json": the JSON document, "text": the plain-text report} of one check report."""
-    from parity.check.check_report import to_json, to_text
+    from parity.check.check_report import to_text
 
-    doc = json.loads(json.dumps(to_json(report)))
+    doc = json.loads(json.dumps(report.to_dict()))
     doc["envelope"]["source"] = Path(doc["envelope"]["source"]).name   # the checkout's path is not the report's
     return {"json": doc, "text": to_text(report)}
 

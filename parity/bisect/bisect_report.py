@@ -72,8 +72,6 @@ class BisectReport:
         (numpy arrays as nested lists; the culprit and sub-ops with their evidence in words), the trajectory with
         its counts, first divergent step, divergence rate and step x layer excess, and `check`'s JSON document when
         the verdict is check's."""
-        from parity.check.check_report import to_json
-
         d: dict[str, Any] = {"verdict": verdict_word(self.verdict), "summary": summary(self)}
         d |= {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in _NOT_IN_JSON}
         d["culprit"] = _culprit_json(self.culprit) if self.culprit else None
@@ -87,7 +85,7 @@ class BisectReport:
             d["trajectory"] = {"steps": [asdict(s) for s in t.steps], "counts": t.counts,
                                "first_divergent_step": fd.step if fd else None,
                                "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
-        d["check"] = to_json(self.by_check.check) if self.by_check is not None else None
+        d["check"] = self.by_check.check.to_dict() if self.by_check is not None else None
         return _plain(d)
 
 

@@ -230,9 +230,6 @@ def json_document(report: CheckReport) -> dict[str, Any]:
                    "table": [asdict(r) for r in report.table]})
 
 
-to_json = json_document   # the old name, until the callers being edited by others call CheckReport.to_dict
-
-
 def plot(report: CheckReport, path: str) -> None:
     """Per checkpoint: the free-running excess over the envelope and the local worst cell over the largest
     round-off twin (both outside above 1), the culprit marked."""
