@@ -6,7 +6,8 @@ and the text summary) were written by the code of commit bea1a1f, before the cha
 committed in 6b2c0d5; `floors_router_loose` by the same calls). The cases are tests/test_bisect_fake.py's NumPy
 engine with a known defect, judged by the round-off null (the reference has twins) and by the envelope's floors
 (the same reference without twins: `compare_subops`' words for floats, non-finite values, emitted rows, selected
-sets, near-tie flips and their cascade, QAT code flips), and reports re-judged by a hand-made `check` report
+sets, near-tie flips and their cascade, QAT code flips), the drafter stage after a clean and a noisy trunk
+(`drafter_*`, by the same calls at bea1a1f), and reports re-judged by a hand-made `check` report
 (`parity.bisect.by_check`; check's headline and cause words, which are check's own, are compared as check's
 printers write them). Timings are zeroed: the only values that change from run to run. `python
 tests/test_bisect_words.py DIR` writes the fixtures of the code as it is now.
@@ -18,6 +19,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -107,8 +109,9 @@ def _check_words(report: Any) -> dict[str, str]:
 def reports() -> dict[str, Any]:
     """case -> the bisect report, timings zeroed; `judged_*`: the attention and clean cases re-judged by check."""
     from parity.bisect.by_check import judged_by_check
-    from parity.bisect.search import bisect
+    from parity.bisect.search import _drafter_verdict, bisect
     from parity.check.envelope import measure_envelope
+    from parity.check.null import Cell, NullTest
     from parity.contract.engine import RunOptions
 
     fake, _, prompt = _fakes()
@@ -119,6 +122,11 @@ def reports() -> dict[str, Any]:
     loose = replace(env, router_margin={**env.router_margin, "0": 100.0})
     out["floors_router_loose"] = replace(bisect(NoTwins(fake()), fake(defect=(0, "router")), prompt[:6], 0, loose),
                                          seconds={})
+    # the drafter stage after a trunk with no defect (a stand-in DraftCheck: its first departing row, or none)
+    test = NullTest(16, 9, 19, 3.1e-7, Cell("mtp.0", 15, 2.5e-3, 4.2e-6), Cell("mtp.0", 12, 4.0e-3, 3.2e-6), 4.0e-3)
+    departs = SimpleNamespace(first=SimpleNamespace(checkpoint="mtp.0", test=test, err=4.0e-3))
+    out["drafter_inside"] = _drafter_verdict(out["clean"], SimpleNamespace(first=None), "torch", len(prompt))
+    out["drafter_departs"] = _drafter_verdict(out["floors_flip"], departs, "torch", len(prompt))
     out["judged_same_layer"] = judged_by_check(out["attention"], _check("DEFECT", 1, "sink-dropped"))
     out["judged_other_layer"] = judged_by_check(out["attention"], _check("DEFECT", 2, "sink-dropped"))
     out["judged_clean_by_defect"] = judged_by_check(out["clean"], _check("DEFECT", 0, "unexplained"))
