@@ -47,5 +47,7 @@ def test_bisect_progress_off_a_terminal_is_timed_stage_and_count_lines(tiny_f32)
 def test_envelope_counts_its_runs(tiny_f32, tmp_path):
     r = CliRunner().invoke(cli, ["envelope", "-m", str(tiny_f32), "-o", str(tmp_path / "e.json")])
     assert r.exit_code == 0, r.output
-    # 19 round-off twins, the float32 and float64 references, the candidate in two chunkings
-    assert re.search(r"^envelope runs 23/23 \d+:\d\d$", r.stderr, re.M), r.stderr
+    # after the float32 reference's own run: 19 round-off twins, the float64 reference and the candidate in two
+    # chunkings, in lockstep over the 6 layers
+    assert "envelope: 22 runs in lockstep, layer after layer" in r.stderr, r.stderr
+    assert re.search(r"^envelope layers 6/6 \d+:\d\d$", r.stderr, re.M), r.stderr

@@ -280,13 +280,12 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
     the decode tokens), every other run goes in lockstep, layer after layer (`run_lockstep`): engines sharing the
     reference's weight cache dequantize each layer once for all of them, and each pair's floors are taken per
     layer as it finishes. `progress.note(message)` announces the stages, `progress.count(stage, done, total)`
-    counts finished runs, then layers."""
+    counts the layers of the lockstep."""
     if not isinstance(ref32, RoundoffTwins):
         raise ParityError(f"engine {ref32.name} has no round-off twins (RoundoffTwins): no measured envelope")
     say = progress.note
     say("envelope: reference float32")
     base = run_sequence(ref32, prompt, decode, capture=True)
-    progress.count("envelope runs", 1, 1)
     tokens = [*prompt, *(int(t) for t in np.concatenate([r.tokens for r in base])[len(prompt):])]
     one, chunked = chunk_schedule(len(prompt), None), chunk_schedule(len(prompt), chunk)
     runs = {**{f"twin {seed}": (ref32.roundoff_twin(seed), one) for seed in range(1, n_twins + 1)},   # type: ignore[attr-defined]
@@ -295,9 +294,9 @@ def measure_envelope(ref32: Engine, ref64: Engine, cand: Engine, prompt: Sequenc
     pairs_of = {**{f"twin {seed}": (None, f"twin {seed}") for seed in range(1, n_twins + 1)},
                 "oracle": (None, "float64"), "rechunk": ("cand", "cand chunked"),
                 **({"dtype": ("cand float32", "cand")} if cand_f32 is not None else {})}
-    say(f"envelope: {n_twins} round-off twins of the reference (the null), the reference float64 and "
-        f"{cand.name} {cand.options.dtype} (one chunk and chunks of {chunk})"
-        + (f" and {cand_f32.name} float32" if cand_f32 is not None else "") + ", layer after layer")
+    say(f"envelope: {len(runs)} runs in lockstep, layer after layer: {n_twins} round-off twins of the reference "
+        f"(the null), the reference float64, {cand.name} {cand.options.dtype} in one chunk and in chunks of {chunk}"
+        + (f", {cand_f32.name} float32" if cand_f32 is not None else ""))
     floors = _lockstep_floors(base, runs, pairs_of, tokens, decode, progress)
     twins = [floors.pop(f"twin {seed}") for seed in range(1, n_twins + 1)]
     null = {key: sorted(t[key] for t in twins) for key in twins[0]}
