@@ -33,8 +33,9 @@ def _pair(a: np.ndarray, b: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarr
 
 
 def _rel_l2_rows(ra: np.ndarray, rb: np.ndarray, norm_a: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(rb).all(axis=1)
-    num = l2(np.where(np.isfinite(rb), rb, 0.0) - ra)
+    finite_b = np.isfinite(rb)
+    finite = finite_b.all(axis=1)
+    num = l2((rb if finite.all() else np.where(finite_b, rb, 0.0)) - ra)  # non-finite b entries count as 0 here
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(~finite, np.inf, np.where(num == 0, 0.0, num / norm_a))
 
