@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parity.bench.full_depth_report import FullDepthResult, ModelFile, StepRow
+from parity.bench.full_depth_report import CheckFound, DiffFound, FullDepthResult, ModelFile, StepRow
 from parity.bench.measure import load_average, prompt_tokens
+from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
 FAULT = "comb-not-transposed@30"
@@ -138,29 +139,39 @@ STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "trace-torch-2000
          "trace-torch-24-fault", "diff-fault", "check-fault")
 
 
-def verdict(stdout: Path) -> dict[str, Any]:
-    """check --json's verdict, level, culprit, causes, own seconds and envelope source (or its error) from the
-    step's stdout."""
+def _stdout_json(stdout: Path) -> dict[str, Any] | None:
+    """The JSON document a step printed on stdout; None when there is none (no file, or not JSON: the step failed)."""
     try:
         doc = json.loads(stdout.read_text())
     except (OSError, json.JSONDecodeError):
-        return {}
-    found = {k: doc[k] for k in ("verdict", "judged", "culprit", "causes", "seconds", "error") if k in doc}
-    if isinstance(doc.get("envelope"), dict):
-        found["envelope_source"] = doc["envelope"].get("source")
-    return found
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
-def drift(stdout: Path) -> dict[str, Any]:
-    """diff --json's agreement, first drifting checkpoint, and each checkpoint's worst rel-L2 over positions."""
-    try:
-        doc = json.loads(stdout.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+def verdict(stdout: Path) -> tuple[CheckFound | None, str | None]:
+    """check --json's verdict, level, culprit, causes, own seconds and envelope source (None when it printed no
+    verdict), and its error (None when it printed none), from the step's stdout."""
+    doc = _stdout_json(stdout) or {}
+    found = None
+    if "verdict" in doc:
+        missing = [k for k in ("judged", "culprit", "causes", "seconds") if k not in doc]
+        if missing:
+            raise ParityError(f"{stdout}: check --json printed a verdict without {', '.join(missing)}")
+        envelope = doc.get("envelope")
+        found = CheckFound(Verdict(doc["verdict"]), Judged(doc["judged"]), doc["culprit"], doc["causes"],
+                           doc["seconds"], envelope.get("source") if isinstance(envelope, dict) else None)
+    return found, doc.get("error")
+
+
+def drift(stdout: Path) -> DiffFound | None:
+    """diff --json's agreement, first drifting checkpoint, and each checkpoint's worst rel-L2 over positions (None
+    when the step printed no JSON)."""
+    doc = _stdout_json(stdout)
+    if doc is None:
+        return None
     worst = {row["checkpoint"]: row["rel_l2"] for row in doc.get("worst", [])}
     logits = [row["rel_l2"] for row in doc.get("logits", [])]
-    return {"agree": doc.get("agree"), "first_drift": doc.get("first_drift"), "rel_l2": worst,
-            "logits_rel_l2_max": max(logits) if logits else None}
+    return DiffFound(doc.get("agree"), doc.get("first_drift"), worst, max(logits) if logits else None)
 
 
 def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float,
@@ -188,17 +199,17 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
         argv = [_prompt_file(out, int(a.split(":")[1]), vocab) if a.startswith("@prompt:") else a
                 for a in step.argv]
         print(f"[full-depth] {step.name}: {' '.join(argv)} (load {load_average():.1f})", file=sys.stderr, flush=True)
-        row = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30), timeout_s)
-        row |= {"what": step.what, "sizes": {p.name: p.stat().st_size for p in step.outputs if p.exists()}}
-        if step.name.startswith("check"):
-            row |= verdict(Path(row["log"]).with_suffix(".out"))
-        if step.name.startswith("diff"):
-            row |= drift(Path(row["log"]).with_suffix(".out"))
-        print(f"[full-depth] {step.name}: exit {row['exit']}, {row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, "
-              f"peak RSS {row['peak_rss'] / 2**30:.2f} GiB (anon {row['peak_anon'] / 2**30:.2f}), load "
-              f"{row['load_before']:.1f} -> {row['load_after']:.1f}", file=sys.stderr, flush=True)
+        measured = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30), timeout_s)
+        stdout = Path(measured["log"]).with_suffix(".out")
+        check, error = verdict(stdout) if step.name.startswith("check") else (None, None)
+        row = StepRow(**measured, what=step.what,
+                      sizes={p.name: p.stat().st_size for p in step.outputs if p.exists()}, check=check, error=error,
+                      diff=drift(stdout) if step.name.startswith("diff") else None)
+        print(f"[full-depth] {step.name}: exit {row.exit}, {row.wall_s:.1f} s wall, {row.cpu_s:.1f} s CPU, "
+              f"peak RSS {row.peak_rss / 2**30:.2f} GiB (anon {row.peak_anon / 2**30:.2f}), load "
+              f"{row.load_before:.1f} -> {row.load_after:.1f}", file=sys.stderr, flush=True)
         earlier = FullDepthResult.from_dict(json.loads(result_path.read_text())) if result_path.exists() else result
-        result = FullDepthResult({**earlier.steps, step.name: StepRow.from_dict(row)},
+        result = FullDepthResult({**earlier.steps, step.name: row},
                                  ModelFile(str(model), model.stat().st_size if model.exists() else None))
         write_result(out, result)
     return result
@@ -206,9 +217,8 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
 
 def write_result(out: Path, result: FullDepthResult) -> None:
     """OUT/full_depth.json (the result's document, indent 1) and its table OUT/full_depth.md."""
-    doc = result.to_dict()
-    (out / "full_depth.json").write_text(json.dumps(doc, indent=1))
-    (out / "full_depth.md").write_text(render_markdown(doc))
+    (out / "full_depth.json").write_text(json.dumps(result.to_dict(), indent=1))
+    (out / "full_depth.md").write_text(render_markdown(result))
 
 
 def _prompt_file(out: Path, n: int, vocab: Callable[[], int]) -> str:
@@ -218,27 +228,39 @@ def _prompt_file(out: Path, n: int, vocab: Callable[[], int]) -> str:
     return str(path)
 
 
-def render_markdown(result: dict[str, Any]) -> str:
-    """The table of a full_depth.json document (`FullDepthResult.to_dict`), one row per measured step: wall, CPU,
-    peak RSS total / anonymous, load before -> after, files, outcome."""
+def render_markdown(result: FullDepthResult) -> str:
+    """The table of a full-depth result, one row per measured step (in `STEPS` order): wall, CPU, peak RSS total /
+    anonymous, load before -> after, files, outcome (killed, check's verdict, the diff's drift, the error, or the
+    exit status)."""
     gib = 2**30
     lines = ["| step | wall | CPU (user + sys) | peak RSS total / anon | load before -> after | files | outcome |",
              "|---|---|---|---|---|---|---|"]
     for name in STEPS:
-        row = result["steps"].get(name)
+        row = result.steps.get(name)
         if row is None:
             continue
-        files = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in row["sizes"].items()) or "-"
-        judged = (f"{row['verdict']} ({row.get('judged')}), culprit {row.get('culprit')}, causes {row.get('causes')}"
-                  if "verdict" in row else None)
-        drifted = (f"agree {row['agree']}, first drift {row['first_drift']}, worst rel-L2 final_norm "
-                   f"{row['rel_l2'].get('final_norm', float('nan')):.2e}, logits {row['logits_rel_l2_max']:.2e}"
-                   if "agree" in row and row.get("logits_rel_l2_max") is not None else None)
-        outcome = row["killed"] or judged or drifted or row.get("error") or f"exit {row['exit']}"
-        lines.append(f"| {name}: {row['what']} | {row['wall_s']:.1f} s | {row['cpu_s']:.1f} s | "
-                     f"{row['peak_rss'] / gib:.2f} / {row['peak_anon'] / gib:.2f} GiB | "
-                     f"{row['load_before']:.1f} -> {row['load_after']:.1f} | {files} | {outcome} |")
+        files = ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in row.sizes.items()) or "-"
+        outcome = row.killed or _judged(row.check) or _drifted(row.diff) or row.error or f"exit {row.exit}"
+        lines.append(f"| {name}: {row.what} | {row.wall_s:.1f} s | {row.cpu_s:.1f} s | "
+                     f"{row.peak_rss / gib:.2f} / {row.peak_anon / gib:.2f} GiB | "
+                     f"{row.load_before:.1f} -> {row.load_after:.1f} | {files} | {outcome} |")
     return "\n".join(lines) + "\n"
+
+
+def _judged(check: CheckFound | None) -> str | None:
+    """A check step's outcome: verdict (level), culprit, causes; None without a verdict."""
+    if check is None:
+        return None
+    return f"{check.verdict} ({check.judged}), culprit {check.culprit}, causes {check.causes}"
+
+
+def _drifted(diff: DiffFound | None) -> str | None:
+    """A diff step's outcome: agreement, first drift, final_norm's and the logits' worst rel-L2; None when the diff
+    printed no logits."""
+    if diff is None or diff.logits_rel_l2_max is None:
+        return None
+    return (f"agree {diff.agree}, first drift {diff.first_drift}, worst rel-L2 final_norm "
+            f"{diff.rel_l2.get('final_norm', float('nan')):.2e}, logits {diff.logits_rel_l2_max:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
