@@ -37,16 +37,16 @@ def run(tmp_path, model, approx, exact="vfake", n=6, decode=4, **kw):
 
 def test_announced_approximation_passes_both_pins(plugins, tmp_path, tiny_f32):
     r = run(tmp_path, tiny_f32, "vfake:act_quant=q8_0")
-    assert r["passed"], r["findings"]
-    an, ex = r["pins"]["announce"], r["pins"]["exactness"]
+    assert r.passed, r.findings
+    an, ex = r.pins["announce"], r.pins["exactness"]
     assert an["declared"] == {"act_quant": "q8_0"} and an["numerics_differ_on"] == 6 and an["stderr_announced"]
     assert ex["explicit_spec"] == "vfake:act_quant=none" and ex["prompts"] == [0, 1]
     # every field the report promises
-    agg = r["aggregates"]
+    agg = r.aggregates
     for k in ("divergence_rate", "step_divergence_rate", "top1_agreement", "kl_mean", "kl_p50", "kl_p99", "kl_max",
               "rel_l2.blk.0.mean", "rel_l2.blk.5.p99"):
         assert set(agg[k]) == {"value", "ci", "mde", "n"}
-    rec = r["records"][0]
+    rec = r.records[0]
     assert len(rec["verdict"]) == len(rec["kl"]) == 5 and len(rec["layer_rel_l2"]) == 6
     assert all(x > 0 for x in rec["layer_rel_l2"])      # Q8_0 rounding moves every layer's carrier
     assert {"seconds", "cpu_seconds"}.isdisjoint(rec)
@@ -77,24 +77,24 @@ def test_validate_plot_has_a_legend_for_both_axes_and_no_dict_in_titles(plugins,
 
 def test_silent_approximate_plugin_fails_the_announce_pin(plugins, tmp_path, tiny_f32):
     r = run(tmp_path, tiny_f32, "vfake-silent")
-    an = r["pins"]["announce"]
-    assert not r["passed"] and not an["passed"]
+    an = r.pins["announce"]
+    assert not r.passed and not an["passed"]
     assert an["declared"] == {} and an["numerics_differ_on"] == 6
     assert an["failures"][0].startswith("silent approximation: the approximate path's numerics differ")
-    assert r["pins"]["exactness"]["passed"]            # its exact path is the same as vfake's
+    assert r.pins["exactness"]["passed"]            # its exact path is the same as vfake's
 
 
 def test_declared_but_unprinted_mode_fails_the_announce_pin(plugins, tmp_path, tiny_f32):
     r = run(tmp_path, tiny_f32, "vfake-mute:act_quant=q8_0", exact="vfake-mute")
-    assert r["findings"] == ["announce pin: the engine did not name act_quant=q8_0 on stderr (declared in the "
+    assert r.findings == ["announce pin: the engine did not name act_quant=q8_0 on stderr (declared in the "
                              "header flags)"]
 
 
 def test_one_ulp_drift_of_the_exact_path_fails_the_exactness_pin(plugins, tmp_path, tiny_f32):
     # in-process executor: the drift plugin moves one logit by one ulp on a repeated run in the same process
     r = run(tmp_path, tiny_f32, "vfake-drift:act_quant=q8_0", exact="vfake-drift")
-    ex = r["pins"]["exactness"]
-    assert not r["passed"] and not ex["passed"]
+    ex = r.pins["exactness"]
+    assert not r.passed and not ex["passed"]
     assert ex["failures"] == [
         "prompt 0: a second run of the exact path differs in bits from the first",
         "prompt 0: vfake-drift:act_quant=none (approximate option at its exact value) differs in bits from the "
@@ -102,7 +102,7 @@ def test_one_ulp_drift_of_the_exact_path_fails_the_exactness_pin(plugins, tmp_pa
         "prompt 1: a second run of the exact path differs in bits from the first",
         "prompt 1: vfake-drift:act_quant=none (approximate option at its exact value) differs in bits from the "
         "exact path"]
-    assert r["pins"]["announce"]["passed"]
+    assert r.pins["announce"]["passed"]
 
 
 def test_exit_codes_and_budget(plugins, tmp_path, tiny_f32):
@@ -164,10 +164,10 @@ def test_ray_equals_worker_processes_byte_for_byte(plugins, tmp_path, tiny_f32, 
 def test_torch_act_quant_q8_0_is_announced_and_the_exact_path_pinned(tmp_path, tiny_realmix):
     r = api.validate(tmp_path / "t", model=tiny_realmix, exact="torch", approx="torch:act_quant=q8_0", n=3,
                      decode=2, boundary=True, pins=1)
-    assert r["passed"], r["findings"]
-    assert r["pins"]["announce"]["declared"] == {"act_quant": "q8_0"}
-    assert r["pins"]["announce"]["numerics_differ_on"] == 3
-    assert r["pins"]["exactness"]["explicit_spec"] == "torch:act_quant=none"
+    assert r.passed, r.findings
+    assert r.pins["announce"]["declared"] == {"act_quant": "q8_0"}
+    assert r.pins["announce"]["numerics_differ_on"] == 3
+    assert r.pins["exactness"]["explicit_spec"] == "torch:act_quant=none"
 
 
 def test_engines_are_loaded_once_per_worker_not_per_prompt(plugins, tmp_path, tiny_f32):
@@ -219,11 +219,11 @@ def test_report_is_typed_and_frozen_and_the_cli_prints_it_not_the_files(plugins,
     from parity.validate.result import ValidateReport
 
     r = run(tmp_path, tiny_f32, "vfake:act_quant=q8_0", n=2, decode=1)
-    assert isinstance(r, ValidateReport) and r.passed is r["passed"] is True
+    assert isinstance(r, ValidateReport) and r.passed is True
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.passed = False  # type: ignore[misc]
-    with pytest.raises(KeyError):
-        r["timing"]                                   # timing.json's, not a report.json key
+    with pytest.raises(TypeError, match="not subscriptable"):   # read by attribute: the report is not a mapping
+        _ = r["passed"]  # type: ignore[index]
     stored = json.loads((tmp_path / "out" / REPORT).read_text())
     assert r.to_dict() == stored                      # to_dict() is report.json, key for key
     timing = json.loads((tmp_path / "out" / "timing.json").read_text())

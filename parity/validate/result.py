@@ -35,8 +35,7 @@ class ValidateReport:
     removed, sorted by prompt index). Equal whichever executor produced it: `timing` is not compared.
 
     Frozen at the top level; the nested values are the summary's own dicts and lists (JSON-shaped, as report.json
-    holds them). `report["passed"]` reads a report.json key (the driver returned a dict before; callers that index
-    it keep working); attributes are the typed spelling."""
+    holds them). Read it by attribute (`report.passed`); it is not a mapping (`to_dict()` is the document)."""
 
     format: str
     version: int
@@ -62,11 +61,6 @@ class ValidateReport:
     findings: list[str]
     records: list[dict[str, Any]]
     timing: Timing = field(compare=False)
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in _KEYS:
-            raise KeyError(key)
-        return getattr(self, key)
 
     def to_dict(self) -> dict[str, Any]:
         """The report.json document: every field but `timing`, non-finite values spelled by `json_safe`."""
