@@ -27,11 +27,18 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from parity.bench.spec_bench_report import SpecBenchPlan, SpecBenchResult
+from parity.bench.spec_bench_report import (
+    Cell,
+    EnvelopeTime,
+    FitSummary,
+    RunDivergence,
+    RunRow,
+    SpecBenchPlan,
+    SpecBenchResult,
+)
 from parity.contract.errors import ParityError
 from parity.contract.files import atomic_write_text
 from parity.contract.progress import SILENT, Note, Notes, ProgressSink
@@ -51,79 +58,75 @@ def parse_head(head: str) -> tuple[str, int]:
 
 
 def fit_drafters(trunk: Path, out_dir: Path, plan: SpecBenchPlan, prompts: Sequence[Sequence[int]],
-                 say: Note) -> dict[str, Any]:
+                 say: Note) -> dict[str, FitSummary]:
     """One fitted drafter per kind the heads need (MTP to the largest depth), on `prompts`' greedy continuations
-    of `plan.steps` tokens; kind -> {path, steps, agreement, counted, seconds} (kept beside the file as
-    fitted-KIND.json; `plan.reuse_fits`: a kept fit of the same prompts, steps and seed is reused)."""
+    of `plan.steps` tokens; kind -> its `FitSummary` (kept beside the file as fitted-KIND.json; `plan.reuse_fits`:
+    a kept fit of the same prompts, steps and seed is reused)."""
     from parity.spec.fit import fit_drafter
 
     kinds = sorted({parse_head(h)[0] for h in plan.heads})
-    fits = {}
+    fits: dict[str, FitSummary] = {}
     for kind in kinds:
         saved = out_dir / f"fitted-{kind}.json"
         key = {"steps": plan.fit_steps[kind], "seed": plan.seed, "decode": plan.steps,
                "prompts": [list(map(int, p)) for p in prompts], "heads": sorted(plan.heads)}
         if plan.reuse_fits and saved.exists() and json.loads(saved.read_text())["key"] == key:
-            fits[kind] = json.loads(saved.read_text())["fit"]
-            say(f"reusing the fitted {kind} drafter {fits[kind]['path']}")
+            fits[kind] = FitSummary.from_dict(json.loads(saved.read_text())["fit"])
+            say(f"reusing the fitted {kind} drafter {fits[kind].path}")
             continue
         depth = max(parse_head(h)[1] for h in plan.heads if h.startswith(kind)) if kind == "mtp" else 1
         say(f"fitting the {kind} drafter (depth {depth}, {plan.fit_steps[kind]} steps, {len(prompts)} prompts x "
             f"{plan.steps} tokens)")
         f = fit_drafter(trunk, out_dir / f"fitted-{kind}.gguf", kind, seed=plan.seed, steps=plan.fit_steps[kind],
                         decode=plan.steps, depth=depth, train_prompts=[list(p) for p in prompts])
-        fits[kind] = {"path": str(f.path), "steps": f.steps, "agreement": f.agreement, "counted": f.counted,
-                      "seconds": f.seconds}
-        atomic_write_text(saved, json.dumps({"key": key, "fit": fits[kind]}))
+        fits[kind] = FitSummary(str(f.path), f.steps, {k: list(v) for k, v in f.agreement.items()}, list(f.counted),
+                                dict(f.seconds))
+        atomic_write_text(saved, json.dumps({"key": key, "fit": fits[kind].to_dict()}))
     return fits
 
 
-def run_row(report: Any, engine: str, head: str, sims: bool, prompt_index: int, seconds: float) -> dict[str, Any]:
+def run_row(report: Any, engine: str, head: str, sims: bool, prompt_index: int, seconds: float) -> RunRow:
     """One spec run as a flat record (everything read off the SpecReport)."""
     d = report.divergence
-    return {"engine": engine, "head": head, "sims": sims, "prompt": prompt_index, "exact": report.exact,
-            "divergence": None if d is None else {"class": d.cls, "step": d.step, "spec_induced": d.spec_induced},
-            "state_checked": report.state_checked,
-            "state_equal": report.state_divergence is None,
-            "state_divergence": None if report.state_divergence is None else asdict(report.state_divergence),
-            "labels": report.labels, "committed": report.committed_counts, "per_slot": list(report.per_slot),
-            "reference_per_slot": list(report.reference_per_slot), "mean_accepted": report.mean_accepted,
-            "cost": report.cost, "defects": report.defects, "seconds": seconds}
+    return RunRow(engine, head, sims, prompt_index, report.exact,
+                  None if d is None else RunDivergence(d.cls, d.step, d.spec_induced), report.state_checked,
+                  report.state_divergence is None, report.state_divergence, report.labels, report.committed_counts,
+                  list(report.per_slot), list(report.reference_per_slot), report.mean_accepted, report.cost,
+                  report.defects, seconds)
 
 
-def _mean_slots(rows: Sequence[dict[str, Any]], key: str) -> list[float | None]:
-    n = max((len(r[key]) for r in rows), default=0)
+def _mean_slots(slots: Sequence[Sequence[float | None]]) -> list[float | None]:
+    """Per slot, the mean over the runs that have a value there (None where none has)."""
+    n = max((len(s) for s in slots), default=0)
     out = []
     for i in range(n):
-        vals = [r[key][i] for r in rows if i < len(r[key]) and r[key][i] is not None]
+        vals = [s[i] for s in slots if i < len(s) and s[i] is not None]
         out.append(statistics.fmean(vals) if vals else None)
     return out
 
 
-def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(sims: bool, engine: str, head: str, rows: Sequence[RunRow]) -> Cell:
     """One grid cell (same engine, head, QAT setting) over its prompts."""
     labels: Counter[str] = Counter()
     committed: Counter[str] = Counter()
     for r in rows:
-        labels.update(r["labels"])
-        committed.update(r["committed"])
-    divergences = Counter(r["divergence"]["class"] for r in rows if r["divergence"] is not None)
-    return {"runs": len(rows), "exact": sum(r["exact"] for r in rows),
-            "state_equal": sum(r["state_equal"] and r["state_checked"] for r in rows),
-            "exit_0": sum(not r["defects"] for r in rows),
-            "labels": {k: v for k, v in labels.items() if v}, "only_correct_labels": all(
-                k in CORRECT for k, v in labels.items() if v),
-            "committed": dict(committed), "divergences": dict(divergences),
-            "per_slot": _mean_slots(rows, "per_slot"), "reference_per_slot": _mean_slots(rows, "reference_per_slot"),
-            "mean_accepted": statistics.fmean(r["mean_accepted"] for r in rows) if rows else 0.0,
-            "rounds": sum(r["cost"]["rounds"] for r in rows),
-            "verify_rows": sum(r["cost"]["verify_rows"] for r in rows),
-            "replayed_rows": sum(r["cost"]["replayed_rows"] for r in rows),
-            "seconds": sum(r["seconds"] for r in rows)}
+        labels.update(r.labels)
+        committed.update(r.committed)
+    divergences = Counter(r.divergence.cls for r in rows if r.divergence is not None)
+    return Cell(sims, engine, head, runs=len(rows), exact=sum(r.exact for r in rows),
+                state_equal=sum(r.state_equal and r.state_checked for r in rows),
+                exit_0=sum(not r.defects for r in rows), labels={k: v for k, v in labels.items() if v},
+                only_correct_labels=all(k in CORRECT for k, v in labels.items() if v),
+                committed=dict(committed), divergences=dict(divergences),
+                per_slot=_mean_slots([r.per_slot for r in rows]),
+                reference_per_slot=_mean_slots([r.reference_per_slot for r in rows]),
+                mean_accepted=statistics.fmean(r.mean_accepted for r in rows) if rows else 0.0,
+                rounds=sum(r.cost["rounds"] for r in rows), verify_rows=sum(r.cost["verify_rows"] for r in rows),
+                replayed_rows=sum(r.cost["replayed_rows"] for r in rows), seconds=sum(r.seconds for r in rows))
 
 
 def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: ProgressSink = SILENT,
-                   on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+                   on_row: Callable[[list[RunRow]], None] | None = None,
                    envelope: Callable[[str, Any], Any] | None = None) -> SpecBenchResult:
     """Fit the drafters, run the grid, aggregate. `trunk`: the tiny F32 GGUF; `work`: where the fitted drafters go;
     `progress.note` announces the fits and every run; `on_row(rows)` after every run (e.g. to keep partial results);
@@ -143,17 +146,18 @@ def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: Progr
     fit_on = prompts[: plan.fit_prompts] if plan.fit_prompts is not None else prompts
     say = progress.note
     fits = fit_drafters(trunk, work, plan, fit_on, say)
-    rows, envelopes = [], {}
+    rows: list[RunRow] = []
+    envelopes: dict[str, EnvelopeTime] = {}
     for sims in plan.sims:
         opts = RunOptions(fp8_kv=sims, fp4_indexer=sims)
         for engine in plan.engines:
             t0 = time.perf_counter()
             env = envelope(engine, opts) if envelope else measure_envelope(trunk, engine, opts)
-            envelopes[f"{engine}, sims {'on' if sims else 'off'}"] = {"logit_rel": env.logit_rel,
-                                                                     "seconds": time.perf_counter() - t0}
+            envelopes[f"{engine}, sims {'on' if sims else 'off'}"] = EnvelopeTime(env.logit_rel,
+                                                                                 time.perf_counter() - t0)
             for kind, fit in fits.items():
-                ref = engine_class("reference")(str(trunk), opts, draft=fit["path"])
-                cand = ref if engine == "reference" else engine_class(engine)(str(trunk), opts, draft=fit["path"])
+                ref = engine_class("reference")(str(trunk), opts, draft=fit.path)
+                cand = ref if engine == "reference" else engine_class(engine)(str(trunk), opts, draft=fit.path)
                 for head in (h for h in plan.heads if parse_head(h)[0] == kind):
                     depth = parse_head(head)[1]
                     for i, prompt in enumerate(prompts):
@@ -165,53 +169,45 @@ def run_spec_bench(trunk: Path, work: Path, plan: SpecBenchPlan, progress: Progr
                             on_row(rows)
                         say(f"sims {'on' if sims else 'off'} {engine} {head} prompt {i}: "
                             f"{'exact' if report.exact else report.divergence.cls}, "
-                            f"{rows[-1]['seconds']:.1f} s")
-    cells = []
-    for sims in plan.sims:
-        for engine in plan.engines:
-            for head in plan.heads:
-                sel = [r for r in rows if (r["sims"], r["engine"], r["head"]) == (sims, engine, head)]
-                cells.append({"sims": sims, "engine": engine, "head": head, **aggregate(sel)})
-    return SpecBenchResult.from_dict({"plan": asdict(plan), "prompts": prompts, "fits": fits, "envelopes": envelopes,
-                                      "cells": cells, "runs": rows, "seconds": time.perf_counter() - t_start,
-                                      "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())})
+                            f"{rows[-1].seconds:.1f} s")
+    cells = [aggregate(sims, engine, head, [r for r in rows if (r.sims, r.engine, r.head) == (sims, engine, head)])
+             for sims in plan.sims for engine in plan.engines for head in plan.heads]
+    return SpecBenchResult(plan, prompts, fits, envelopes, cells, rows, time.perf_counter() - t_start, load_start,
+                           list(os.getloadavg()))
 
 
 def _pcts(xs: Sequence[float | None]) -> str:
     return ", ".join("-" if x is None else f"{100 * x:.0f}" for x in xs) + " %"
 
 
-def render_markdown(report: SpecBenchResult) -> str:
-    """The grid as one Markdown table plus the fits and the conditions (load average, time), rendered from the
-    result's JSON document."""
-    result = report.to_dict()
-    p = result["plan"]
-    out = [f"Tiny F32 trunk (seed {p['seed']}), {p['prompts']} seeded prompts x {p['prompt_len']} tokens, "
-           f"{p['steps']} steps each; drafters fitted on "
-           f"{p['fit_prompts'] if p['fit_prompts'] is not None else p['prompts']} of these prompts' greedy "
-           f"continuations (sims off). Total {result['seconds'] / 60:.1f} min, load average "
-           f"{result['load_avg_start'][0]:.1f} at the start, {result['load_avg_end'][0]:.1f} at the end.", "",
+def render_markdown(result: SpecBenchResult) -> str:
+    """The grid as one Markdown table plus the fits and the conditions (load average, time)."""
+    p = result.plan
+    out = [f"Tiny F32 trunk (seed {p.seed}), {p.prompts} seeded prompts x {p.prompt_len} tokens, "
+           f"{p.steps} steps each; drafters fitted on "
+           f"{p.fit_prompts if p.fit_prompts is not None else p.prompts} of these prompts' greedy "
+           f"continuations (sims off). Total {result.seconds / 60:.1f} min, load average "
+           f"{result.load_avg_start[0]:.1f} at the start, {result.load_avg_end[0]:.1f} at the end.", "",
            "| sims | engine | head | exact | states equal | exit 0 | labels | committed MATCH / TIE / WRONG "
            "| first divergences | per slot, candidate (online) | per slot, reference drafter (offline) "
            "| drafts accepted / round | time |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in result["cells"]:
-        com = c["committed"]
-        out.append(f"| {'on' if c['sims'] else 'off'} | {c['engine']} | {c['head']} | {c['exact']} / {c['runs']} "
-                   f"| {c['state_equal']} / {c['runs']} | {c['exit_0']} / {c['runs']} | "
-                   + ", ".join(f"{k} {v}" for k, v in c["labels"].items())
+    for c in result.cells:
+        com = c.committed
+        out.append(f"| {'on' if c.sims else 'off'} | {c.engine} | {c.head} | {c.exact} / {c.runs} "
+                   f"| {c.state_equal} / {c.runs} | {c.exit_0} / {c.runs} | "
+                   + ", ".join(f"{k} {v}" for k, v in c.labels.items())
                    + f" | {com.get('MATCH', 0)} / {com.get('TIE', 0)} / {com.get('WRONG', 0)} | "
-                   + (", ".join(f"{k} {v}" for k, v in c["divergences"].items()) or "none")
-                   + f" | {_pcts(c['per_slot'])} | {_pcts(c['reference_per_slot'])} | {c['mean_accepted']:.2f} "
-                   f"| {c['seconds']:.0f} s |")
+                   + (", ".join(f"{k} {v}" for k, v in c.divergences.items()) or "none")
+                   + f" | {_pcts(c.per_slot)} | {_pcts(c.reference_per_slot)} | {c.mean_accepted:.2f} "
+                   f"| {c.seconds:.0f} s |")
     out += ["", "| drafter | Adam steps | agreement per slot, fitted prompts | held-out prompts | fit time |",
             "|---|---|---|---|---|"]
-    for k, f in result["fits"].items():
-        out.append(f"| {k} | {f['steps']} | {_pcts(f['agreement']['fitted'])} | {_pcts(f['agreement']['heldout'])} "
-                   f"| {sum(f['seconds'].values()):.0f} s |")
+    for k, f in result.fits.items():
+        out.append(f"| {k} | {f.steps} | {_pcts(f.agreement['fitted'])} | {_pcts(f.agreement['heldout'])} "
+                   f"| {sum(f.seconds.values()):.0f} s |")
     out += ["", "Envelopes (measured per engine and QAT setting): "
-            + "; ".join(f"{k}: logit_rel {v['logit_rel']:.2g} ({v['seconds']:.0f} s)"
-                        for k, v in result["envelopes"].items())]
+            + "; ".join(f"{k}: logit_rel {v.logit_rel:.2g} ({v.seconds:.0f} s)" for k, v in result.envelopes.items())]
     return "\n".join(out) + "\n"
 
 
@@ -256,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "spec_acceptance.partial.json"
     result = run_spec_bench(trunk, work, plan, progress=Notes(lambda m: print(m, file=sys.stderr, flush=True)),
-                            on_row=lambda rows: atomic_write_text(partial, json.dumps(rows, default=str)))
+                            on_row=lambda rows: atomic_write_text(partial, json.dumps([r.to_dict() for r in rows])))
     _, md = write_spec_bench(out, result)
     print(md.read_text())
     ok = all((c.exact == c.state_equal == c.runs and c.only_correct_labels) if not c.sims else c.exit_0 == c.runs
