@@ -1,6 +1,8 @@
 """The typed result of the full-depth bench (`parity.bench.full_depth`, OUT/full_depth.json): frozen records, one
-field per JSON key, built from the measured rows by `from_dict` (which refuses a missing or unknown key, a scalar of
-another type or a mistyped verdict by name) and written by `to_dict` exactly as the dict-based bench wrote them.
+field per JSON key, built by the bench as each step is measured (`parity.bench.full_depth.run`, `verdict`, `drift`),
+read back from an earlier OUT/full_depth.json by `from_dict` (which refuses a missing or unknown key, a scalar of
+another type or a mistyped verdict by name), written by `to_dict` exactly as the dict-based bench wrote them and
+printed from the records (`parity.bench.full_depth.render_markdown`).
 
 A step's row holds the measurement of its child process (`parity.bench.full_depth.run_measured`) and, spliced into
 the same JSON object, what the child printed: a check step's verdict (`CheckFound`) or error, a diff step's

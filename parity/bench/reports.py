@@ -8,7 +8,8 @@ or unknown key by name; the Markdown printers (`parity.bench.measure.render_mark
 `parity.bench.verdicts.render_verdicts_markdown`) render that same document.
 
 `JsonRecord`, their base, is also the base of the full-depth and spec-acceptance results
-(`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`), whose records are typed all the way down.
+(`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`), whose records are typed all the way down, built
+directly by their benchmarks and printed from the records (`from_dict` only reads a stored document).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The plan and the typed result of the fitted-drafter acceptance benchmark (`parity.bench.spec_acceptance`,
-OUT/spec_acceptance.json): frozen records, one field per JSON key, built from the measured rows by `from_dict`
-(which refuses a missing or unknown key or a scalar of another type by name) and written by `to_dict` exactly as
-the dict-based benchmark wrote them.
+OUT/spec_acceptance.json): frozen records, one field per JSON key, built by the benchmark as it runs (`run_row`,
+`aggregate`, `fit_drafters`, `run_spec_bench`), read from a stored document by `from_dict` (which refuses a missing
+or unknown key or a scalar of another type by name), written by `to_dict` exactly as the dict-based benchmark wrote
+them and printed from the records (`parity.bench.spec_acceptance.render_markdown`).
 """
 
 from __future__ import annotations
