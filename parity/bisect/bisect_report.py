@@ -32,6 +32,7 @@ from parity.bisect.findings import (
 from parity.bisect.trajectory import Trajectory
 from parity.check.attribution import LayerAttribution, LayerRouting
 from parity.check.subops import SubopResult, subop_words
+from parity.check.words import null_words
 from parity.compare.verdict import Verdict
 
 
@@ -140,7 +141,7 @@ def culprit_words(c: Culprit) -> str:
                 f"the splice first departs after layer {f.splice_layer}) is amplified sub-envelope drift; the "
                 f"reference's layer {c.layer} on the candidate's inputs shows {why}")
     if isinstance(f, DraftDeparts):
-        return (f"{f.engine}'s draft head on the reference's trunk carriers: {f.test.summary()} "
+        return (f"{f.engine}'s draft head on the reference's trunk carriers: {null_words(f.test)} "
                 f"(rel-L2 {f.rel_l2:.3g})")
     if isinstance(f, CheckCause):
         from parity.check.check_report import cause_words

@@ -59,6 +59,7 @@ from parity.check.null import N_TWINS
 from parity.check.opforce import op_verdict
 from parity.check.parallel import EngineLoader
 from parity.check.subops import inherited_flips
+from parity.check.words import discrete_words, null_words
 from parity.compare.metrics import rel_l2, set_overlap
 from parity.compare.verdict import CauseKind, Judged, QuantFlip, QuantFormat, RowStatus, SubopStatus, Verdict
 from parity.contract.checkpoints import EMBED, FINAL_NORM, LOGITS, block, block_attn, checkpoint_layer, is_draft
@@ -418,7 +419,7 @@ def _cause_stage(trace: Trace, ref_engine: Engine, make_reference: EngineFactory
     """Stage 4: the ties of every layer, then the departing layers explained (or, with none, the tie rule and
     the free-running excess explained as amplified drift); the causes go to `st`."""
     for r in local:
-        st.causes += [Cause(CauseKind.BENIGN, "tie", r.layer, sub, Tie(sub, words)) for sub, words in r.fit.ties]
+        st.causes += [Cause(CauseKind.BENIGN, "tie", r.layer, t.subop, Tie(t)) for t in r.fit.ties]
     departing = [r for r in local if r.departs]
     tied = [r for r in local if not r.departs and len(r.fit.ties) >= TIE_RULE_MIN]
     if not departing and tied and cand is not None:
@@ -524,7 +525,8 @@ def _explain(trace: Trace, ref_engine: Engine, make_reference: EngineFactory, ca
                            judge_ops if subops is not None else layer_judge(trace, cand, n_twins),
                            st.notes, st.runs, n_twins)
     for d in departing:
-        say(f"layer {d.layer}: {d.fit.test.summary()}" + (f", {d.fit.structural}" if d.fit.structural else ""))
+        say(f"layer {d.layer}: {null_words(d.fit.test)}"
+            + (f", {discrete_words(d.fit.structural)}" if d.fit.structural is not None else ""))
         _layer_null(ref_engine, cand, tf, nulls, d.layer, n_twins, st)
         if subops is None and len(routing_flips(trace, tf[d.layer], d.layer)) and d.fit.structural is None:
             st.runs["hypotheses"] += 1
@@ -573,7 +575,7 @@ def _tie_rule(trace: Trace, ref_engine: Engine, cand: list[ChunkResult], tf: dic
         best, n = defect_library(trace, ref_engine, cand, r.layer, null, fault_engines)
         st.runs["defect_library"] += n
         if best is not None and best.fit.explains and not best.fit.ties:
-            sub = r.fit.ties[0][0]
+            sub = r.fit.ties[0].subop
             st.causes.append(Cause(CauseKind.DEFECT, best.name, r.layer, sub, TieRule(best.name, len(r.fit.ties))))
             pos = r.fit.position
             st.culprit = CheckCulprit(r.layer, sub, pos, _decode_step(pos, trace.header.n_prompt))
@@ -633,7 +635,7 @@ def _table(names: Sequence[str], free: dict[str, np.ndarray], local: Sequence[La
         if departs and lr is not None:
             pos = lr.fit.position
         status = (RowStatus.NOT_JUDGED if fe is None else RowStatus.STRUCTURAL if lr is not None
-                  and lr.fit.structural and not n.endswith(".attn") else RowStatus.LOCAL if departs else
+                  and lr.fit.structural is not None and not n.endswith(".attn") else RowStatus.LOCAL if departs else
                   RowStatus.OUTSIDE if fx is not None and fx > 1 else RowStatus.OK)
         rows.append(CheckRow(n, f, fx, lo, lx, floor, pos, status))
     return rows

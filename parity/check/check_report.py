@@ -19,6 +19,7 @@ from parity.check.evidence import (
     Tie,
     TieRule,
 )
+from parity.check.words import discrete_words, null_words
 from parity.compare.jsonvalues import json_safe
 from parity.compare.textcells import md_cell, table_lines
 from parity.compare.verdict import CauseKind, Judged, RowStatus, Verdict
@@ -72,7 +73,7 @@ def _benign_summary(report: CheckReport) -> str:
 
 
 def _structural(fit: Fit) -> str:
-    return f"; {fit.structural}" if fit.structural else ""
+    return f"; {discrete_words(fit.structural)}" if fit.structural is not None else ""
 
 
 def _reproduced(e: Reproduced) -> str:
@@ -104,11 +105,11 @@ def _layer_defect(e: LayerDefect) -> str:
     closest = ("; no engine offers fault switches" if f is None else
                f"; the closest known fault, {e.fault}, explains part of it ({f.test.exceed} cells outside, residual "
                f"{f.worst:.3g})" if e.library is Library.PARTIAL else "; no known fault explains any of it")
-    return f"{x.test.summary()} (rel-L2 {x.worst:.3g})" + _structural(x) + closest
+    return f"{null_words(x.test)} (rel-L2 {x.worst:.3g})" + _structural(x) + closest
 
 
 def _drafter_defect(e: DrafterDefect) -> str:
-    exact = f"{e.test.summary()} (rel-L2 {e.rel_l2:.3g}; teacher-forced on the candidate's trunk carriers)"
+    exact = f"{null_words(e.test)} (rel-L2 {e.rel_l2:.3g}; teacher-forced on the candidate's trunk carriers)"
     m = e.fault
     if m is None:
         return exact + ("; no engine offers drafter faults" if e.library is Library.NONE_OFFERED else
@@ -125,7 +126,7 @@ def cause_words(cause: Cause) -> str:
     if isinstance(e, Reproduced):
         return _reproduced(e)
     if isinstance(e, Tie):
-        return e.words
+        return discrete_words(e.tie)
     if isinstance(e, Drift):
         return _drift(e)
     if isinstance(e, EmbeddingDiffers):

@@ -1,11 +1,11 @@
 """The evidence of one `check` cause as data (issue 26, point 1): the numbers, names and records a cause rests on,
 one frozen record per kind of finding. The words are made only by the printer
-`parity.check.check_report.cause_words`; no record here holds a sentence of its own (a `Fit`'s tie and
-structural-difference words, made where the fit is judged, are the one exception, carried as they are).
+`parity.check.check_report.cause_words`; no record here holds a sentence (a `Fit`'s ties and structural difference
+are records of `parity.check.discrete`, worded by `parity.check.words.discrete_words`).
 
 * `Reproduced`: a benign hypothesis (a reference variant, a stack of two, or the candidate's expert ids replayed)
   reproduces a departing layer: the exact path's fit and the hypothesis's;
-* `Tie`: a discrete pick some round-off twin also makes (the fit's sub-op and words);
+* `Tie`: a discrete pick some round-off twin also makes (one of the fit's tie records);
 * `Drift`: a free-running excess with every layer locally inside: amplified sub-envelope drift, and the QAT code
   flip it tips over (the sub-op result of `parity.check.subops.inherited_flips`) when one is isolated;
 * `EmbeddingDiffers`: the candidate's embedding of the same tokens differs from the reference's lookup;
@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from parity.check.discrete import DiscreteTie
     from parity.check.draft_check import DraftFaultMatch
     from parity.check.hypotheses import Fit
     from parity.check.null import NullTest
@@ -53,10 +54,9 @@ class Reproduced:
 @dataclass(frozen=True)
 class Tie:
     """A discrete pick (expert set, indexer selection, an op's pick) that differs, which some round-off twin also
-    makes: the fit's (sub-op, words) entry of `Fit.ties`."""
+    makes: one entry of `Fit.ties` (its sub-op is `tie.subop`)."""
 
-    subop: str
-    words: str   # made where the fit is judged (hypotheses.discrete_differences, opforce.judge_ops)
+    tie: DiscreteTie
 
 
 @dataclass(frozen=True)

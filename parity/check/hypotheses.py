@@ -20,6 +20,16 @@ import numpy as np
 
 from parity.check import parallel
 from parity.check.attribution import teacher_forced
+from parity.check.discrete import (
+    DiscreteTie,
+    ExpertSetDiffers,
+    RouterTie,
+    SelectionDiffers,
+    SelectionTie,
+    Structural,
+    VisibleRows,
+    pick_change,
+)
 from parity.check.envelope import Envelope
 from parity.check.null import N_TWINS, LayerNull, NullTest, carriers, judge, layer_nulls, sorted_ids, sorted_sel
 from parity.check.subops import compare_subops
@@ -67,8 +77,8 @@ class Fit:
     err_attn: float | None     # max rel-L2 of blk.l.attn (None: not recorded)
     err: float | None          # max rel-L2 of blk.l
     test: NullTest             # exceedances over the round-off twins
-    structural: str | None     # a discrete difference no twin shows (visible rows, an expert set)
-    ties: tuple[tuple[str, str], ...]  # (sub-op, detail) of discrete differences some twin also makes
+    structural: Structural | None   # a discrete difference no twin shows (visible rows, an expert set)
+    ties: tuple[DiscreteTie, ...]   # discrete differences some twin also makes (each names its sub-op)
     position: int | None       # first exceeding cell's or structural difference's position
     subop: str | None = None   # op-level judgement: the op where the departure is (None: layer-level)
 
@@ -106,27 +116,21 @@ def ulps(margin: float, scale: float) -> float:
     return margin / float(np.spacing(np.float32(max(abs(scale), 1e-30))))
 
 
-def pick_diff(theirs: np.ndarray, mine: np.ndarray) -> str:
-    """'+a +b -c -d': what the candidate picked beyond the reference and what it left out."""
-    a, b = set(theirs.tolist()) - {-1}, set(mine.tolist()) - {-1}
-    return " ".join([*(f"+{x}" for x in sorted(a - b)), *(f"-{x}" for x in sorted(b - a))])
-
-
 def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
-                         null: LayerNull) -> tuple[tuple[str, int] | None, tuple[str, ...]]:
-    """(first structural difference (what, position) or None, ties) at `layer` between the candidate's recorded
-    tables and a run of that layer on its inputs. Visible compressed-row counts must agree; an expert set that
-    differs is a TIE when some round-off twin picks the candidate's set too (margin in ulps and absolute), else
-    structural."""
+                         null: LayerNull) -> tuple[Structural | None, tuple[DiscreteTie, ...]]:
+    """(first structural difference or None, ties), records of `parity.check.discrete`, at `layer` between the
+    candidate's recorded tables and a run of that layer on its inputs. Visible compressed-row counts must agree; an
+    expert set that differs is a TIE when some round-off twin picks the candidate's set too (margin in ulps and
+    absolute), else structural."""
     vis = np.concatenate([o.diag.n_comp_visible for o in outs])
     attn = table_rows(trace, "attn", layer)
     if len(attn["pos"]):
         bad = np.flatnonzero(attn["n_comp"] != vis[attn["pos"]])
         if len(bad):
             p = int(attn["pos"][bad[0]])
-            return (f"visible compressed rows {int(attn['n_comp'][bad[0]])} vs reference {int(vis[p])}", p), ()
+            return VisibleRows(p, int(attn["n_comp"][bad[0]]), int(vis[p])), ()
     moe = table_rows(trace, "moe", layer)
-    ties: list[tuple[str, str]] = []
+    ties: list[DiscreteTie] = []
     if len(moe["pos"]):
         mine = sorted_ids(outs)[moe["pos"]]
         theirs = np.sort(moe["ids"], axis=1)
@@ -135,11 +139,9 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
             p = int(moe["pos"][i])
             m = float(margin[i])
             if twins_make(None if null.ids is None else null.ids[:, p], theirs[i], mine[i]):
-                ties.append(("router", f"TIE: expert set at position {p}, router margin {m:.3g} "
-                                       f"({ulps(m, 1.0):.3g} ulps of 1)"))
+                ties.append(RouterTie(p, m, ulps(m, 1.0)))
                 continue
-            return (f"expert set differs at position {p} at router margin {m:.3g}, which no round-off twin "
-                    "crosses", p), tuple(ties)
+            return ExpertSetDiffers(p, m), tuple(ties)
     mine_sel = sorted_sel(outs)
     if mine_sel is not None and len(attn["pos"]) and attn["has_sel"].any():
         rows = np.flatnonzero(attn["has_sel"])
@@ -154,10 +156,9 @@ def discrete_differences(trace: Trace, outs: Sequence[LayerOutput], layer: int,
         for i in np.flatnonzero((mine_sel[attn["pos"][rows]] != theirs).any(axis=1)):
             p = int(attn["pos"][rows][i])
             if twins_make(None if null.sel is None else null.sel[:, p], theirs[i], mine_sel[p]):
-                ties.append(("indexer_selection", f"TIE: indexer selection at position {p}: rows "
-                             f"{pick_diff(theirs[i], mine_sel[p])}, each picked or dropped by some round-off twin too"))
+                ties.append(SelectionTie(p, *pick_change(theirs[i], mine_sel[p])))
                 continue
-            return (f"indexer selection differs at position {p}, which no round-off twin makes", p), tuple(ties)
+            return SelectionDiffers(p), tuple(ties)
     return None, tuple(ties)
 
 
@@ -171,9 +172,9 @@ def fit(trace: Trace, outs: Sequence[LayerOutput], layer: int, null: LayerNull) 
     test = judge(errs, {q: null.dist[q] for q in errs}, {q: np.arange(T) for q in errs})
     struct, ties = discrete_differences(trace, outs, layer, null)
     firsts = [p for p in ((test.first.position if test.significant and test.first else None),
-                          struct[1] if struct else None) if p is not None]
+                          struct.position if struct is not None else None) if p is not None]
     pick = (lambda n: float(errs[n].max()) if n in errs else None)  # noqa: E731
-    return Fit(pick(block_attn(layer)), pick(block(layer)), test, struct[0] if struct else None, ties,
+    return Fit(pick(block_attn(layer)), pick(block(layer)), test, struct, ties,
                min(firsts) if firsts else None)
 
 

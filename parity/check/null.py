@@ -63,7 +63,8 @@ class Cell:
 
 @dataclass(frozen=True)
 class NullTest:
-    """The exceedance count of one comparison against its round-off ensemble, and its binomial p-value."""
+    """The exceedance count of one comparison against its round-off ensemble, and its binomial p-value (in words:
+    `parity.check.words.null_words`)."""
 
     cells: int
     exceed: int
@@ -77,16 +78,6 @@ class NullTest:
     @property
     def significant(self) -> bool:
         return self.nonfinite > 0 or self.p_value < ALPHA
-
-    def summary(self) -> str:
-        """'X of C cells outside all N twins (p = ...)', plus the worst cell."""
-        s = f"{self.exceed} of {self.cells} cells outside all {self.twins} round-off twins (p = {self.p_value:.2g})"
-        if self.nonfinite:
-            s += f", {self.nonfinite} of them non-finite"
-        if self.worst is not None:
-            w = self.worst
-            s += f"; worst {w.quantity} at position {w.position}: {w.err:.3g} vs twins' {w.twin_max:.3g}"
-        return s
 
 
 def judge(cand: Mapping[str, np.ndarray], twins: Mapping[str, np.ndarray],

@@ -17,8 +17,9 @@ import numpy as np
 
 from parity.check import parallel
 from parity.check.attribution import layer_input
+from parity.check.discrete import DiscreteTie, PickDiffers, PickTie, RowsEmitted, Structural, pick_change
 from parity.check.envelope import DISCRETE, ROW_CAPTURES
-from parity.check.hypotheses import Fit, pick_diff, twins_make
+from parity.check.hypotheses import Fit, twins_make
 from parity.check.null import N_TWINS, NullTest, judge
 from parity.compare.metrics import rel_l2
 from parity.contract.checkpoints import SUBOP_INPUTS, SUBOPS, block, block_attn
@@ -116,32 +117,29 @@ def judge_ops(ref: Sequence[LayerOutput], twins: Sequence[Sequence[LayerOutput]]
     pooled = judge({q: e for q, (e, _) in cand.items()},
                    {q: np.stack([s[q][0][: len(cand[q][0])] for s in spread]) for q in cand},
                    {q: p for q, (_, p) in cand.items()})
-    struct, ties = None, []
+    struct: Structural | None = None
+    ties: list[DiscreteTie] = []
     for name in ROW_CAPTURES:
         n_ref, n_own = len(ref[-1].captures[name]), len(own[-1].captures[name])
         if n_ref != n_own and struct is None:
-            struct = (f"{OP_OF[name]}: the candidate emitted {n_own} {name}, the reference {n_ref} on the same inputs",
-                      (min(n_ref, n_own) + 1) * max(ratio, 1) - 1, OP_OF[name])
+            struct = RowsEmitted(OP_OF[name], name, n_own, n_ref, (min(n_ref, n_own) + 1) * max(ratio, 1) - 1)
     for name in DISCRETE:
         mine, theirs = _picks(ref, name), _picks(own, name)
         members = np.stack([_picks(t, name) for t in twins]) if twins else None
         for p in np.flatnonzero((mine != theirs).any(axis=1)):
             if twins_make(None if members is None else members[:, p], theirs[p], mine[p]):
-                ties.append((OP_OF[name], f"TIE: {OP_OF[name]} pick at position {int(p)}: "
-                             f"{pick_diff(theirs[p], mine[p])}, each picked or dropped by some round-off twin too"))
+                ties.append(PickTie(OP_OF[name], name, int(p), *pick_change(theirs[p], mine[p])))
             elif struct is None:
-                struct = (f"{OP_OF[name]}: the candidate's pick at position {int(p)} differs and no round-off "
-                          "twin makes it", int(p), OP_OF[name])
+                struct = PickDiffers(OP_OF[name], name, int(p))
     significant = [op for op, _ in SUBOPS if op in ops and ops[op].significant]
-    culprit = (struct[2] if struct else significant[0] if significant else
+    culprit = (struct.subop if struct is not None else significant[0] if significant else
                max(ops, key=lambda o: ops[o].exceed) if pooled.significant else None)
-    positions = [p for p in (struct[1] if struct else None,
+    positions = [p for p in (struct.position if struct is not None else None,
                              ops[culprit].first.position if culprit in ops and ops[culprit].first else None)
                  if p is not None]
     vec_err = {q: float(e.max(initial=0.0)) for q, (e, _) in cand.items()}
     strongest = min([pooled, *ops.values()], key=lambda t: t.p_value)
-    fit = Fit(vec_err.get("hc_attn_post"), vec_err.get("hc_ffn_post"), replace(strongest, err=pooled.err),
-              struct[0] if struct else None,
+    fit = Fit(vec_err.get("hc_attn_post"), vec_err.get("hc_ffn_post"), replace(strongest, err=pooled.err), struct,
               tuple(ties), min(positions) if positions else None, culprit)
     return OpVerdict(fit, ops)
 

@@ -11,8 +11,8 @@ Judged by the envelope's floors (`compare_subops`):
 * `NearTies`: sets that differ only at near-tie router margins or in a flip's cascade.
 Judged by the round-off null (`null_drill_down`, `check`'s op-level test, `parity.check.opforce.judge_ops`):
 * `OpDeparts`: the op's test (or the layer's pooled test) is significant;
-* `OpStructural`, `OpTie`: a discrete difference no twin makes / some twin makes too, in the words `judge_ops`
-  gives it where it is judged (carried as they are, as `parity.check.evidence.Tie` carries them);
+* `OpStructural`, `OpTie`: a discrete difference no twin makes / some twin makes too (`judge_ops`' records of
+  `parity.check.discrete`, worded by `parity.check.words.discrete_words`);
 * `OpExcess`: cells outside every twin, short of significance.
 """
 
@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parity.check.discrete import DiscreteTie, Structural
 from parity.check.null import NullTest
+from parity.check.words import discrete_words, null_words
 from parity.compare.verdict import QuantFlip, flip_words
 
 
@@ -85,17 +87,17 @@ class OpDeparts:
 
 @dataclass(frozen=True)
 class OpStructural:
-    """A discrete difference of `subop` no round-off twin makes (`judge_ops`' words for it)."""
+    """A discrete difference of `subop` no round-off twin makes (`judge_ops`' record of it)."""
 
     subop: str
-    words: str
+    difference: Structural
 
 
 @dataclass(frozen=True)
 class OpTie:
-    """A discrete difference some round-off twin makes too (`judge_ops`' words for it)."""
+    """A discrete difference some round-off twin makes too (`judge_ops`' record of it)."""
 
-    words: str
+    tie: DiscreteTie
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,13 @@ def evidence_words(e: SubopEvidence) -> str:
     if isinstance(e, NearTies):
         return f"near-tie flips (margin <= {e.noise:.3g}) or cascade from position {e.cascade}"
     if isinstance(e, OpDeparts):
-        return f"{e.subop}: {e.test.summary()}"
+        return f"{e.subop}: {null_words(e.test)}"
     if isinstance(e, OpStructural):
-        return f"{e.subop}: {e.words}"
+        return f"{e.subop}: {discrete_words(e.difference)}"
     if isinstance(e, OpTie):
-        return e.words
+        return discrete_words(e.tie)
     if isinstance(e, OpExcess):
-        return e.test.summary()
+        return null_words(e.test)
     raise TypeError(f"not a sub-op evidence record: {type(e).__name__}")
 
 

@@ -217,13 +217,13 @@ def null_drill_down(v: OpVerdict) -> list[SubopResult]:
     only the pooled cells depart, judge_ops' culprit. An op with TIEs or with cells outside every twin short of
     significance is 'noise'; else 'ok'. floor: the largest twin at the op's worst cell; excess: that cell's
     distance over it."""
-    struct_op = v.fit.subop if v.fit.structural else None
+    struct_op = v.fit.subop if v.fit.structural is not None else None
     departs = [sub for sub, _ in SUBOPS if sub == struct_op or (sub in v.ops and v.ops[sub].significant)]
     culprit = departs[0] if departs else None if v.fit.explains else v.fit.subop
     out = []
     for sub, _caps in SUBOPS:
         t = v.ops.get(sub)
-        ties = [d for s, d in v.fit.ties if s == sub]
+        ties = [d for d in v.fit.ties if d.subop == sub]
         worst = t.worst if t is not None else None
         err = t.err if t is not None else 0.0
         floor, excess = (worst.twin_max, worst.ratio) if worst is not None else (0.0, 0.0)
@@ -236,7 +236,7 @@ def null_drill_down(v: OpVerdict) -> list[SubopResult]:
         elif ties or (t is not None and t.exceed):
             excess_cells = (OpExcess(t),) if t is not None and t.exceed else ()
             out.append(SubopResult(sub, SubopStatus.NOISE, err, floor, excess, None,
-                                   (*(OpTie(w) for w in ties), *excess_cells)))
+                                   (*(OpTie(d) for d in ties), *excess_cells)))
         else:
             out.append(SubopResult(sub, SubopStatus.OK, err, floor, excess, None))
     return out
