@@ -245,7 +245,7 @@ def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> Non
     plan = verdicts.VerdictPlan(torch_lengths={40: 1}, torch_models=("f32",), llamacpp_types=(),
                                 faults=("no-decode-compression",), fault_prompts=1, fault_qat=(True,), decode=4)
     rec = Recording()
-    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path / "scratch", rec)
+    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path / "scratch", rec, plan_name="one of each")
     lines = rec.notes
     js, md = verdicts.write_verdicts(result, tmp_path / "out")
     def no_constants(name: str) -> None:

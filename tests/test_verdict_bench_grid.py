@@ -30,8 +30,9 @@ def test_cells_of_an_earlier_result_are_not_run_again(tiny_f32, tmp_path):
         verdicts._judge(r)
     earlier[0].pop("subops")         # a row written before `subops` existed is the same cell as subops=False
     logged, new = Recording(), []
-    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path, logged, done=earlier, on_row=new.append)
-    assert [r["marker"] for r in result["rows"]] == list(range(len(tasks))) and not logged.calls and not new
+    result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path, logged, done=earlier, on_row=new.append,
+                                   plan_name="earlier cells")
+    assert [r["marker"] for r in result.rows] == list(range(len(tasks))) and not logged.calls and not new
     assert verdicts.task_key(earlier[0]) == verdicts.task_key(tasks[0])
     assert verdicts.task_key({**tasks[0], "seed": 99}) != verdicts.task_key(tasks[0])
 

@@ -98,7 +98,6 @@ def _verdicts(cache_dir: Path, quick: bool, out: Path,
     plan = PLANS["quick" if quick else "default"]
     models = verdict_models(cache_dir / "verdicts", plan, progress.note)
     with tempfile.TemporaryDirectory(prefix="v4parity-verdicts-") as scratch:
-        result = run_verdicts(models, plan, Path(scratch), progress)
-    result["plan_name"] = "quick" if quick else "default"
+        result = run_verdicts(models, plan, Path(scratch), progress, plan_name="quick" if quick else "default")
     js, md = write_verdicts(result, out)
-    return VerdictsReport.from_dict(result), render_verdicts_markdown(result), [Path(js), Path(md)]
+    return result, render_verdicts_markdown(result), [Path(js), Path(md)]

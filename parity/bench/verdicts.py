@@ -7,8 +7,9 @@ llama.cpp captures of the tiny F32 model quantized by llama.cpp's own quantizer.
 fault switch on several prompts of the tiny F32 and tiny real-mix models, QAT simulations on and off; a fault counts
 as found when `check` says DEFECT and names that fault at the first layer whose recorded output differs bitwise from
 the clean torch trace on the same tokens (the rule of tests/test_check.py). Every candidate is written to a file
-and judged from the file, as a foreign engine's would be. `run_verdicts` returns the rows and their aggregates;
-`write_verdicts` writes `verdicts.json` and `verdicts.md`.
+and judged from the file, as a foreign engine's would be. `run_verdicts` returns the rows and their aggregates as a
+`parity.bench.reports.VerdictsReport`; `render_verdicts_markdown` prints it, `write_verdicts` writes `verdicts.json`
+and `verdicts.md`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parity.bench.reports import VerdictsReport
 from parity.compare.verdict import Verdict
 from parity.contract.progress import SILENT, Note, ProgressSink
 
@@ -226,11 +228,12 @@ def _judge(row: dict[str, Any]) -> None:
 def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
                  progress: ProgressSink = SILENT,
                  done: Sequence[dict[str, Any]] = (),
-                 on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the plan: trace (or capture) each candidate into `scratch`, judge it with `parity.api.check` from the
-    file, one progress line per run through `progress.note`. `done`: rows of an earlier result (its "rows"); a run
-    of the plan with the same `task_key` as one of them is taken from there, not run again. `on_row(row)` is called
-    after each new run (to keep partial results). Returns {plan, rows, summary} (summary: `summarize(rows)`)."""
+                 on_row: Callable[[dict[str, Any]], None] | None = None, *, plan_name: str) -> VerdictsReport:
+    """Run the plan (named `plan_name` in the report: "quick", "default", ...): trace (or capture) each candidate
+    into `scratch`, judge it with `parity.api.check` from the file, one progress line per run through
+    `progress.note`. `done`: rows of an earlier result (its "rows"); a run of the plan with the same `task_key` as
+    one of them is taken from there, not run again. `on_row(row)` is called after each new run (to keep partial
+    results). Returns the report: plan, rows, summary (`summarize(rows)`), wall time."""
     from parity.contract.engine import engine_faults
     from parity.gguf.weights import Weights
 
@@ -255,8 +258,8 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
             on_row(row)
         eta = (time.perf_counter() - t0) / ran * (todo - ran)
         progress.note(f"[{ran}/{todo}] {_progress(task, row, plan)}; ETA {eta / 60:.1f} min")
-    return {"alpha": ALPHA, "twins": N_TWINS, "plan": _plan_json(plan, faults), "rows": rows,
-            "summary": summarize(rows), "wall_s": time.perf_counter() - t0}
+    return VerdictsReport(ALPHA, N_TWINS, _plan_json(plan, faults), rows, summarize(rows), time.perf_counter() - t0,
+                          plan_name)
 
 
 def _run_task(i: int, task: dict[str, Any], model: Path, cfg: ModelConfig, plan: VerdictPlan, scratch: Path,
@@ -440,13 +443,13 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
-def render_verdicts_markdown(result: dict[str, Any]) -> str:
+def render_verdicts_markdown(result: VerdictsReport) -> str:
     """The tables of docs/check.md's benchmark section."""
-    s = result["summary"]
+    s = result.summary
     c, f, tm = s["correct"], s["faults"], s["time"]
     verdicts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))  # noqa: E731
-    lines = [f"`check` verdicts: α = {result['alpha']:g}, {result['twins']} round-off twins, "
-             f"{c['n']} correct and {f['n']} faulty candidates, bench wall time {result['wall_s'] / 60:.1f} min.", "",
+    lines = [f"`check` verdicts: α = {result.alpha:g}, {result.twins} round-off twins, "
+             f"{c['n']} correct and {f['n']} faulty candidates, bench wall time {result.wall_s / 60:.1f} min.", "",
              "| measure | value |", "|---|---|",
              f"| correct runs | {c['n']} ({verdicts(c['verdicts'])}) |",
              f"| false DEFECT | {c['false_defects']} / {c['n']} = {_pct(c['false_defect_rate'])} "
@@ -493,13 +496,12 @@ def render_verdicts_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_verdicts(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    """verdicts.json (strict JSON, atomic) and verdicts.md in out_dir."""
-    from parity.compare.jsonvalues import json_safe
+def write_verdicts(result: VerdictsReport, out_dir: Path) -> tuple[Path, Path]:
+    """verdicts.json (the report's document, strict JSON, atomic) and verdicts.md in out_dir."""
     from parity.contract.files import atomic_write_bytes, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     js = atomic_write_bytes(out_dir / "verdicts.json",
-                            json.dumps(json_safe(result), indent=2, allow_nan=False).encode("utf-8"))
+                            json.dumps(result.to_dict(), indent=2, allow_nan=False).encode("utf-8"))
     md = atomic_write_text(out_dir / "verdicts.md", render_verdicts_markdown(result))
     return js, md
