@@ -3,9 +3,11 @@ OUT/bench.json) and `VerdictsReport` (check's false-DEFECT and detection rates, 
 
 As `parity.validate.result.ValidateReport`: frozen at the top level, one field per JSON key (in the order the file
 holds them), the nested values JSON-shaped as the measurements produce them. `to_dict()` is the JSON document
-(`parity.compare.jsonvalues.json_safe`). Built from the measured document by `from_dict`, which refuses a missing
-or unknown key by name; the Markdown printers (`parity.bench.measure.render_markdown`,
-`parity.bench.verdicts.render_verdicts_markdown`) render that same document.
+(`parity.compare.jsonvalues.json_safe`). `VerdictsReport` is built by `parity.bench.verdicts.run_verdicts` and
+printed from the record (`render_verdicts_markdown`). `PerfReport` is still built from the measured document (the
+workers' JSON answers gathered by `parity.bench.measure.run_bench`) by `from_dict`, which refuses a missing or
+unknown key by name, and `parity.bench.measure.render_markdown` renders that document (a dict: tests/test_bench.py
+and tests/test_bench_reports.py print hand-made documents with it).
 
 `JsonRecord`, their base, is also the base of the full-depth and spec-acceptance results
 (`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`), whose records are typed all the way down, built
