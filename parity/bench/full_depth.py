@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parity.bench.full_depth_report import CheckFound, DiffFound, FullDepthResult, ModelFile, StepRow
+from parity.bench.full_depth_report import CheckFound, DiffFound, FullDepthResult, Measured, ModelFile, StepRow
 from parity.bench.measure import load_average, prompt_tokens
 from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
@@ -68,7 +68,7 @@ def read_status(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "VmRSS") if k in fields}
 
 
-def run_measured(argv: list[str], log: Path, anon_limit: int, timeout_s: float | None) -> dict[str, Any]:
+def run_measured(argv: list[str], log: Path, anon_limit: int, timeout_s: float | None) -> Measured:
     """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total, anonymous), load, exit. Killed
     (and recorded so) when its anonymous RSS passes `anon_limit` bytes or its wall time `timeout_s`."""
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -89,10 +89,10 @@ def run_measured(argv: list[str], log: Path, anon_limit: int, timeout_s: float |
                 os.kill(proc.pid, signal.SIGKILL)
             time.sleep(SAMPLE_S)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
-    return {"argv": argv, "exit": proc.returncode, "killed": killed, "wall_s": time.perf_counter() - t0,
-            "cpu_s": usage.ru_utime + usage.ru_stime, "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
-            "peak_rss": usage.ru_maxrss * 1024, "peak_anon": peak_anon, "load_before": load0,
-            "load_after": load_average(), "log": str(log)}
+    return Measured(argv=argv, exit=proc.returncode, killed=killed, wall_s=time.perf_counter() - t0,
+                    cpu_s=usage.ru_utime + usage.ru_stime, user_s=usage.ru_utime, sys_s=usage.ru_stime,
+                    peak_rss=usage.ru_maxrss * 1024, peak_anon=peak_anon, load_before=load0,
+                    load_after=load_average(), log=str(log))
 
 
 def prompt_arg(n: int) -> str:
@@ -200,9 +200,9 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
                 for a in step.argv]
         print(f"[full-depth] {step.name}: {' '.join(argv)} (load {load_average():.1f})", file=sys.stderr, flush=True)
         measured = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30), timeout_s)
-        stdout = Path(measured["log"]).with_suffix(".out")
+        stdout = Path(measured.log).with_suffix(".out")
         check, error = verdict(stdout) if step.name.startswith("check") else (None, None)
-        row = StepRow(**measured, what=step.what,
+        row = StepRow(**vars(measured), what=step.what,
                       sizes={p.name: p.stat().st_size for p in step.outputs if p.exists()}, check=check, error=error,
                       diff=drift(stdout) if step.name.startswith("diff") else None)
         print(f"[full-depth] {step.name}: exit {row.exit}, {row.wall_s:.1f} s wall, {row.cpu_s:.1f} s CPU, "

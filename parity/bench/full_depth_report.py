@@ -4,9 +4,9 @@ read back from an earlier OUT/full_depth.json by `from_dict` (which refuses a mi
 another type or a mistyped verdict by name), written by `to_dict` exactly as the dict-based bench wrote them and
 printed from the records (`parity.bench.full_depth.render_markdown`).
 
-A step's row holds the measurement of its child process (`parity.bench.full_depth.run_measured`) and, spliced into
-the same JSON object, what the child printed: a check step's verdict (`CheckFound`) or error, a diff step's
-drift (`DiffFound`).
+A step's row holds the measurement of its child process (the fields of `Measured`, the frozen record
+`parity.bench.full_depth.run_measured` returns) and, spliced into the same JSON object, what the child printed: a
+check step's verdict (`CheckFound`) or error, a diff step's drift (`DiffFound`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,26 @@ class DiffFound(JsonRecord):
     first_drift: dict[str, Any] | None
     rel_l2: dict[str, Any]
     logits_rel_l2_max: float | None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One child process as `parity.bench.full_depth.run_measured` measured it: argv, exit status, why it was killed
+    (or None), wall / CPU / user / system seconds, peak RSS total and anonymous (bytes), 1-minute load before and
+    after, its stderr log (the first fields of its `StepRow`)."""
+
+    argv: list[str]
+    exit: int
+    killed: str | None
+    wall_s: float
+    cpu_s: float
+    user_s: float
+    sys_s: float
+    peak_rss: int
+    peak_anon: int
+    load_before: float
+    load_after: float
+    log: str
 
 
 @dataclass(frozen=True)
