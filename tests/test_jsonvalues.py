@@ -36,3 +36,12 @@ def test_a_diff_report_with_a_nan_metric_is_strict_json():
     doc = api.diff(b, a, force=True).to_dict()
     text = json.dumps(doc, allow_nan=False)
     assert '"cosine": null' in text
+
+
+def test_numpy_arrays_become_nested_lists_with_every_element_spelled():
+    """bisect's reports hold arrays (the step x layer excess): nested lists, non-finite elements spelled."""
+    doc = {"excess": np.array([[1.5, np.inf], [np.nan, -np.inf]], np.float32), "ids": np.array([3, 1], np.int64)}
+    out = json_safe(doc)
+    assert out == {"excess": [[1.5, "inf"], ["nan", "-inf"]], "ids": [3, 1]}
+    assert json_safe(np.array([np.nan]), nan=None) == [None]
+    json.dumps(out, allow_nan=False)

@@ -33,6 +33,7 @@ from parity.bisect.trajectory import Trajectory
 from parity.check.attribution import LayerAttribution, LayerRouting
 from parity.check.subops import SubopResult, subop_words
 from parity.check.words import null_words
+from parity.compare.jsonvalues import json_safe
 from parity.compare.verdict import Verdict
 
 
@@ -87,7 +88,7 @@ class BisectReport:
                                "first_divergent_step": fd.step if fd else None,
                                "divergence_rate": t.divergence_rate, "step_layer_excess": t.step_layer_excess}
         d["check"] = self.by_check.check.to_dict() if self.by_check is not None else None
-        return _plain(d)
+        return json_safe(d)
 
 
 # data the JSON document renders (verdict, summary, check) or leaves to the summary (worst_position, drafter)
@@ -262,24 +263,7 @@ def judged_summary(check: Any, own: Verdict, verdict: Verdict, own_summary: str)
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- JSON, figure, HTML
-
-def _plain(x: Any) -> Any:
-    """Plain JSON-able values: numpy arrays as nested lists, enums as their values, non-finite floats as text."""
-    if isinstance(x, np.ndarray):
-        return _plain(x.tolist())
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, float) and not np.isfinite(x):
-        return str(x)
-    if hasattr(x, "value") and not isinstance(x, (int, float, str)):
-        return x.value
-    return x
-
-
-
+# ---------------------------------------------------------------- figure, HTML (JSON: `json_safe`)
 
 def plot(report: BisectReport, path: str) -> object:
     """Two panels from the report only: the step x layer excess map, and local vs free excess per layer."""
