@@ -11,6 +11,7 @@ from fake_engine import FakeEngine
 from gguf.constants import GGMLQuantizationType as Q
 
 from parity.bench import measure as bench
+from parity.bench.perf_report import PerfReport, WorkerResult
 from parity.contract.engine import RunOptions
 from parity.contract.errors import ParityError
 from parity.gguf import synth_real
@@ -84,27 +85,27 @@ def test_reference_runs_on_the_real_layout(small_real) -> None:
     res = forward_chunk(timed, timed.new_state(), bench.prompt_tokens(12, timed.config.vocab_size), 0)
     assert res.logits.shape == (12, timed.config.vocab_size) and np.isfinite(res.logits).all()
     run = bench.time_prefill_decode(timed, 12, reps=1, decode_steps=2)
-    assert len(run["prefill_layer_s"]) == 2 and len(run["decode_layer_s"]) == 2
-    assert sum(run["prefill_layer_s"]) <= run["prefill_s"]
+    assert len(run.prefill_layer_s) == 2 and len(run.decode_layer_s) == 2
+    assert sum(run.prefill_layer_s) <= run.prefill_s
 
 
 def test_time_prefill_decode_counts_layers_reps_and_steps(tiny_f32) -> None:
     timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
     run = bench.time_prefill_decode(timed, 10, reps=3, decode_steps=2)
     L = timed.config.n_layers
-    assert run["load"] >= 0 and run["prefill_cpu_s"] > 0 and run["decode_cpu_s"] > 0  # beside every wall time
-    assert len(run["prefill_all_s"]) == 3
-    assert len(run["prefill_layer_s"]) == L and len(run["decode_layer_s"]) == L
-    assert run["prefill_s"] == sorted(run["prefill_all_s"])[1]
-    assert sum(run["prefill_layer_s"]) <= max(run["prefill_all_s"])
+    assert run.load >= 0 and run.prefill_cpu_s > 0 and run.decode_cpu_s > 0  # beside every wall time
+    assert len(run.prefill_all_s) == 3
+    assert len(run.prefill_layer_s) == L and len(run.decode_layer_s) == L
+    assert run.prefill_s == sorted(run.prefill_all_s)[1]
+    assert sum(run.prefill_layer_s) <= max(run.prefill_all_s)
     assert len(timed.layer_s) == L  # the last decode step's layer calls
 
 
 def test_time_tracing_reports_both_sides(tiny_f32) -> None:
     timed = bench.TimedEngine(FakeEngine(str(tiny_f32)))
     tr = bench.time_tracing(timed, 6, reps=2)
-    assert tr["record_s"] > 0 and tr["forward_s"] > 0
-    assert tr["overhead"] == pytest.approx(tr["record_s"] / tr["forward_s"])
+    assert tr.record_s > 0 and tr.forward_s > 0
+    assert tr.overhead == pytest.approx(tr.record_s / tr.forward_s)
 
 
 def test_prompt_tokens_are_fixed_and_in_range() -> None:
@@ -135,26 +136,44 @@ def test_spawned_worker_failure_is_a_parity_error(tiny_f32) -> None:
 
 
 def _worker(engine: str, ratios: list[int], prefill: list[float], decode: list[float]) -> dict:
-    run = {"prompt": 24, "prefill_s": sum(prefill), "prefill_layer_s": prefill, "decode_s": sum(decode),
-           "decode_layer_s": decode}
-    tracing = {"prompt": 24, "record_s": 0.04, "forward_s": 1.0, "overhead": 0.04}
-    return {"engine": engine, "ratios": ratios, "runs": [run], "tracing": tracing, "peak_rss_anon_gb": 1.5,
-            "peak_rss_gb": 2.5, "cache": {"budget": 2**30}}
+    """A worker's document in `run_worker`'s key order, one 24-token run; the optional keys (load averages, CPU
+    times, thread counts) left out."""
+    run = {"prompt": 24, "reps": 1, "decode_steps": 1, "prefill_s": sum(prefill), "prefill_all_s": [sum(prefill)],
+           "prefill_layer_s": prefill, "decode_s": sum(decode), "decode_layer_s": decode}
+    tracing = {"prompt": 24, "reps": 1, "forward_s": 1.0, "record_s": 0.04, "overhead": 0.04}
+    return {"engine": engine, "engine_version": "0", "device": "cpu", "model": "m.gguf", "n_layers": len(ratios),
+            "ratios": ratios, "load_s": 1.0, "runs": [run], "tracing": tracing, "peak_rss_anon_gb": 1.5,
+            "peak_rss_gb": 2.5, "model_file_gb": 1.0, "cache": {"budget": 2**30}, "blas_threads": "1",
+            "usable_cpus": 2, "load_start": 0.5, "load_end": 0.5}
+
+
+def _trace_diff(**doc: object) -> dict:
+    """A trace-diff timing's document: 45 x 4096, 0.716 s, no load or CPU time (optional) unless given."""
+    return {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716, **doc, "first_drift": "blk.21.attn",
+            "npz_mb": 69.0}
+
+
+def perf_report(**doc: object) -> PerfReport:
+    """The report of a hand-made bench.json document: `doc`'s keys over a complete document of placeholders."""
+    return PerfReport.from_dict({
+        "bench_version": 1, "quick": True, "device": "cpu", "torch_threads": 2,
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "python": "3", "numpy": "x", "torch": "y",
+                    "load_avg_start": [0.5, 0, 0], "cuda": None},
+        "models": {}, "dequant_load": 0.5, "dequant": [], "dequant_load_end": 0.5, "trace_diff": _trace_diff(),
+        "engines": {}, "wall_s": 1.0, "load_end": 0.5, **doc})
 
 
 def test_tables_from_a_hand_made_report() -> None:
     mem = _worker("reference", [4], [3.0], [0.5])
-    report = {
-        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
-                    "load_avg_start": [0.5, 0, 0]},
-        "device": "cpu", "wall_s": 100.0, "trace_diff": {"checkpoints": 45, "positions": 4096, "from_npz_s": 0.716},
-        "engines": {"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "usable_cpus": 2},
-                    "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem,
-                    "reference_1thread": _worker("reference", [4, 128], [12.0, 9.0], [1.0, 0.6])},
-        "dequant": [{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
-                     "torch_mvs": 50.0, "reference_speedup": 6.0, "torch_speedup": 0.5, "reference_exact": True,
-                     "torch_exact": False, "reference_mvs_2t": 900.0, "torch_mvs_2t": 90.0}],
-    }
+    report = perf_report(
+        device="cpu", wall_s=100.0, trace_diff=_trace_diff(),
+        engines={"reference": {**_worker("reference", [4, 128], [8.0, 6.0], [0.8, 0.6]), "usable_cpus": 2},
+                 "torch": _worker("torch", [4, 128], [2.0, 1.5], [0.2, 0.3]), "reference_1layer_memory": mem,
+                 "reference_1thread": _worker("reference", [4, 128], [12.0, 9.0], [1.0, 0.6])},
+        dequant=[{"type": "Q2_K", "values": 8 * 2**20, "gguf_mvs": 100.0, "reference_mvs": 600.0,
+                  "torch_mvs": 50.0, "reference_speedup": 6.0, "torch_speedup": 0.5, "reference_exact": True,
+                  "torch_exact": False, "reference_mvs_2t": 900.0, "torch_mvs_2t": 90.0}],
+    )
     rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
     assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x")
     assert rows["decode @ctx 24, layer 1 (HCA)"] == ("0.600 s", "0.300 s", "2.0x")
@@ -194,20 +213,20 @@ def test_dequant_rows_cover_every_type_with_a_gguf_baseline() -> None:
     sources = bench.dequant_sources(None, 1 << 13, np.random.default_rng(0))
     assert set(sources) == {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", *bench.NEW_TYPES}
     assert all(sources[name][0] == Q[name] for name in sources)
-    rows = {r["type"]: r for r in bench.measure_dequant(None, "cpu", 1 << 13, 1)}
+    rows = {r.type: r for r in bench.measure_dequant(None, "cpu", 1 << 13, 1)}
     assert set(rows) == set(sources)
     for name in bench.NEW_TYPES:
         r = rows[name]
-        assert r["values"] == 1 << 13 and r["gguf_mvs"] > 0 and r["reference_mvs"] > 0 and r["torch_mvs"] > 0
-        assert r["reference_exact"] and r["torch_exact"], name
+        assert r.values == 1 << 13 and r.gguf_mvs > 0 and r.reference_mvs > 0 and r.torch_mvs > 0
+        assert r.reference_exact and r.torch_exact, name
 
 
 def test_trace_diff_timing_finds_the_planted_drift(tmp_path) -> None:
     """Synthetic real-size traces are well-formed: diff finds the drift planted from checkpoint blk.2.attn on."""
     td = bench.time_trace_diff(4, 16, reps=1, tmp=tmp_path)
-    assert td["checkpoints"] == 2 * 4 + 2 and td["positions"] == 16
-    assert td["first_drift"] == "blk.2.attn"
-    assert td["from_npz_s"] > 0 and td["npz_mb"] > 0
+    assert td.checkpoints == 2 * 4 + 2 and td.positions == 16
+    assert td.first_drift == "blk.2.attn"
+    assert td.from_npz_s > 0 and td.npz_mb > 0
 
 
 @pytest.mark.parametrize("args", [["--engines", "reference,bogus"], ["--torch-threads", "-1"]])
@@ -308,8 +327,8 @@ def test_every_ratio_carries_the_load_it_was_measured_at() -> None:
     tor = _worker("torch", [4], [2.0], [0.2])
     ref["runs"][0].update(load=0.6, prefill_cpu_s=12.0, decode_cpu_s=1.5)
     tor["runs"][0].update(load=4.2, prefill_cpu_s=2.0, decode_cpu_s=0.25)
-    report = {"engines": {"reference": ref, "torch": tor},
-              "trace_diff": {"checkpoints": 88, "positions": 4096, "from_npz_s": 0.5, "load": 3.9, "cpu_s": 0.61}}
+    report = perf_report(engines={"reference": ref, "torch": tor},
+                         trace_diff=_trace_diff(checkpoints=88, positions=4096, from_npz_s=0.5, load=3.9, cpu_s=0.61))
     rows = {r[0]: r[1:] for r in bench.summary_rows(report)}
     assert rows["prefill 24 tok, layer 0 (CSA)"] == ("8.000 s", "2.000 s", "4.0x (load 0.6 / 4.2)")
     cpu = rows["CPU time, prefill 24 tok (all layers, all threads)"]
@@ -323,6 +342,6 @@ def test_per_length_workers_merge_into_one_engine_answer() -> None:
     a, b = _worker("torch", [4], [2.0], [0.2]), _worker("torch", [4], [9.0], [0.9])
     b["runs"][0]["prompt"], b["tracing"], b["peak_rss_gb"] = 128, None, 7.0
     a["load_s"], b["load_s"] = 1.0, 3.0
-    m = bench.merge_workers([a, b])
-    assert [r["prompt"] for r in m["runs"]] == [24, 128] and m["tracing"] == a["tracing"]
-    assert (m["peak_rss_gb"], m["peak_rss_anon_gb"], m["load_s"]) == (7.0, 1.5, 3.0)
+    m = bench.merge_workers([WorkerResult.from_dict(a), WorkerResult.from_dict(b)])
+    assert [r.prompt for r in m.runs] == [24, 128] and m.tracing == WorkerResult.from_dict(a).tracing
+    assert (m.peak_rss_gb, m.peak_rss_anon_gb, m.load_s) == (7.0, 1.5, 3.0)

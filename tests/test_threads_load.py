@@ -141,7 +141,7 @@ def test_reference_with_worker_threads_holds_openblas_to_one_thread(tiny_f32):
 
 
 def test_bench_tables_name_the_load_beside_every_timing():
-    from test_bench import _worker
+    from test_bench import _trace_diff, _worker, perf_report
 
     from parity.bench import measure
 
@@ -149,13 +149,13 @@ def test_bench_tables_name_the_load_beside_every_timing():
     ref["runs"][0]["load"], tor["runs"][0]["load"] = 3.9, 4.1
     ref["tracing"]["load"] = 4.4
     ref["threads"], tor["threads"] = {"torch_intra_op": 2, "engine": 2}, {"torch_intra_op": 2, "engine": 2, "expert": 2}
-    report = {"machine": {"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "numpy": "x", "torch": "y",
-                          "load_avg_start": [3.5, 0, 0]}, "load_end": 4.6, "device": "cpu", "wall_s": 10.0,
-              "engines": {"reference": ref, "torch": tor}, "dequant_load": 3.7, "dequant_load_end": 3.8,
-              "dequant": [{"type": "F32", "values": 1 << 20, "gguf_mvs": 1.0, "reference_mvs": 1.0, "torch_mvs": 1.0,
-                           "reference_speedup": 1.0, "torch_speedup": 1.0, "reference_exact": True,
-                           "torch_exact": True}],
-              "trace_diff": {"checkpoints": 88, "positions": 4096, "from_npz_s": 0.5, "load": 3.9, "cpu_s": 0.6}}
+    report = perf_report(
+        machine={"cpu": "Test CPU", "cores": 2, "memory_gb": 24.0, "python": "3", "numpy": "x", "torch": "y",
+                 "load_avg_start": [3.5, 0, 0], "cuda": None}, load_end=4.6, device="cpu", wall_s=10.0,
+        engines={"reference": ref, "torch": tor}, dequant_load=3.7, dequant_load_end=3.8,
+        dequant=[{"type": "F32", "values": 1 << 20, "gguf_mvs": 1.0, "reference_mvs": 1.0, "torch_mvs": 1.0,
+                  "reference_speedup": 1.0, "torch_speedup": 1.0, "reference_exact": True, "torch_exact": True}],
+        trace_diff=_trace_diff(checkpoints=88, positions=4096, from_npz_s=0.5, load=3.9, cpu_s=0.6))
     rows = {r[0]: r[1:] for r in measure.summary_rows(report)}
     assert rows["model decode estimate: 43 x mean layer decode @ctx 24"][2] == "(load 3.9 / 4.1)"
     assert rows["reference: trace recording / forward (24 tok, every position)"][2] == "+4.00 % (load 4.4)"

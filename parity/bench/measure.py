@@ -4,7 +4,9 @@ Every engine measurement runs in its own worker process (`python -m parity.bench
 peak memory is then per engine, BLAS threading is fixed before NumPy loads, and one engine's caches
 never warm the other's. Inside a worker each number is the median of several runs. The orchestrator
 (`run_bench`) writes/caches the real-dimension GGUFs, measures the dequantizers in-process, starts the
-workers, and returns one JSON-able report; `render_markdown` turns it into the table for the docs.
+workers, and returns the frozen `parity.bench.perf_report.PerfReport` (each record built where its numbers are
+measured; a worker answers with its `WorkerResult`'s document); `render_markdown` turns it into the table for the
+docs.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from parity.bench import perf_report as perf
+from parity.bench.perf_report import PerfReport, TimedRun, TracingTime, WorkerResult
 from parity.contract.errors import ParityError
 from parity.contract.progress import SILENT, Note, ProgressSink
 
@@ -114,7 +119,7 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int) -> dict[str, Any]:
+def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int) -> TimedRun:
     """Median wall time of an n-token prefill and of each following decode step, total and per layer.
 
     The decode step at context c (= n_prompt + i) sees the window and every compressed row up to c.
@@ -141,17 +146,17 @@ def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_ste
             decode.append(time.perf_counter() - t)
             cpu["decode"].append(time.process_time() - c)
             decode_layers.append(timed.layer_s[-n_layers:])
-    return {
-        "prompt": n_prompt, "reps": reps, "decode_steps": decode_steps, "load": _median(loads),
-        "prefill_cpu_s": _median(cpu["prefill"]), "decode_cpu_s": _median(cpu["decode"]) if decode else None,
-        "prefill_s": _median(prefill), "prefill_all_s": prefill,
-        "prefill_layer_s": [_median([r[l] for r in prefill_layers]) for l in range(n_layers)],
-        "decode_s": _median(decode) if decode else None,
-        "decode_layer_s": [_median([r[l] for r in decode_layers]) for l in range(n_layers)] if decode else [],
-    }
+    return TimedRun(
+        prompt=n_prompt, reps=reps, decode_steps=decode_steps, load=_median(loads),
+        prefill_cpu_s=_median(cpu["prefill"]), decode_cpu_s=_median(cpu["decode"]) if decode else None,
+        prefill_s=_median(prefill), prefill_all_s=prefill,
+        prefill_layer_s=[_median([r[l] for r in prefill_layers]) for l in range(n_layers)],
+        decode_s=_median(decode) if decode else None,
+        decode_layer_s=[_median([r[l] for r in decode_layers]) for l in range(n_layers)] if decode else [],
+    )
 
 
-def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) -> dict[str, Any]:
+def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) -> TracingTime:
     """Cost of recording a fingerprint trace of every position (what `v4parity trace --positions all` adds).
 
     The recorder's own time (per-chunk `Recorder.add` plus building the tables) is measured inside the same
@@ -180,11 +185,11 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
         rec.tables()
         record.append(spent[0] + time.perf_counter() - t)
         forward.append(total - spent[0])
-    return {"prompt": n_prompt, "reps": reps, "forward_s": _median(forward), "record_s": _median(record),
-            "overhead": _median(record) / _median(forward), "load": load_average()}
+    return TracingTime(prompt=n_prompt, reps=reps, forward_s=_median(forward), record_s=_median(record),
+                       overhead=_median(record) / _median(forward), load=load_average())
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def run_worker(spec: dict[str, Any]) -> WorkerResult:
     """Load one engine through `load_engine` and run the measurements the spec asks for."""
     from parity.contract.cpus import usable_cpus
     from parity.contract.engine import RunOptions, load_engine
@@ -202,16 +207,16 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         tracing = time_tracing(timed, spec["trace_prompt"], spec["trace_reps"]) if spec["trace_reps"] else None
     from parity.contract.engine import CacheStats
 
-    return {
-        "engine": spec["engine"], "engine_version": engine.version, "device": spec["device"],
-        "model": spec["model"], "n_layers": engine.config.n_layers, "ratios": list(engine.config.compress_ratios),
-        "load_s": load_s, "runs": runs, "tracing": tracing,
-        "peak_rss_anon_gb": mem.peak_anon / 2**30, "peak_rss_gb": mem.peak_total / 2**30,
-        "model_file_gb": Path(spec["model"]).stat().st_size / 2**30,
-        "cache": engine.cache_stats() if isinstance(engine, CacheStats) else None,
-        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "usable_cpus": usable_cpus(),
-        "threads": engine_threads(engine), "load_start": load_start, "load_end": load_average(),
-    }
+    return WorkerResult(
+        engine=spec["engine"], engine_version=engine.version, device=spec["device"],
+        model=spec["model"], n_layers=engine.config.n_layers, ratios=list(engine.config.compress_ratios),
+        load_s=load_s, runs=runs, tracing=tracing,
+        peak_rss_anon_gb=mem.peak_anon / 2**30, peak_rss_gb=mem.peak_total / 2**30,
+        model_file_gb=Path(spec["model"]).stat().st_size / 2**30,
+        cache=engine.cache_stats() if isinstance(engine, CacheStats) else None,
+        blas_threads=os.environ.get("OPENBLAS_NUM_THREADS"), usable_cpus=usable_cpus(),
+        threads=engine_threads(engine), load_start=load_start, load_end=load_average(),
+    )
 
 
 def engine_threads(engine: Any) -> dict[str, int]:
@@ -235,8 +240,8 @@ def torch_args(engine: str, threads: int | None) -> list[str]:
     return [f"threads={threads}"] if engine == "torch" and threads else []
 
 
-def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: float) -> dict[str, Any]:
-    """Run `run_worker(spec)` in a fresh Python process and return its JSON answer."""
+def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: float) -> WorkerResult:
+    """Run `run_worker(spec)` in a fresh Python process and return its answer (the record read from its JSON)."""
     env = dict(os.environ)
     if blas_threads is not None:
         env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(blas_threads)
@@ -248,7 +253,7 @@ def spawn_worker(spec: dict[str, Any], blas_threads: int | None, timeout_s: floa
     if proc.returncode != 0:
         raise ParityError(f"bench worker for {spec['engine']} failed (exit {proc.returncode}):\n"
                           f"{proc.stderr.strip()[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return WorkerResult.from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def _concurrent_mvs(make: Callable[[], Callable[[], Any]], n_values: int, thread
     return threads * n_values / seconds / 1e6
 
 
-def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str) -> dict[str, Any]:
+def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str) -> perf.DequantRow:
     """One type: median seconds of gguf.quants and of each engine's dequantizer capability on the same bytes, and
     the combined throughput of two of each engine's dequantizers running at once on two threads."""
     from gguf import quants
@@ -367,16 +372,16 @@ def _dequant_row(name: str, qtype: int, raw: np.ndarray, reps: int, device: str)
     t_torch, got_t = _median_of(torch_run, reps)
     make = {engine: (lambda engine=engine, dev=dev: engine_class(engine).dequantizer(raw, qtype, shape, dev))
             for engine, dev in (("reference", "cpu"), ("torch", device))}
-    return {
-        "type": name, "values": n_values, "gguf_mvs": n_values / t_gguf / 1e6, "reference_mvs": n_values / t_ref / 1e6,
-        "torch_mvs": n_values / t_torch / 1e6, "reference_speedup": t_gguf / t_ref, "torch_speedup": t_gguf / t_torch,
-        "reference_exact": _same_bits(got, want), "torch_exact": _same_bits(got_t, want),
-        **({f"{engine}_mvs_2t": _concurrent_mvs(m, n_values, 2, reps) for engine, m in make.items()}
-           if device == "cpu" else {}),
-    }
+    two = {engine: _concurrent_mvs(m, n_values, 2, reps) if device == "cpu" else None for engine, m in make.items()}
+    return perf.DequantRow(
+        type=name, values=n_values, gguf_mvs=n_values / t_gguf / 1e6, reference_mvs=n_values / t_ref / 1e6,
+        torch_mvs=n_values / t_torch / 1e6, reference_speedup=t_gguf / t_ref, torch_speedup=t_gguf / t_torch,
+        reference_exact=_same_bits(got, want), torch_exact=_same_bits(got_t, want),
+        reference_mvs_2t=two["reference"], torch_mvs_2t=two["torch"],
+    )
 
 
-def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -> list[dict[str, Any]]:
+def measure_dequant(model: Path | None, device: str, n_values: int, reps: int) -> list[perf.DequantRow]:
     """Throughput (M values/s) of every type for the three dequantizers, and bit-exactness against gguf. On the CPU
     torch runs single-threaded meanwhile, so that the types the torch engine decodes with torch ops (not its C
     decoders) are measured on one thread too, as gguf.quants, the reference and the C decoders are."""
@@ -451,7 +456,7 @@ def _timed_median(fn: Callable[[], Any], reps: int, slow_s: float = 5.0) -> tupl
     return (first, result) if first >= slow_s else _median_of(fn, reps)
 
 
-def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str, Any]:
+def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> perf.TraceDiffTime:
     """Seconds of `api.diff` on two traces written as .npz files (what `v4parity diff A.npz B.npz` does)."""
     from parity.api import diff
     from parity.contract.checkpoints import block_attn, trace_checkpoints
@@ -468,9 +473,9 @@ def time_trace_diff(n_layers: int, n_pos: int, reps: int, tmp: Path) -> dict[str
     from_files, report = _timed_median(lambda: diff(pa, pb), reps)
     cpu = (time.process_time() - c) / (1 if from_files >= 5.0 else reps + 1)
     first = report.first_drift or {}
-    return {"checkpoints": len(trace_checkpoints(n_layers)), "positions": n_pos, "from_npz_s": from_files,
-            "load": load, "cpu_s": cpu,
-            "first_drift": first.get("checkpoint"), "npz_mb": (pa.stat().st_size + pb.stat().st_size) / 2**20}
+    return perf.TraceDiffTime(checkpoints=len(trace_checkpoints(n_layers)), positions=n_pos, from_npz_s=from_files,
+                         load=load, cpu_s=cpu, first_drift=first.get("checkpoint"),
+                         npz_mb=(pa.stat().st_size + pb.stat().st_size) / 2**20)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,7 +506,7 @@ def bench_models(cache_dir: Path, quick: bool, log: Note) -> dict[str, Path]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info() -> perf.Machine:
     """What the numbers were measured on (CPU model, cores, memory, load at start)."""
     cpu = platform.processor() or platform.machine()
     try:
@@ -514,16 +519,16 @@ def machine_info() -> dict[str, Any]:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30  # Linux, as MemoryWatch
     import torch
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb, "python": platform.python_version(),
-            "numpy": np.__version__, "torch": torch.__version__, "load_avg_start": list(os.getloadavg()),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return perf.Machine(cpu=cpu, cores=os.cpu_count(), memory_gb=mem_gb, python=platform.python_version(),
+                   numpy=np.__version__, torch=torch.__version__, load_avg_start=list(os.getloadavg()),
+                   cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
 TINY_PLAN = {"lengths": {24: 3}, "decode_steps": 3}  # peers: the tiny model, every engine the same work
 
 
 def bench_tiny(cache_dir: Path, engines: tuple[str, ...], torch_threads: int | None,
-               log: Note) -> dict[str, Any]:
+               log: Note) -> dict[str, WorkerResult]:
     """Every engine (ours and the peers llama.cpp / transformers) on the tiny F32 model with the QAT simulations
     off (the peers omit them), one worker process each: prefill 24 tokens and decode steps."""
     from parity.contract.engine import RunOptions
@@ -542,54 +547,64 @@ def bench_tiny(cache_dir: Path, engines: tuple[str, ...], torch_threads: int | N
     return out
 
 
-def tiny_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def tiny_rows(report: PerfReport) -> list[tuple[str, str, str, str]]:
     """(engine, prefill per layer, decode per layer, vs reference) on the tiny model; per layer = whole forward
     / L (whole-graph engines such as llama.cpp run every layer in one call)."""
     rows, ref = [], None
-    for name, w in report.get("tiny_engines", {}).items():
-        run = w["runs"][0]
-        pre, dec = run["prefill_s"] / w["n_layers"], run["decode_s"] / w["n_layers"]
+    for name, w in (report.tiny_engines or {}).items():
+        run = w.runs[0]
+        pre, dec = run.prefill_s / w.n_layers, run.decode_s / w.n_layers
         ref = ref or (pre, dec)
         rows.append((name, f"{1e3 * pre:.2f} ms", f"{1e3 * dec:.2f} ms",
                      f"{ref[0] / pre:.2f}x / {ref[1] / dec:.2f}x{_load_note(run)}"))
     return rows
 
 
-def merge_workers(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One engine's answer from its per-length workers: runs in order, the tracing run, the largest peak memory and
-    load time."""
-    out = dict(parts[0])
-    out["runs"] = [r for w in parts for r in w["runs"]]
-    out["tracing"] = next((w["tracing"] for w in parts if w["tracing"]), None)
-    for key in ("peak_rss_anon_gb", "peak_rss_gb", "load_s"):
-        out[key] = max(w[key] for w in parts)
-    return out
+def merge_workers(parts: list[WorkerResult]) -> WorkerResult:
+    """One engine's answer from its per-length workers: the first worker's record with the runs in order, the tracing
+    run, the largest peak memory and load time."""
+    return replace(parts[0], runs=[r for w in parts for r in w.runs],
+                   tracing=next((w.tracing for w in parts if w.tracing), None),
+                   **{k: max(getattr(w, k) for w in parts) for k in ("peak_rss_anon_gb", "peak_rss_gb", "load_s")})
 
 
 def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...], torch_threads: int | None = None,
-              progress: ProgressSink = SILENT, peers: tuple[str, ...] = ()) -> dict[str, Any]:
-    """All measurements of `v4parity bench` (each stage announced through `progress.note`); returns the report (also
-    the JSON written by the command, `parity.bench.reports.PerfReport`)."""
+              progress: ProgressSink = SILENT, peers: tuple[str, ...] = ()) -> PerfReport:
+    """All measurements of `v4parity bench` (each stage announced through `progress.note`), as the frozen report
+    (its `to_dict()` is the JSON the command writes)."""
     from parity.contract.cpus import usable_cpus
-    from parity.contract.engine import RunOptions
 
     t0, log = time.perf_counter(), progress.note
     # torch's intra-op threads, always set for the worker (an inherited OMP_NUM_THREADS=1 would otherwise decide)
     torch_threads = torch_threads or usable_cpus()
-    report: dict[str, Any] = {"bench_version": BENCH_VERSION, "quick": quick, "device": device,
-                              "torch_threads": torch_threads, "machine": machine_info()}
+    machine = machine_info()
     models = bench_models(cache_dir, quick, log)
-    report["models"] = {k: {"path": str(v), "gib": v.stat().st_size / 2**30} for k, v in models.items()}
     log("dequantizer throughput (reference NumPy / torch / gguf.quants) ...")
     n_values = (1 << 18) if quick else DEQUANT_VALUES
-    report["dequant_load"] = load_average()
-    report["dequant"] = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
-    report["dequant_load_end"] = load_average()
+    dequant_load = load_average()
+    dequant = measure_dequant(None if quick else models["2layer"], device, n_values, DEQUANT_REPS)
+    dequant_load_end = load_average()
     log("trace diff at real-model size (88 checkpoints x 4096 positions) ...")
-    report["trace_diff"] = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
+    trace_diff = time_trace_diff(43, 256 if quick else 4096, DEQUANT_REPS, cache_dir / "traces")
+    workers = engine_workers(models, device, quick, engines, torch_threads, log)
+    tiny = bench_tiny(cache_dir, ("reference", "torch", *peers), torch_threads, log) if peers else None
+    return PerfReport(
+        bench_version=BENCH_VERSION, quick=quick, device=device, torch_threads=torch_threads, machine=machine,
+        models={k: perf.ModelSize(str(v), v.stat().st_size / 2**30) for k, v in models.items()},
+        dequant_load=dequant_load, dequant=dequant, dequant_load_end=dequant_load_end, trace_diff=trace_diff,
+        engines=workers, tiny_engines=tiny, wall_s=time.perf_counter() - t0, load_end=load_average())
+
+
+def engine_workers(models: dict[str, Path], device: str, quick: bool, engines: tuple[str, ...], torch_threads: int,
+                   log: Note) -> dict[str, WorkerResult]:
+    """The engines on the 2-layer file, one worker per (prompt length, engine), merged per engine; with the
+    reference, its memory on the 1-layer file with one layer's share of the cache and (not quick) its 1-thread
+    point."""
+    from parity.contract.engine import RunOptions
+
     timeout = 600 if quick else 1800
     plans = {e: PLANS["quick" if quick else e if e == "reference" else f"torch-{device}"] for e in engines}
-    parts: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    parts: dict[str, list[WorkerResult]] = {e: [] for e in engines}
     # one worker per (prompt length, engine), the engines alternating at each length: the two sides of a ratio are
     # measured seconds apart, not minutes (on a shared machine the load changes within minutes)
     for n in sorted(set().union(*(p["lengths"] for p in plans.values()))):
@@ -617,49 +632,55 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
                     "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": RunOptions.cache_gb,
                     "qat_sims": True, "engine_args": ["threads=1"]}
             workers["reference_1thread"] = spawn_worker(spec, 1, timeout)
-    report["engines"] = workers
-    if peers:
-        report["tiny_engines"] = bench_tiny(cache_dir, ("reference", "torch", *peers), torch_threads, log)
-    report["wall_s"] = time.perf_counter() - t0
-    report["load_end"] = load_average()
-    return report
+    return workers
 
 
 # ------------------------------------------------------------------------------------------------
 # Presentation
 
 
-def _run(worker: dict[str, Any] | None, n: int) -> dict[str, Any] | None:
+def _run(worker: WorkerResult | None, n: int) -> TimedRun | None:
     """The worker's run at prompt length n; None where that engine was not run or not at that length."""
-    return next((r for r in worker["runs"] if r["prompt"] == n), None) if worker else None
+    return next((r for r in worker.runs if r.prompt == n), None) if worker else None
 
 
-def _per_layer(worker: dict[str, Any] | None, n: int, key: str) -> list[float] | None:
-    """Per-layer seconds `key` of the worker's run at length n; None where absent (e.g. no decode steps)."""
+def _per_layer(worker: WorkerResult | None, n: int, key: str) -> list[float] | None:
+    """Per-layer seconds `key` (prefill_layer_s / decode_layer_s) of the worker's run at length n; None where absent
+    (e.g. no decode steps)."""
     run = _run(worker, n)
-    return run[key] if run and run[key] else None
+    return getattr(run, key) if run and getattr(run, key) else None
 
 
-def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def _seconds(seconds: float | None) -> str:
+    """A table cell of seconds ('-' where not measured)."""
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def _cpu_s(run: TimedRun | None, what: str) -> float | None:
+    """The run's CPU seconds of `what` (prefill / decode); None where not run or not recorded."""
+    return getattr(run, f"{what}_cpu_s") if run else None
+
+
+def summary_rows(report: PerfReport) -> list[tuple[str, str, str, str]]:
     """(measure, reference, torch, torch speed-up) rows of the main table, per real layer."""
-    eng = report["engines"]
+    eng = report.engines
     ref, tor = eng.get("reference"), eng.get("torch")
     rows = []
-    lengths = sorted({r["prompt"] for w in (ref, tor) if w for r in w["runs"]})[:2]  # the rest: scaling table
-    ratios = (ref or tor)["ratios"]
-    fmt = lambda x: "-" if x is None else f"{x:.3f} s"  # noqa: E731
+    lengths = sorted({r.prompt for w in (ref, tor) if w for r in w.runs})[:2]  # the rest: scaling table
+    ratios = (ref or tor).ratios
     for n in lengths:
         at = _loads(ref, tor, n)
         for l, ratio in enumerate(ratios):
             kind = {4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
             for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
                 r, t = (times[l] if times else None for times in (_per_layer(ref, n, key), _per_layer(tor, n, key)))
-                rows.append((f"{what}, layer {l} ({kind})", fmt(r), fmt(t), f"{r / t:.1f}x{at}" if r and t else "-"))
+                rows.append((f"{what}, layer {l} ({kind})", _seconds(r), _seconds(t),
+                             f"{r / t:.1f}x{at}" if r and t else "-"))
         for what in ("prefill", "decode"):
-            r, t = (_run(w, n) or {} for w in (ref, tor))
-            if r.get(f"{what}_cpu_s") and t.get(f"{what}_cpu_s"):
-                rows.append((f"CPU time, {what} {n} tok (all layers, all threads)", fmt(r[f"{what}_cpu_s"]),
-                             fmt(t[f"{what}_cpu_s"]), f"{r[f'{what}_cpu_s'] / t[f'{what}_cpu_s']:.1f}x{at}"))
+            r, t = (_cpu_s(_run(w, n), what) for w in (ref, tor))
+            if r and t:
+                rows.append((f"CPU time, {what} {n} tok (all layers, all threads)", _seconds(r), _seconds(t),
+                             f"{r / t:.1f}x{at}"))
     est = []
     for w in (ref, tor):
         decode = _per_layer(w, lengths[0], "decode_layer_s")
@@ -669,48 +690,54 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows.append((f"model decode estimate: {REAL_LAYERS} x mean layer decode @ctx {lengths[0]}", *est,
                  _loads(ref, tor, lengths[0]).strip()))
     for name, w in (("reference", ref), ("torch", tor)):
-        if w and w["tracing"]:
-            tr = w["tracing"]
-            rows.append((f"{name}: trace recording / forward ({tr['prompt']} tok, every position)",
-                         f"{tr['record_s']:.4f} / {tr['forward_s']:.3f} s", "",
-                         f"{100 * tr['overhead']:+.2f} %{_load_note(tr)}"))
-    td = report["trace_diff"]
-    at = f" (CPU {td['cpu_s']:.2f} s, load {td['load']:.1f})" if "load" in td else ""
-    rows.append((f"diff of two .npz traces, {td['checkpoints']} checkpoints x {td['positions']} positions",
-                 f"{td['from_npz_s']:.2f} s{at}", "", ""))
-    mem = eng.get("reference_1layer_memory")
+        if w and w.tracing:
+            tr = w.tracing
+            rows.append((f"{name}: trace recording / forward ({tr.prompt} tok, every position)",
+                         f"{tr.record_s:.4f} / {tr.forward_s:.3f} s", "",
+                         f"{100 * tr.overhead:+.2f} %{_load_note(tr)}"))
+    td = report.trace_diff
+    at = f" (CPU {td.cpu_s:.2f} s, load {td.load:.1f})" if td.load is not None and td.cpu_s is not None else ""
+    rows.append((f"diff of two .npz traces, {td.checkpoints} checkpoints x {td.positions} positions",
+                 f"{td.from_npz_s:.2f} s{at}", "", ""))
+    return rows + _memory_rows(eng.get("reference_1layer_memory"), tor)
+
+
+def _memory_rows(mem: WorkerResult | None, tor: WorkerResult | None) -> list[tuple[str, str, str, str]]:
+    """The main table's last rows: the reference's times and peak memory with one layer's share of the cache, the
+    torch engine's peak memory (each where it was run)."""
+    rows = []
     if mem:
-        run = mem["runs"][0]
-        share = f"1 layer, {mem['cache']['budget'] / 2**30:.2f} GiB cache"
-        rows.append((f"reference {share}: prefill {run['prompt']} / decode", fmt(run["prefill_s"]),
-                     fmt(run["decode_s"]), _load_note(run).strip()))
+        run = mem.runs[0]
+        share = f"1 layer, {mem.cache['budget'] / 2**30:.2f} GiB cache"  # type: ignore[index]
+        rows.append((f"reference {share}: prefill {run.prompt} / decode", _seconds(run.prefill_s),
+                     _seconds(run.decode_s), _load_note(run).strip()))
         rows.append((f"reference peak RSS, {share} (anon / total)",
-                     f"{mem['peak_rss_anon_gb']:.2f} / {mem['peak_rss_gb']:.2f} GiB", "", ""))
+                     f"{mem.peak_rss_anon_gb:.2f} / {mem.peak_rss_gb:.2f} GiB", "", ""))
     if tor:
         rows.append(("torch peak RSS, 2 layers (anon / total)",
-                     "", f"{tor['peak_rss_anon_gb']:.2f} / {tor['peak_rss_gb']:.2f} GiB", ""))
+                     "", f"{tor.peak_rss_anon_gb:.2f} / {tor.peak_rss_gb:.2f} GiB", ""))
     return rows
 
 
-def _load_note(run: dict[str, Any] | None) -> str:
+def _load_note(run: TimedRun | TracingTime | None) -> str:
     """' (load X)': the 1-minute load average recorded with a run ('' where the run predates the record)."""
-    return f" (load {run['load']:.1f})" if run and "load" in run else ""
+    return f" (load {run.load:.1f})" if run and run.load is not None else ""
 
 
-def _loads(ref: dict[str, Any] | None, tor: dict[str, Any] | None, n: int) -> str:
+def _loads(ref: WorkerResult | None, tor: WorkerResult | None, n: int) -> str:
     """' (load R / T)': the 1-minute load average during the reference's and the torch engine's runs at length n
     ('' where a run predates the load record)."""
-    r, t = (_run(w, n) or {} for w in (ref, tor))
-    return f" (load {r['load']:.1f} / {t['load']:.1f})" if "load" in r and "load" in t else ""
+    r, t = (_run(w, n) for w in (ref, tor))
+    return f" (load {r.load:.1f} / {t.load:.1f})" if r and t and r.load is not None and t.load is not None else ""
 
 
-def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def thread_rows(report: PerfReport) -> list[tuple[str, str, str, str]]:
     """(measure, 1 thread, N threads, speed-up) of the reference, per layer (layer 0 CSA / layer 1 HCA)."""
-    eng = report["engines"]
+    eng = report.engines
     one, many = eng.get("reference_1thread"), eng.get("reference")
     if not one or not many:
         return []
-    n = one["runs"][0]["prompt"]
+    n = one.runs[0].prompt
     rows = []
     at = _loads(one, many, n)
     for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
@@ -720,11 +747,11 @@ def thread_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
+def scaling_rows(report: PerfReport) -> list[tuple[int, list[str]]]:
     """Per prompt length: per-layer prefill and decode seconds of each engine ('a / b' over the layers), and the
     load averages of the two runs."""
-    eng = report["engines"]
-    lengths = sorted({r["prompt"] for w in (eng.get("reference"), eng.get("torch")) if w for r in w["runs"]})
+    eng = report.engines
+    lengths = sorted({r.prompt for w in (eng.get("reference"), eng.get("torch")) if w for r in w.runs})
     out = []
     for n in lengths:
         cells = []
@@ -737,20 +764,19 @@ def scaling_rows(report: dict[str, Any]) -> list[tuple[int, list[str]]]:
     return out
 
 
-def _thread_note(report: dict[str, Any]) -> str:
+def _thread_note(report: PerfReport) -> str:
     """' Threads: ...': what each engine's worker ran with (recorded by `engine_threads`; '' for older reports)."""
-    parts = [f"{name} {', '.join(f'{k} {v}' for k, v in w['threads'].items())}"
-             for name, w in report["engines"].items() if name in ("reference", "torch") and "threads" in w]
+    parts = [f"{name} {', '.join(f'{k} {v}' for k, v in w.threads.items())}"
+             for name, w in report.engines.items() if name in ("reference", "torch") and w.threads is not None]
     return f" Threads: {'; '.join(parts)}." if parts else ""
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: PerfReport) -> str:
     """The tables of docs/bench.md: machine, per-layer times, dequantizer throughput."""
-    m = report["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']:.0f} GiB; numpy {m['numpy']}, "
-             f"torch {m['torch']}; load average at start {m['load_avg_start'][0]:.1f}"
-             + (f", at end {report['load_end']:.1f}" if "load_end" in report else "")
-             + f"; device {report['device']}; total bench wall time {report['wall_s']:.0f} s."
+    m = report.machine
+    lines = [f"Machine: {m.cpu}, {m.cores} cores, {m.memory_gb:.0f} GiB; numpy {m.numpy}, "
+             f"torch {m.torch}; load average at start {m.load_avg_start[0]:.1f}, at end {report.load_end:.1f}"
+             f"; device {report.device}; total bench wall time {report.wall_s:.0f} s."
              + _thread_note(report), "",
              "| measure (per real layer) | reference | torch | torch speed-up |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in summary_rows(report)]
@@ -762,31 +788,30 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     threads = thread_rows(report)
     if threads:
-        n = report["engines"]["reference"]["usable_cpus"]  # the reference's default thread count
+        n = report.engines["reference"].usable_cpus  # the reference's default thread count
         lines += ["", f"Reference thread scaling, 1 -> {n} worker threads (the default: one per usable CPU; per "
                   "layer, layer 0 CSA / layer 1 HCA; bit-identical results):", "",
                   f"| measure | 1 thread | {n} threads | speed-up |",
                   "|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in threads]
-    at = f"; load {report['dequant_load']:.1f} at the start" if "dequant_load" in report else ""
-    at += f", {report['dequant_load_end']:.1f} at the end" if "dequant_load_end" in report else ""
-    lines += ["", f"Dequantizers, {report['dequant'][0]['values'] / 1e6:.1f} M values per type "
+    at = f"; load {report.dequant_load:.1f} at the start, {report.dequant_load_end:.1f} at the end"
+    lines += ["", f"Dequantizers, {report.dequant[0].values / 1e6:.1f} M values per type "
               f"(M values/s, median; speed-up vs gguf.quants; bit-exact vs gguf.quants{at}):", "",
               "| type | gguf.quants | reference | ref speed-up | ref exact | torch | torch speed-up | torch exact "
               "| torch / reference |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in report["dequant"]:
+    for r in report.dequant:
         yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
-        lines.append(f"| {r['type']} | {r['gguf_mvs']:.0f} | {r['reference_mvs']:.0f} | {r['reference_speedup']:.1f}x"
-                     f" | {yes(r['reference_exact'])} | {r['torch_mvs']:.0f} | {r['torch_speedup']:.1f}x"
-                     f" | {yes(r['torch_exact'])} | {r['torch_mvs'] / r['reference_mvs']:.1f}x |")
-    if all("reference_mvs_2t" in r for r in report["dequant"]):
+        lines.append(f"| {r.type} | {r.gguf_mvs:.0f} | {r.reference_mvs:.0f} | {r.reference_speedup:.1f}x"
+                     f" | {yes(r.reference_exact)} | {r.torch_mvs:.0f} | {r.torch_speedup:.1f}x"
+                     f" | {yes(r.torch_exact)} | {r.torch_mvs / r.reference_mvs:.1f}x |")
+    if all(r.reference_mvs_2t is not None and r.torch_mvs_2t is not None for r in report.dequant):
         lines += ["", "The same dequantizers, two at once on two threads (each its own matrix and output; M values/s "
                   "of both together; torch / reference at 2 threads):", "",
                   "| type | reference 1 -> 2 threads | torch 1 -> 2 threads | torch / reference |", "|---|---|---|---|"]
-        lines += [f"| {r['type']} | {r['reference_mvs']:.0f} -> {r['reference_mvs_2t']:.0f} | {r['torch_mvs']:.0f} -> "
-                  f"{r['torch_mvs_2t']:.0f} | {r['torch_mvs_2t'] / r['reference_mvs_2t']:.1f}x |"
-                  for r in report["dequant"]]
-    if report.get("tiny_engines"):
+        lines += [f"| {r.type} | {r.reference_mvs:.0f} -> {r.reference_mvs_2t:.0f} | {r.torch_mvs:.0f} -> "
+                  f"{r.torch_mvs_2t:.0f} | {r.torch_mvs_2t / r.reference_mvs_2t:.1f}x |"  # type: ignore[operator]
+                  for r in report.dequant]
+    if report.tiny_engines:
         lines += ["", "Every engine on the tiny F32 model (6 layers, dim 256, QAT simulations off), seconds per layer "
                   "= whole forward / L, prefill of 24 tokens and one decode step (median); speed vs the reference:",
                   "", "| engine | prefill 24 tok / layer | decode step / layer | vs reference (prefill / decode) |",
@@ -801,7 +826,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m parity.bench.measure worker SPEC_JSON")
     spec = json.loads(argv[1])
     spec["lengths"] = {int(k): int(v) for k, v in spec["lengths"].items()}
-    print(json.dumps(run_worker(spec)))
+    print(json.dumps(run_worker(spec).to_dict()))
 
 
 if __name__ == "__main__":

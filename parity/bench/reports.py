@@ -1,17 +1,13 @@
-"""The typed results of `v4parity bench`, one frozen report per section: `PerfReport` (the performance tables,
-OUT/bench.json) and `VerdictsReport` (check's false-DEFECT and detection rates, OUT/verdicts.json).
+"""The typed results of `v4parity bench`: `JsonRecord`, the base of every bench record, its readers, and
+`VerdictsReport` (check's false-DEFECT and detection rates, OUT/verdicts.json).
 
-As `parity.validate.result.ValidateReport`: frozen at the top level, one field per JSON key (in the order the file
-holds them), the nested values JSON-shaped as the measurements produce them. `to_dict()` is the JSON document
-(`parity.compare.jsonvalues.json_safe`). `VerdictsReport` is built by `parity.bench.verdicts.run_verdicts` and
-printed from the record (`render_verdicts_markdown`). `PerfReport` is still built from the measured document (the
-workers' JSON answers gathered by `parity.bench.measure.run_bench`) by `from_dict`, which refuses a missing or
-unknown key by name, and `parity.bench.measure.render_markdown` renders that document (a dict: tests/test_bench.py
-and tests/test_bench_reports.py print hand-made documents with it).
-
-`JsonRecord`, their base, is also the base of the full-depth and spec-acceptance results
-(`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`), whose records are typed all the way down, built
-directly by their benchmarks and printed from the records (`from_dict` only reads a stored document).
+A record is frozen, one field per JSON key (in the order the file holds them); `to_dict()` is the JSON document
+(`parity.compare.jsonvalues.json_safe`), `from_dict` reads a stored one (refusing a missing or unknown key by name).
+`VerdictsReport` is built by `parity.bench.verdicts.run_verdicts` and printed from the record
+(`render_verdicts_markdown`). The performance tables (`parity.bench.perf_report.PerfReport`, OUT/bench.json), the
+full-depth and the spec-acceptance results (`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`)
+are records typed all the way down, built by their benchmarks where the numbers are measured and printed from the
+records.
 """
 
 from __future__ import annotations
@@ -163,29 +159,6 @@ def plain_record(cls: type) -> Callable[[Any], Any]:
             raise ParityError(f"{cls.__name__}: expected exactly the keys {names}, got {v!r}")
         return cls(**v)
     return go
-
-
-@dataclass(frozen=True)
-class PerfReport(JsonRecord):
-    """OUT/bench.json: the machine, the models, dequantizer throughput, trace-diff times, the engines' workers
-    (`parity.bench.measure.run_bench`) and, with peers, the tiny-model engines."""
-
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("tiny_engines",)
-
-    bench_version: int
-    quick: bool
-    device: str
-    torch_threads: int
-    machine: dict[str, Any]
-    models: dict[str, dict[str, Any]]
-    dequant_load: float
-    dequant: list[dict[str, Any]]
-    dequant_load_end: float
-    trace_diff: dict[str, Any]
-    engines: dict[str, Any]
-    tiny_engines: dict[str, Any] | None
-    wall_s: float
-    load_end: float
 
 
 @dataclass(frozen=True)

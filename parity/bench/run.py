@@ -1,6 +1,6 @@
 """`v4parity bench` as one call: check the choices, run the performance tables and/or the verdict benchmark,
 write OUT/bench.json, bench.md, verdicts.json, verdicts.md; the CLI only prints what `run_bench_command` returns
-(frozen section reports, `parity.bench.reports`)."""
+(frozen section reports, `parity.bench.perf_report` and `parity.bench.reports`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from parity.bench.reports import PerfReport, VerdictsReport
+from parity.bench.perf_report import PerfReport
+from parity.bench.reports import VerdictsReport
 from parity.contract.errors import ParityError
 from parity.contract.progress import SILENT, ProgressSink
 
@@ -74,10 +75,9 @@ def run_bench_command(cache_dir: str | Path, out_dir: str | Path, *, device: str
     report = table = None
     files: list[Path] = []
     if not verdicts_only:
-        doc = run_bench(cache, device, quick, chosen, torch_threads or None, progress, peers=peer_names)
-        report = PerfReport.from_dict(doc)   # the document's keys checked: none missing, none unknown
+        report = run_bench(cache, device, quick, chosen, torch_threads or None, progress, peers=peer_names)
         atomic_write_text(out / "bench.json", json.dumps(report.to_dict(), indent=2, allow_nan=False))
-        table = render_markdown(doc)
+        table = render_markdown(report)
         atomic_write_text(out / "bench.md", table)
         files += [out / "bench.json", out / "bench.md"]
     verdict_report = markdown = None
