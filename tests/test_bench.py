@@ -259,6 +259,7 @@ def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> Non
     """The smallest verdict plan end to end: a clean torch run and a faulty one on tiny F32, judged from files;
     the JSON has every row field, and the aggregates are those of the rows."""
     from parity.bench import verdicts
+    from parity.bench.verdicts_report import read_row
     from parity.contract.progress import Recording
 
     plan = verdicts.VerdictPlan(torch_lengths={40: 1}, torch_models=("f32",), llamacpp_types=(),
@@ -281,7 +282,7 @@ def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> Non
     assert correct["verdict"] in ("MATCH", "NOISE") and not correct["false_defect"]
     assert fault["fault"] == "no-decode-compression" and fault["expected_layer"] is not None
     assert fault["verdict"] == "DEFECT" and fault["found"], fault["headline"]
-    assert data["summary"] == json.loads(json.dumps(verdicts.summarize(rows)))
+    assert data["summary"] == json.loads(json.dumps(verdicts.summarize([read_row(r) for r in rows]).to_dict()))
     s = data["summary"]
     c, f = s["correct"], s["faults"]
     assert (c["n"], c["false_defects"], f["acting"], f["found"]) == (1, 0, 1, 1)
@@ -289,21 +290,28 @@ def test_verdict_bench_one_correct_and_one_faulty_run(tiny_f32, tmp_path) -> Non
     assert "| false DEFECT | 0 / 1 = 0.0 %" in md.read_text()
 
 
+def verdict_row(**doc: object) -> dict:
+    """An unjudged verdict-bench row document (a correct torch run, check's MATCH) with `doc`'s keys over it."""
+    return {"kind": "correct", "engine": "torch", "model": "f32", "qat": True, "fault": None, "prompt": 40, "seed": 1,
+            "subops": False, "decode": 8, "wall_s": 1.0, "verdict": "MATCH", "headline": "MATCH", "culprit_layer": None,
+            "culprit_subop": None, "cause": None, "causes": [], "judged": "layer-level", "seconds": 1.0,
+            "layer_runs": {}, "layer_runs_total": 1, **doc}
+
+
 def test_verdict_summary_counts_false_defects_and_misses() -> None:
     """summarize() on hand-made rows: a DEFECT on a correct run is a false DEFECT; a faulty run is found only with
     the right fault at the right layer; a fault that does not act is left out of the rates."""
     from parity.bench.verdicts import summarize, upper_bound
+    from parity.bench.verdicts_report import read_row
 
-    def row(kind: str, verdict: str, s: float, **kw: object) -> dict:
-        r = {"kind": kind, "engine": "torch", "model": "f32", "qat": True, "fault": None, "prompt": 40, "seed": 1,
-             "verdict": verdict, "headline": verdict, "culprit_layer": None, "cause": None, "seconds": s,
-             "layer_runs_total": 10, **kw}
+    def row(kind: str, verdict: str, s: float, **kw: object):
+        r = verdict_row(kind=kind, verdict=verdict, headline=verdict, seconds=s, layer_runs_total=10, **kw)
         if kind == "correct":
             r["false_defect"] = verdict == "DEFECT"
         else:
             r["detected"] = verdict == "DEFECT"
             r["found"] = r["detected"] and r["cause"] == r["fault"] and r["culprit_layer"] == r["expected_layer"]
-        return r
+        return read_row(r)
 
     rows = [row("correct", "MATCH", 1.0), row("correct", "DEFECT", 2.0, prompt=150),
             row("fault", "DEFECT", 3.0, fault="f", cause="f", culprit_layer=2, expected_layer=2),
@@ -311,12 +319,12 @@ def test_verdict_summary_counts_false_defects_and_misses() -> None:
             row("fault", "NOISE", 5.0, fault="f", expected_layer=1),
             row("fault", "MATCH", 6.0, fault="h", expected_layer=None)]
     s = summarize(rows)
-    assert (s["correct"]["n"], s["correct"]["false_defects"], s["correct"]["false_defect_rate"]) == (2, 1, 0.5)
-    assert (s["faults"]["n"], s["faults"]["acting"], s["faults"]["inert"]) == (4, 3, 1)
-    assert (s["faults"]["detected"], s["faults"]["found"]) == (2, 1)
-    assert len(s["false_defects"]) == 1 and len(s["misses"]) == 2
-    assert s["time"]["all"] == {"n": 6, "median_s": 3.5, "max_s": 6.0, "median_layer_runs": 10}
-    assert list(s["time"]["by_length"]["f32"]) == ["40", "150"]
+    assert (s.correct.n, s.correct.false_defects, s.correct.false_defect_rate) == (2, 1, 0.5)
+    assert (s.faults.n, s.faults.acting, s.faults.inert) == (4, 3, 1)
+    assert (s.faults.detected, s.faults.found) == (2, 1)
+    assert len(s.false_defects) == 1 and len(s.misses) == 2
+    assert s.time.all.to_dict() == {"n": 6, "median_s": 3.5, "max_s": 6.0, "median_layer_runs": 10}
+    assert list(s.time.by_length["f32"]) == ["40", "150"]
     assert upper_bound(0, 50) == pytest.approx(1 - 0.05 ** (1 / 50), rel=1e-6)
 
 

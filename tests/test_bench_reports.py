@@ -14,9 +14,11 @@ from test_bench import _trace_diff, _worker
 
 from parity.bench import measure
 from parity.bench.perf_report import DequantRow, PerfReport, TimedRun, WorkerResult
-from parity.bench.reports import VerdictsReport
 from parity.bench.run import run_bench_command
+from parity.bench.verdicts import render_verdicts_markdown, summarize, write_verdicts
+from parity.bench.verdicts_report import CorrectRow, FaultRow, TieRow, VerdictsReport
 from parity.compare.jsonvalues import json_safe
+from parity.compare.verdict import Verdict
 from parity.contract.errors import ParityError
 from parity.contract.progress import Recording
 
@@ -79,6 +81,25 @@ def test_the_records_write_and_print_what_the_dict_based_bench_did():
     assert isinstance(report.dequant[0], DequantRow) and report.dequant[0].torch_mvs_2t is not None
 
 
+def test_the_verdict_records_write_and_print_what_the_dict_based_bench_did(tmp_path):
+    """tests/fixtures/bench/verdicts.json / .md: a small verdict bench with every row kind, one false DEFECT and one
+    misnamed fault, written by the dict-based code (see the fixtures' README)."""
+    fixtures = Path(__file__).parent / "fixtures" / "bench"
+    report = VerdictsReport.from_dict(json.loads((fixtures / "verdicts.json").read_text()))
+    write_verdicts(report, tmp_path)
+    for name in ("verdicts.json", "verdicts.md"):
+        assert (tmp_path / name).read_bytes() == (fixtures / name).read_bytes(), name
+    assert render_verdicts_markdown(report) == (fixtures / "verdicts.md").read_text()
+    assert [type(r) for r in report.rows] == [CorrectRow, CorrectRow, FaultRow, FaultRow, TieRow, TieRow]
+    assert summarize(report.rows) == report.summary   # the stored aggregates are those of the stored rows
+    s = report.summary
+    assert (s.correct.false_defects, s.faults.found, len(s.misses), [t.expected for t in s.ties]) == (
+        1, 1, 1, ["TIE", "DEFECT"])
+    assert report.rows[0].verdict is Verdict.MATCH and report.rows[1].subops is None   # a QAT-off baseline: no key
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.rows[0].seconds = 0.0  # type: ignore[misc]
+
+
 def test_a_document_with_a_missing_or_unknown_key_is_refused_by_name():
     doc = _document()
     del doc["wall_s"]
@@ -90,7 +111,9 @@ def test_a_document_with_a_missing_or_unknown_key_is_refused_by_name():
     nested = r"PerfReport.engines: WorkerResult.runs: TimedRun: unknown key\(s\) \[\], missing key\(s\) \['prefill_s'\]"
     with pytest.raises(ParityError, match=nested):
         PerfReport.from_dict({**_document(), "engines": {"torch": worker}})
-    verdicts = {"alpha": 0.05, "twins": 19, "plan": {}, "rows": [], "summary": {}, "wall_s": 1.0}
+    verdicts = {"alpha": 0.05, "twins": 19, "plan": {}, "rows": [], "summary": summarize([]).to_dict(), "wall_s": 1.0}
     with pytest.raises(ParityError, match=r"missing key\(s\) \['plan_name'\]"):
         VerdictsReport.from_dict(verdicts)
     assert VerdictsReport.from_dict({**verdicts, "plan_name": "quick"}).to_dict() == {**verdicts, "plan_name": "quick"}
+    with pytest.raises(ParityError, match=r"VerdictsReport.rows: verdict row: kind 'twin' is not one of"):
+        VerdictsReport.from_dict({**verdicts, "plan_name": "quick", "rows": [{"kind": "twin"}]})

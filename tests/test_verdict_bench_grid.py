@@ -3,6 +3,10 @@ result are taken from it instead of running again (issue 22, P5)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from test_bench import verdict_row
+
 from parity.bench import verdicts
 from parity.contract.progress import Recording
 
@@ -24,15 +28,15 @@ def test_cells_of_an_earlier_result_are_not_run_again(tiny_f32, tmp_path):
     plan = verdicts.VerdictPlan(torch_lengths={40: 2}, torch_models=("f32",), llamacpp_types=(),
                                 faults=("sink-dropped",), fault_prompts=1, fault_qat=(True,))
     tasks = verdicts._tasks(plan, plan.faults)
-    earlier = [{**t, "verdict": "MATCH", "headline": "MATCH", "culprit_layer": None, "cause": None, "seconds": 1.0,
-                "layer_runs_total": 1, "expected_layer": None, "marker": i} for i, t in enumerate(tasks)]
-    for r in earlier:
-        verdicts._judge(r)
-    earlier[0].pop("subops")         # a row written before `subops` existed is the same cell as subops=False
+    earlier = [verdicts._judge(verdict_row(**t, **({} if t["kind"] == "correct" else {"expected_layer": None})))
+               for t in tasks]
+    # a row written before `subops` existed is the same cell as subops=False
+    earlier[0] = dataclasses.replace(earlier[0], subops=None)
     logged, new = Recording(), []
     result = verdicts.run_verdicts({"f32": tiny_f32}, plan, tmp_path, logged, done=earlier, on_row=new.append,
                                    plan_name="earlier cells")
-    assert [r["marker"] for r in result.rows] == list(range(len(tasks))) and not logged.calls and not new
+    assert len(result.rows) == len(tasks) and all(r is e for r, e in zip(result.rows, earlier, strict=True))
+    assert not logged.calls and not new
     assert verdicts.task_key(earlier[0]) == verdicts.task_key(tasks[0])
     assert verdicts.task_key({**tasks[0], "seed": 99}) != verdicts.task_key(tasks[0])
 
@@ -45,10 +49,10 @@ def test_the_tie_breaking_fault_runs_where_ties_exist_and_is_judged_by_its_chang
     assert all(t["fault"] == "indexer-ties-highest" and t["qat"] for t in ties)
 
     def row(picks, verdict, causes, cause=None, culprit=None):
-        r = {"kind": "tie", "fault": "indexer-ties-highest", "changed_picks": picks, "expected_layer": 4,
-             "verdict": verdict, "causes": causes, "cause": cause, "culprit_layer": culprit}
-        verdicts._judge(r)
-        return r["expected"], r["found"]
+        r = verdicts._judge(verdict_row(kind="tie", fault="indexer-ties-highest", changed_picks=picks,
+                                        expected_layer=4, verdict=verdict, causes=causes, cause=cause,
+                                        culprit_layer=culprit))
+        return r.expected, r.found
 
     assert row(1, "NOISE", ["benign:tie@4", "benign:fp8-code-flip@4"]) == ("TIE", True)
     assert row(1, "NOISE", ["benign:tie@2"]) == ("TIE", False)            # a tie, at another layer

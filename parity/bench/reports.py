@@ -1,19 +1,17 @@
-"""The typed results of `v4parity bench`: `JsonRecord`, the base of every bench record, its readers, and
-`VerdictsReport` (check's false-DEFECT and detection rates, OUT/verdicts.json).
+"""`JsonRecord`, the base of every typed result of `v4parity bench`, and its readers.
 
 A record is frozen, one field per JSON key (in the order the file holds them); `to_dict()` is the JSON document
 (`parity.compare.jsonvalues.json_safe`), `from_dict` reads a stored one (refusing a missing or unknown key by name).
-`VerdictsReport` is built by `parity.bench.verdicts.run_verdicts` and printed from the record
-(`render_verdicts_markdown`). The performance tables (`parity.bench.perf_report.PerfReport`, OUT/bench.json), the
-full-depth and the spec-acceptance results (`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`)
-are records typed all the way down, built by their benchmarks where the numbers are measured and printed from the
-records.
+The performance tables (`parity.bench.perf_report.PerfReport`, OUT/bench.json), the verdict benchmark
+(`parity.bench.verdicts_report.VerdictsReport`, OUT/verdicts.json), the full-depth and the spec-acceptance results
+(`parity.bench.full_depth_report`, `parity.bench.spec_bench_report`) are records typed all the way down, built by
+their benchmarks where the numbers are measured and printed from the records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -159,16 +157,3 @@ def plain_record(cls: type) -> Callable[[Any], Any]:
             raise ParityError(f"{cls.__name__}: expected exactly the keys {names}, got {v!r}")
         return cls(**v)
     return go
-
-
-@dataclass(frozen=True)
-class VerdictsReport(JsonRecord):
-    """OUT/verdicts.json: `parity.bench.verdicts.run_verdicts`'s plan, rows and summary, and the plan's name."""
-
-    alpha: float
-    twins: int
-    plan: dict[str, Any]
-    rows: list[dict[str, Any]]
-    summary: dict[str, Any]
-    wall_s: float
-    plan_name: str

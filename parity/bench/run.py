@@ -1,6 +1,6 @@
 """`v4parity bench` as one call: check the choices, run the performance tables and/or the verdict benchmark,
 write OUT/bench.json, bench.md, verdicts.json, verdicts.md; the CLI only prints what `run_bench_command` returns
-(frozen section reports, `parity.bench.perf_report` and `parity.bench.reports`)."""
+(frozen section reports, `parity.bench.perf_report` and `parity.bench.verdicts_report`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.bench.perf_report import PerfReport
-from parity.bench.reports import VerdictsReport
+from parity.bench.verdicts_report import VerdictsReport
 from parity.contract.errors import ParityError
 from parity.contract.progress import SILENT, ProgressSink
 

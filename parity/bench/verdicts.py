@@ -7,9 +7,9 @@ llama.cpp captures of the tiny F32 model quantized by llama.cpp's own quantizer.
 fault switch on several prompts of the tiny F32 and tiny real-mix models, QAT simulations on and off; a fault counts
 as found when `check` says DEFECT and names that fault at the first layer whose recorded output differs bitwise from
 the clean torch trace on the same tokens (the rule of tests/test_check.py). Every candidate is written to a file
-and judged from the file, as a foreign engine's would be. `run_verdicts` returns the rows and their aggregates as a
-`parity.bench.reports.VerdictsReport`; `render_verdicts_markdown` prints it, `write_verdicts` writes `verdicts.json`
-and `verdicts.md`.
+and judged from the file, as a foreign engine's would be. `run_verdicts` returns the judged rows (`_judge`) and their
+aggregates (`summarize`) as a `parity.bench.verdicts_report.VerdictsReport` (records all the way down);
+`render_verdicts_markdown` prints it, `write_verdicts` writes `verdicts.json` and `verdicts.md`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,31 @@ import math
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.bench.reports import VerdictsReport
+from parity.bench.verdicts_report import (
+    Brief,
+    CorrectRow,
+    CorrectSummary,
+    FaultCount,
+    FaultRow,
+    FaultSummary,
+    GroupStats,
+    QatCount,
+    TieBrief,
+    TieRow,
+    Times,
+    TimeSummary,
+    VerdictRow,
+    VerdictsReport,
+    VerdictSummary,
+    read_row,
+)
 from parity.compare.verdict import Verdict
 from parity.contract.progress import SILENT, Note, ProgressSink
 
@@ -201,37 +218,42 @@ def _tasks(plan: VerdictPlan, faults: Sequence[str]) -> list[dict[str, Any]]:
 TASK_KEYS = ("kind", "engine", "model", "qat", "fault", "prompt", "seed", "subops")
 
 
-def task_key(task: dict[str, Any]) -> tuple:
+def task_key(task: Mapping[str, Any] | VerdictRow) -> tuple:
     """What identifies a run of the plan (a task, or the row it gave): a row of an earlier result with the same key
-    is the same run."""
-    return tuple(bool(task.get(k)) if k == "subops" else task[k] for k in TASK_KEYS)
+    is the same run (a row without `subops` is one with subops False)."""
+    if isinstance(task, Mapping):
+        return tuple(bool(task.get(k)) if k == "subops" else task[k] for k in TASK_KEYS)
+    return tuple(bool(getattr(task, k)) if k == "subops" else getattr(task, k) for k in TASK_KEYS)
 
 
-def _judge(row: dict[str, Any]) -> None:
-    """Mark the row: a correct run is a false DEFECT when check says DEFECT; a faulty run is detected when DEFECT
-    and found when, besides, the named cause is the fault at the expected layer."""
+def _judge(row: dict[str, Any]) -> VerdictRow:
+    """The judged record of a row (the run, check's answer and, for a faulty or tie run, the first layer where its
+    fault acts; for a tie run, the picks it changed there): a correct run is a false DEFECT when check says DEFECT;
+    a faulty run is detected when DEFECT and found when, besides, the named cause is the fault at the expected
+    layer."""
     if row["kind"] == "correct":
-        row["false_defect"] = row["verdict"] == Verdict.DEFECT
+        marks: dict[str, Any] = {"false_defect": row["verdict"] == Verdict.DEFECT}
     elif row["kind"] == "tie":   # one changed pick: a TIE at that layer (NOISE); >= 2: DEFECT naming the fault
-        row["expected"] = "TIE" if row["changed_picks"] == 1 else "DEFECT"
-        row["found"] = bool(row["expected_layer"] is not None and (
+        expected = "TIE" if row["changed_picks"] == 1 else "DEFECT"
+        marks = {"expected": expected, "found": bool(row["expected_layer"] is not None and (
             (row["verdict"] == Verdict.NOISE and f"benign:tie@{row['expected_layer']}" in row["causes"])
-            if row["expected"] == "TIE" else
+            if expected == "TIE" else
             (row["verdict"] == Verdict.DEFECT and row["cause"] == row["fault"]
-             and row["culprit_layer"] == row["expected_layer"])))
+             and row["culprit_layer"] == row["expected_layer"])))}
     else:
-        row["detected"] = row["verdict"] == Verdict.DEFECT
-        row["found"] = bool(row["detected"] and row["cause"] == row["fault"]
-                            and row["culprit_layer"] == row["expected_layer"])
+        detected = row["verdict"] == Verdict.DEFECT
+        marks = {"detected": detected, "found": bool(detected and row["cause"] == row["fault"]
+                                                     and row["culprit_layer"] == row["expected_layer"])}
+    return read_row({**row, **marks})
 
 
 def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
                  progress: ProgressSink = SILENT,
-                 done: Sequence[dict[str, Any]] = (),
-                 on_row: Callable[[dict[str, Any]], None] | None = None, *, plan_name: str) -> VerdictsReport:
+                 done: Sequence[VerdictRow] = (),
+                 on_row: Callable[[VerdictRow], None] | None = None, *, plan_name: str) -> VerdictsReport:
     """Run the plan (named `plan_name` in the report: "quick", "default", ...): trace (or capture) each candidate
     into `scratch`, judge it with `parity.api.check` from the file, one progress line per run through
-    `progress.note`. `done`: rows of an earlier result (its "rows"); a run of the plan with the same `task_key` as
+    `progress.note`. `done`: rows of an earlier result (its `rows`); a run of the plan with the same `task_key` as
     one of them is taken from there, not run again. `on_row(row)` is called after each new run (to keep partial
     results). Returns the report: plan, rows, summary (`summarize(rows)`), wall time."""
     from parity.contract.engine import engine_faults
@@ -244,7 +266,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
     clean: dict[tuple[str, bool, int], Any] = {}   # (model, qat, seed) -> clean torch trace, fault_length tokens
     earlier = {task_key(r): r for r in done}
     todo = sum(task_key(t) not in earlier for t in tasks)
-    rows: list[dict[str, Any]] = []
+    rows: list[VerdictRow] = []
     ran = 0
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):
@@ -263,7 +285,7 @@ def run_verdicts(models: dict[str, Path], plan: VerdictPlan, scratch: Path,
 
 
 def _run_task(i: int, task: dict[str, Any], model: Path, cfg: ModelConfig, plan: VerdictPlan, scratch: Path,
-              clean: dict[tuple[str, bool, int], Any]) -> dict[str, Any]:
+              clean: dict[tuple[str, bool, int], Any]) -> VerdictRow:
     """One run of the plan (the i-th task): its candidate written into a folder of `scratch`, judged by
     `parity.api.check` from the file; the judged row. cfg: the model's config; clean: the clean torch traces
     already loaded (filled here)."""
@@ -297,8 +319,7 @@ def _run_task(i: int, task: dict[str, Any], model: Path, cfg: ModelConfig, plan:
         row["changed_picks"] = picks
     if not keep:
         shutil.rmtree(folder)
-    _judge(row)
-    return row
+    return _judge(row)
 
 
 def _faulty_run(task: dict[str, Any], model: Path, tokens: Sequence[int], opts: RunOptions, plan: VerdictPlan,
@@ -328,18 +349,18 @@ def _faulty_run(task: dict[str, Any], model: Path, tokens: Sequence[int], opts: 
     return expected, (changed_picks(ref, faulty, expected) if expected is not None else 0)
 
 
-def _progress(task: dict[str, Any], row: dict[str, Any], plan: VerdictPlan) -> str:
+def _progress(task: dict[str, Any], row: VerdictRow, plan: VerdictPlan) -> str:
     """The progress line of a judged run (without its counter and ETA)."""
-    what = f"{_group(task)} T={task['prompt']}+{plan.decode}"
-    if task["kind"] != "correct":
-        what += f" fault {task['fault']} (expected layer {row['expected_layer']})"
-    if task["kind"] == "tie":
-        what += f", {row['changed_picks']} pick(s) changed: expected {row['expected']}"
-    flag = (" FALSE DEFECT" if row.get("false_defect") else "" if task["kind"] == "correct" else
-            " (fault inert on this prompt: not counted)" if row["expected_layer"] is None else "" if row["found"] else
+    what = f"{_group(row)} T={task['prompt']}+{plan.decode}"
+    if not isinstance(row, CorrectRow):
+        what += f" fault {task['fault']} (expected layer {row.expected_layer})"
+    if isinstance(row, TieRow):
+        what += f", {row.changed_picks} pick(s) changed: expected {row.expected}"
+    flag = ((" FALSE DEFECT" if row.false_defect else "") if isinstance(row, CorrectRow) else
+            " (fault inert on this prompt: not counted)" if row.expected_layer is None else "" if row.found else
             " MISSED")
-    return (f"{what} seed {task['seed']}: {row['headline'][:120]} "
-            f"({row['seconds']:.1f} s check, {row['wall_s']:.1f} s run){flag}")
+    return (f"{what} seed {task['seed']}: {row.headline[:120]} "
+            f"({row.seconds:.1f} s check, {row.wall_s:.1f} s run){flag}")
 
 
 def _plan_json(plan: VerdictPlan, faults: Sequence[str]) -> dict[str, Any]:
@@ -367,75 +388,84 @@ def upper_bound(k: int, n: int, conf: float = 0.95) -> float:
     return hi
 
 
-def _times(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    secs = [r["seconds"] for r in rows]
-    runs = [r["layer_runs_total"] for r in rows]
-    return {"n": len(rows), "median_s": statistics.median(secs) if secs else None, "max_s": max(secs, default=None),
-            "median_layer_runs": statistics.median(runs) if runs else None}
+def _times(rows: Sequence[VerdictRow]) -> Times:
+    """Time per check over `rows`."""
+    secs = [r.seconds for r in rows]
+    runs = [r.layer_runs_total for r in rows]
+    return Times(n=len(rows), median_s=statistics.median(secs) if secs else None, max_s=max(secs, default=None),
+                 median_layer_runs=statistics.median(runs) if runs else None)
 
 
-def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: Sequence[VerdictRow]) -> VerdictSummary:
     """Aggregates computed from the rows alone: false-DEFECT count / rate (with its 95 % upper bound), verdict
     counts, detection and naming rates (overall, per fault, per QAT setting), the runs that went wrong, and time
     per check (overall, per candidate group, and against the prompt length)."""
-    correct = [r for r in rows if r["kind"] == "correct"]
-    faulty = [r for r in rows if r["kind"] == "fault"]
-    acting = [r for r in faulty if r["expected_layer"] is not None]
-    n_fd = sum(r["false_defect"] for r in correct)
-    groups: dict[str, list[dict[str, Any]]] = {}
+    correct = [r for r in rows if isinstance(r, CorrectRow)]
+    faulty = [r for r in rows if isinstance(r, FaultRow)]
+    acting = [r for r in faulty if r.expected_layer is not None]
+    n_fd = sum(r.false_defect for r in correct)
+    groups: dict[str, list[CorrectRow]] = {}
     for r in correct:
         groups.setdefault(_group(r), []).append(r)
-    per_group = {g: {"verdicts": _count(rs), "false_defects": sum(r["false_defect"] for r in rs), **_times(rs)}
-                 for g, rs in groups.items()}
-    by_length: dict[str, dict[str, Any]] = {}
+    by_length: dict[str, dict[str, list[CorrectRow]]] = {}
     for r in correct:
-        if r["engine"] == "torch" and r["qat"]:
-            key = r["model"] + (" --subops (op-level)" if r.get("subops") else "")
-            by_length.setdefault(key, {}).setdefault(str(r["prompt"]), []).append(r)
-    per_fault: dict[str, dict[str, Any]] = {}
+        if r.engine == "torch" and r.qat:
+            key = r.model + (" --subops (op-level)" if r.subops else "")
+            by_length.setdefault(key, {}).setdefault(str(r.prompt), []).append(r)
+    return VerdictSummary(
+        correct=CorrectSummary(
+            n=len(correct), verdicts=_count(correct), false_defects=n_fd,
+            false_defect_rate=n_fd / len(correct) if correct else None,
+            false_defect_rate_upper95=upper_bound(n_fd, len(correct)) if correct else None,
+            groups={g: GroupStats(_count(rs), sum(r.false_defect for r in rs), _times(rs))
+                    for g, rs in groups.items()}),
+        faults=_fault_summary(faulty, acting),
+        ties=[TieBrief(**_brief(r), changed_picks=r.changed_picks, expected=r.expected, found=r.found)
+              for r in rows if isinstance(r, TieRow)],
+        false_defects=[Brief(**_brief(r)) for r in correct if r.false_defect],
+        misses=[Brief(**_brief(r)) for r in acting if not r.found],
+        time=TimeSummary(all=_times(rows), correct=_times(correct), faults=_times(faulty),
+                         by_length={m: {n: _times(rs) for n, rs in sorted(d.items(), key=lambda kv: int(kv[0]))}
+                                    for m, d in by_length.items()}))
+
+
+def _fault_summary(faulty: Sequence[FaultRow], acting: Sequence[FaultRow]) -> FaultSummary:
+    """The faulty runs' counts and rates, overall (acting runs), per model and fault, per model and QAT setting."""
+    per_fault: dict[str, dict[str, int]] = {}
     for r in faulty:
-        f = per_fault.setdefault(f"{r['model']} {r['fault']}" + (" --subops" if r.get("subops") else ""),
+        f = per_fault.setdefault(f"{r.model} {r.fault}" + (" --subops" if r.subops else ""),
                                  {"n": 0, "acting": 0, "detected": 0, "found": 0})
         f["n"] += 1
-        f["acting"] += r["expected_layer"] is not None
-        f["detected"] += r["detected"]
-        f["found"] += r["found"] and r["expected_layer"] is not None
+        f["acting"] += r.expected_layer is not None
+        f["detected"] += r.detected
+        f["found"] += r.found and r.expected_layer is not None
     per_qat = {}
-    for model, qat in sorted({(r["model"], r["qat"]) for r in faulty}, key=lambda mq: (mq[0], not mq[1])):
-        rs = [r for r in acting if r["qat"] == qat and r["model"] == model]
-        per_qat[f"{model} QAT {'on' if qat else 'off'}"] = {"n": len(rs), "detected": sum(r["detected"] for r in rs),
-                                                            "found": sum(r["found"] for r in rs)}
-    brief = lambda r: {k: r.get(k) for k in ("engine", "model", "qat", "fault", "prompt", "seed",  # noqa: E731
-                                             "expected_layer", "verdict", "headline")}
-    return {
-        "correct": {"n": len(correct), "verdicts": _count(correct), "false_defects": n_fd,
-                    "false_defect_rate": n_fd / len(correct) if correct else None,
-                    "false_defect_rate_upper95": upper_bound(n_fd, len(correct)) if correct else None,
-                    "groups": per_group},
-        "faults": {"n": len(faulty), "acting": len(acting), "inert": len(faulty) - len(acting),
-                   "detected": sum(r["detected"] for r in acting), "found": sum(r["found"] for r in acting),
-                   "detection_rate": sum(r["detected"] for r in acting) / len(acting) if acting else None,
-                   "found_rate": sum(r["found"] for r in acting) / len(acting) if acting else None,
-                   "per_fault": per_fault, "per_qat": per_qat},
-        "ties": [{**brief(r), "changed_picks": r["changed_picks"], "expected": r["expected"], "found": r["found"]}
-                 for r in rows if r["kind"] == "tie"],
-        "false_defects": [brief(r) for r in correct if r["false_defect"]],
-        "misses": [brief(r) for r in acting if not r["found"]],
-        "time": {"all": _times(rows), "correct": _times(correct), "faults": _times(faulty),
-                 "by_length": {m: {n: _times(rs) for n, rs in sorted(d.items(), key=lambda kv: int(kv[0]))}
-                               for m, d in by_length.items()}},
-    }
+    for model, qat in sorted({(r.model, r.qat) for r in faulty}, key=lambda mq: (mq[0], not mq[1])):
+        rs = [r for r in acting if r.qat == qat and r.model == model]
+        per_qat[f"{model} QAT {'on' if qat else 'off'}"] = QatCount(
+            n=len(rs), detected=sum(r.detected for r in rs), found=sum(r.found for r in rs))
+    detected, found = sum(r.detected for r in acting), sum(r.found for r in acting)
+    return FaultSummary(n=len(faulty), acting=len(acting), inert=len(faulty) - len(acting), detected=detected,
+                        found=found, detection_rate=detected / len(acting) if acting else None,
+                        found_rate=found / len(acting) if acting else None,
+                        per_fault={k: FaultCount(**v) for k, v in per_fault.items()}, per_qat=per_qat)
 
 
-def _group(r: dict[str, Any]) -> str:
+def _brief(r: VerdictRow) -> dict[str, Any]:
+    """A row's fields named in the summary (`Brief`; expected_layer None for a correct run)."""
+    return {"engine": r.engine, "model": r.model, "qat": r.qat, "fault": r.fault, "prompt": r.prompt, "seed": r.seed,
+            "expected_layer": getattr(r, "expected_layer", None), "verdict": r.verdict, "headline": r.headline}
+
+
+def _group(r: VerdictRow) -> str:
     """A correct candidate's group: engine, model, QAT off, sub-op records."""
-    return f"{r['engine']} {r['model']}{'' if r['qat'] else ' qat-off'}{' --subops' if r.get('subops') else ''}"
+    return f"{r.engine} {r.model}{'' if r.qat else ' qat-off'}{' --subops' if r.subops else ''}"
 
 
-def _count(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+def _count(rows: Sequence[VerdictRow]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in rows:
-        out[r["verdict"]] = out.get(r["verdict"], 0) + 1
+        out[r.verdict] = out.get(r.verdict, 0) + 1
     return out
 
 
@@ -446,53 +476,52 @@ def _pct(x: float | None) -> str:
 def render_verdicts_markdown(result: VerdictsReport) -> str:
     """The tables of docs/check.md's benchmark section."""
     s = result.summary
-    c, f, tm = s["correct"], s["faults"], s["time"]
+    c, f, tm = s.correct, s.faults, s.time
     verdicts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))  # noqa: E731
     lines = [f"`check` verdicts: α = {result.alpha:g}, {result.twins} round-off twins, "
-             f"{c['n']} correct and {f['n']} faulty candidates, bench wall time {result.wall_s / 60:.1f} min.", "",
+             f"{c.n} correct and {f.n} faulty candidates, bench wall time {result.wall_s / 60:.1f} min.", "",
              "| measure | value |", "|---|---|",
-             f"| correct runs | {c['n']} ({verdicts(c['verdicts'])}) |",
-             f"| false DEFECT | {c['false_defects']} / {c['n']} = {_pct(c['false_defect_rate'])} "
-             f"(95 % upper bound {_pct(c['false_defect_rate_upper95'])}) |",
-             f"| faulty runs (fault acts on the prompt) | {f['n']} ({f['acting']}) |",
-             f"| detected (DEFECT) | {f['detected']} / {f['acting']} = {_pct(f['detection_rate'])} |",
-             f"| found (DEFECT, that fault, right layer) | {f['found']} / {f['acting']} = {_pct(f['found_rate'])} |",
-             f"| time per check, median / max | {tm['all']['median_s']:.1f} s / {tm['all']['max_s']:.1f} s |", "",
+             f"| correct runs | {c.n} ({verdicts(c.verdicts)}) |",
+             f"| false DEFECT | {c.false_defects} / {c.n} = {_pct(c.false_defect_rate)} "
+             f"(95 % upper bound {_pct(c.false_defect_rate_upper95)}) |",
+             f"| faulty runs (fault acts on the prompt) | {f.n} ({f.acting}) |",
+             f"| detected (DEFECT) | {f.detected} / {f.acting} = {_pct(f.detection_rate)} |",
+             f"| found (DEFECT, that fault, right layer) | {f.found} / {f.acting} = {_pct(f.found_rate)} |",
+             f"| time per check, median / max | {tm.all.median_s:.1f} s / {tm.all.max_s:.1f} s |", "",
              "| correct candidates | runs | verdicts | false DEFECT | median / max s | median layer-runs |",
              "|---|---|---|---|---|---|"]
-    for g, d in c["groups"].items():
-        lines.append(f"| {g} | {d['n']} | {verdicts(d['verdicts'])} | {d['false_defects']} | "
-                     f"{d['median_s']:.1f} / {d['max_s']:.1f} | {d['median_layer_runs']:g} |")
+    for g, d in c.groups.items():
+        lines.append(f"| {g} | {d.times.n} | {verdicts(d.verdicts)} | {d.false_defects} | "
+                     f"{d.times.median_s:.1f} / {d.times.max_s:.1f} | {d.times.median_layer_runs:g} |")
     lines += ["", "| model, fault | runs (acting) | detected | found | ", "|---|---|---|---|"]
-    lines += [f"| {name} | {d['n']} ({d['acting']}) | {d['detected']} | {d['found']} |"
-              + (" inert: no exact ties on these prompts (tie table below) |" if TIE_FAULT in name and not d["acting"]
-                 else "") for name, d in f["per_fault"].items()]
-    if s.get("ties"):
+    lines += [f"| {name} | {d.n} ({d.acting}) | {d.detected} | {d.found} |"
+              + (" inert: no exact ties on these prompts (tie table below) |" if TIE_FAULT in name and not d.acting
+                 else "") for name, d in f.per_fault.items()]
+    if s.ties:
         lines += ["", f"`{TIE_FAULT}` where exact ties exist (expected: TIE with one changed pick, DEFECT naming "
                   "the fault with >= 2):", "",
                   "| model | prompt | layer | picks changed | expected | verdict | as expected |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {'motif' if r['seed'] == MOTIF_SEED else 'seed ' + str(r['seed'])}, "
-                  f"T={r['prompt']} "
-                  f"| {r['expected_layer']} | {r['changed_picks']} | {r['expected']} | {r['verdict']} | "
-                  f"{'yes' if r['found'] else 'NO'} |" for r in s["ties"]]
-    if f["per_qat"]:
+        lines += [f"| {r.model} | {'motif' if r.seed == MOTIF_SEED else 'seed ' + str(r.seed)}, "
+                  f"T={r.prompt} "
+                  f"| {r.expected_layer} | {r.changed_picks} | {r.expected} | {r.verdict} | "
+                  f"{'yes' if r.found else 'NO'} |" for r in s.ties]
+    if f.per_qat:
         lines += ["", "Per model and QAT setting (acting runs): " + "; ".join(
-            f"{k}: {d['found']} / {d['n']} found, {d['detected']} DEFECT" for k, d in f["per_qat"].items())]
-    if tm["by_length"]:
+            f"{k}: {d.found} / {d.n} found, {d.detected} DEFECT" for k, d in f.per_qat.items())]
+    if tm.by_length:
         lines += ["", "Time per check against prompt length (torch, QAT on, + decode steps; median s / median "
                   "layer-runs):", "", "| model | " + " | ".join(f"T = {n}" for n in
-                                                                 next(iter(tm["by_length"].values()))) + " |",
-                  "|---|" + "---|" * len(next(iter(tm["by_length"].values())))]
-        for m, d in tm["by_length"].items():
-            lines.append(f"| tiny {m} | " + " | ".join(f"{v['median_s']:.1f} s / {v['median_layer_runs']:g}"
+                                                                 next(iter(tm.by_length.values()))) + " |",
+                  "|---|" + "---|" * len(next(iter(tm.by_length.values())))]
+        for m, d in tm.by_length.items():
+            lines.append(f"| tiny {m} | " + " | ".join(f"{v.median_s:.1f} s / {v.median_layer_runs:g}"
                                                        for v in d.values()) + " |")
-    for title, key in (("False DEFECTs", "false_defects"), ("Missed or misnamed faults", "misses")):
-        lines += ["", f"{title}: {len(s[key]) or 'none'}"]
-        for r in s[key]:
-            fault = f" fault {r['fault']} (expected layer {r['expected_layer']})" if r["fault"] else ""
-            lines.append(f"* {r['engine']} {r['model']} qat={r['qat']} T={r['prompt']} seed {r['seed']}{fault}: "
-                         f"`{r['headline']}`")
+    for title, briefs in (("False DEFECTs", s.false_defects), ("Missed or misnamed faults", s.misses)):
+        lines += ["", f"{title}: {len(briefs) or 'none'}"]
+        for r in briefs:
+            fault = f" fault {r.fault} (expected layer {r.expected_layer})" if r.fault else ""
+            lines.append(f"* {r.engine} {r.model} qat={r.qat} T={r.prompt} seed {r.seed}{fault}: `{r.headline}`")
     return "\n".join(lines) + "\n"
 
 
