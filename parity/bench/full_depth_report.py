@@ -67,26 +67,14 @@ class Measured:
 
 
 @dataclass(frozen=True)
-class StepRow(JsonRecord):
-    """One measured step: argv, exit status, why it was killed (or None), wall / CPU / user / system seconds, peak
-    RSS total and anonymous (bytes), 1-minute load before and after, its stderr log, what it is, the sizes of the
-    files it wrote; then what its output said (check / diff), or check's error."""
+class StepRow(JsonRecord, Measured):
+    """One measured step: what `Measured` holds (argv, exit status, why it was killed, times, peak RSS, load, its
+    stderr log), then what it is, the sizes of the files it wrote; then what its output said (check / diff), or
+    check's error."""
 
     OPTIONAL: ClassVar[tuple[str, ...]] = ("error",)
     SPLICED: ClassVar[dict[str, type[JsonRecord]]] = {"check": CheckFound, "diff": DiffFound}
 
-    argv: list[str]
-    exit: int
-    killed: str | None
-    wall_s: float
-    cpu_s: float
-    user_s: float
-    sys_s: float
-    peak_rss: int
-    peak_anon: int
-    load_before: float
-    load_after: float
-    log: str
     what: str
     sizes: dict[str, int]
     check: CheckFound | None = None
