@@ -1,15 +1,21 @@
-"""The full-depth bench's measurement of one child process (parity/bench/full_depth.py; the bench itself is not
-run here: hours at full depth)."""
+"""The full-depth bench's measurement of one child process and its descendants, its Amdahl fit and report
+comparison, and the engines' whole-model timing on the tiny model (parity/bench/full_depth.py, engine_speed.py; the
+bench itself is not run here: hours at full depth)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from dataclasses import FrozenInstanceError, fields
+from pathlib import Path
 
 import pytest
+from requires import require
 
-from parity.bench.full_depth import run_measured
-from parity.bench.full_depth_report import StepRow
+from parity.bench.full_depth import amdahl, descendants, run_measured, same_report
+from parity.bench.full_depth_report import SpeedFound, StepRow
 
 # a child that holds 256 MiB of touched anonymous memory for 1.5 s, then exits 3
 HOLD = "import time; b = bytearray(256 << 20); time.sleep(1.5); raise SystemExit(3)"
@@ -33,3 +39,54 @@ def test_kills_over_the_memory_limit_or_the_time_limit(tmp_path):
     row = run_measured([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "c.log",
                        anon_limit=4 << 30, timeout_s=0.5)
     assert row.killed.startswith("killed: still running") and row.wall_s < 10
+
+
+# a child that starts a grandchild holding 256 MiB, then waits for it: the tree's memory, not the child's own
+TREE = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+        "'import time; b = bytearray(256 << 20); time.sleep(1.5)'])")
+
+
+def test_memory_is_the_process_trees(tmp_path):
+    row = run_measured([sys.executable, "-c", TREE], tmp_path / "t.log", anon_limit=4 << 30, timeout_s=60)
+    assert row.exit == 0 and row.peak_anon >= 256 << 20
+    # over the limit the whole tree is killed: the step ends long before the grandchild's sleep would
+    slow = TREE.replace("time.sleep(1.5)", "time.sleep(30)")
+    row = run_measured([sys.executable, "-c", slow], tmp_path / "u.log", anon_limit=128 << 20, timeout_s=60)
+    assert row.killed.startswith("killed: anonymous RSS") and row.wall_s < 20
+    assert not [p for p in descendants(os.getpid()) if p != os.getpid()
+                if "time.sleep(30)" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+
+def test_amdahl_recovers_the_law_it_fits():
+    # T(N) = 100 + 900 / N: 1000 s on one worker, 550 s on two
+    a, b = amdahl([(1, 1000.0), (2, 550.0)])
+    assert a == pytest.approx(100.0, rel=1e-12) and b == pytest.approx(900.0, rel=1e-12)
+    a, b = amdahl([(1, 1000.0), (2, 550.0), (4, 325.0)])
+    assert (a, b) == (pytest.approx(100.0, rel=1e-12), pytest.approx(900.0, rel=1e-12))
+
+
+def test_same_report_ignores_only_wall_clock_seconds(tmp_path):
+    doc = {"verdict": "DEFECT", "seconds": 1615.1, "envelope": {"source": "cache", "seconds": 0.016},
+           "culprit": {"layer": 30}}
+    serial, other = tmp_path / "serial.out", tmp_path / "other.out"
+    serial.write_text(json.dumps(doc))
+    other.write_text(json.dumps({**doc, "seconds": 900.5, "envelope": {"source": "cache", "seconds": 0.2}}))
+    assert same_report(other, serial) is True
+    other.write_text(json.dumps({**doc, "seconds": 900.5, "culprit": {"layer": 29}}))
+    assert same_report(other, serial) is False
+    other.write_text("Traceback ...")
+    assert same_report(other, serial) is None
+
+
+@pytest.mark.parametrize("engine", ["torch", "llama.cpp"])
+def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
+    if engine == "llama.cpp":
+        require("llama_cpp")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("5,9,13,17,21,25,29,33")
+    out = subprocess.run([sys.executable, "-m", "parity.bench.engine_speed", engine, str(tiny_f32), str(prompt),
+                          "--decode", "2", "--reps", "2", "--threads", "1"],
+                         capture_output=True, text=True, check=True, timeout=300)
+    speed = SpeedFound.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert (speed.engine, speed.prompt, speed.decode_steps, speed.reps, speed.threads) == (engine, 8, 2, 2, 1)
+    assert 0 < speed.decode_s < speed.prefill_s + speed.load_s and speed.prefill_cpu_s > 0

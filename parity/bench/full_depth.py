@@ -21,8 +21,17 @@ rewritten from all of them):
   trace-torch-24-fault  torch with --inject comb-not-transposed@30, 24 + 4 forced onto the clean run's tokens
   diff-fault      v4parity diff of the reference and the faulty torch trace
   check-fault     v4parity check of that trace
+  check-fault-workers2  the same check with --workers 2 (its JSON compared with check-fault's)
+  check-fault-ray       the same check with --ray --workers 2 (a local Ray instance of 2 CPUs; compared the same)
 
-The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)).
+and, placed after trace-torch-24, the engines' speed as users run them (`parity.bench.engine_speed`):
+
+  speed-torch-24     the torch engine: 24-token prefill + 4 decode steps, whole model, QAT simulations off
+  speed-llamacpp-24  llama.cpp (llama-cpp-python's Llama) on the same file, the same prompt and steps
+
+The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)). Memory is the whole process tree's: a check's
+worker processes and a local Ray instance (raylet, workers) are the step's descendants, and their anonymous RSS is
+summed into the step's (the peak total RSS is wait4's: the largest single process).
 """
 
 from __future__ import annotations
@@ -39,12 +48,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parity.bench.full_depth_report import CheckFound, DiffFound, FullDepthResult, Measured, ModelFile, StepRow
+import numpy as np
+
+from parity.bench.full_depth_report import (
+    CheckFound,
+    DiffFound,
+    FullDepthResult,
+    Measured,
+    ModelFile,
+    SpeedFound,
+    StepRow,
+)
 from parity.bench.measure import load_average, prompt_tokens
 from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
 FAULT = "comb-not-transposed@30"
+CHUNK_2000 = 256   # prefill chunk of the 2000-token trace: 88 checkpoints x 256 rows x 4 x 4096 float32 = 1.4 GiB
 SAMPLE_S = 0.2
 
 
@@ -58,6 +78,22 @@ class Step:
     outputs: list[Path]
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (parent links of /proc/*/stat; one that exits meanwhile is skipped)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
 def read_status(pid: int) -> dict[str, int]:
     """RssAnon and VmRSS (bytes) of process `pid` from /proc/PID/status; {} once it has exited."""
     try:
@@ -69,24 +105,25 @@ def read_status(pid: int) -> dict[str, int]:
 
 
 def run_measured(argv: list[str], log: Path, anon_limit: int, timeout_s: float | None) -> Measured:
-    """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total, anonymous), load, exit. Killed
-    (and recorded so) when its anonymous RSS passes `anon_limit` bytes or its wall time `timeout_s`."""
+    """Run argv (stdout to `log`.out, stderr to `log`); wall, CPU, peak RSS (total; anonymous, summed over the
+    process and its descendants), load, exit. Killed (and recorded so) when that anonymous RSS passes `anon_limit`
+    bytes or its wall time `timeout_s`."""
     env = os.environ | {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     load0, t0 = load_average(), time.perf_counter()
     peak_anon, killed = 0, None
     with log.with_suffix(".out").open("w") as out, log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            peak_anon = max(peak_anon, read_status(proc.pid).get("RssAnon", 0))
+            peak_anon = max(peak_anon, sum(read_status(p).get("RssAnon", 0) for p in descendants(proc.pid)))
             if killed is None and peak_anon > anon_limit:
                 killed = f"killed: anonymous RSS {peak_anon / 2**30:.2f} GiB over the limit {anon_limit / 2**30:.2f}"
             elif killed is None and timeout_s is not None and time.perf_counter() - t0 > timeout_s:
                 killed = f"killed: still running after the step time limit {timeout_s:.0f} s"
             if killed is not None:
-                os.kill(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)   # its workers too (its own session)
             time.sleep(SAMPLE_S)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
     return Measured(argv=argv, exit=proc.returncode, killed=killed, wall_s=time.perf_counter() - t0,
@@ -102,7 +139,9 @@ def prompt_arg(n: int) -> str:
 
 def steps(model: Path, out: Path, experts: int) -> list[Step]:
     """Every step in order."""
-    exe = str(Path(sys.executable).with_name("v4parity"))
+    from parity.contract.cpus import usable_cpus
+
+    exe, threads = str(Path(sys.executable).with_name("v4parity")), usable_cpus()
     trace = [exe, "trace", "-m", str(model), "--positions", "all"]
 
     def npz(name: str) -> list[Path]:
@@ -118,9 +157,15 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
         Step("trace-torch-24", "torch trace, 24 + 4 decode, --positions all --full all",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(24), "--decode", "4", "--full", "all",
               "-o", str(out / "torch24.npz")], npz("torch24")),
-        Step("trace-torch-2000", "torch trace, 2000-token prompt, --positions all, fingerprints only",
-             [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "-o", str(out / "torch2000.npz")],
-             [out / "torch2000.npz"]),
+        *(Step(f"speed-{name}-24", f"{engine}: 24-token prefill + 4 decode steps, whole model, {threads} threads, "
+               "QAT simulations off (x 2, medians)",
+               [sys.executable, "-m", "parity.bench.engine_speed", engine, str(model), prompt_arg(24), "--decode", "4",
+                "--reps", "2", "--threads", str(threads)], [])
+          for name, engine in (("torch", "torch"), ("llamacpp", "llama.cpp"))),
+        Step("trace-torch-2000", f"torch trace, 2000-token prompt in chunks of {CHUNK_2000}, --positions all, "
+             "fingerprints only",
+             [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "--chunk", str(CHUNK_2000),
+              "-o", str(out / "torch2000.npz")], [out / "torch2000.npz"]),
         Step("diff-clean", "diff reference vs clean torch (24 + 4)",
              [exe, "diff", str(out / "ref24.npz"), str(out / "torch24.npz"), "--json", "--no-fail"], []),
         Step("check-clean", "check of the clean torch trace",
@@ -132,11 +177,18 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
              [exe, "diff", str(out / "ref24.npz"), str(out / "torch24-fault.npz"), "--json", "--no-fail"], []),
         Step("check-fault", f"check of the torch trace with {FAULT}",
              [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json"], []),
+        Step("check-fault-workers2", f"check of the torch trace with {FAULT}, --workers 2",
+             [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json", "--workers", "2"], []),
+        Step("check-fault-ray", f"check of the torch trace with {FAULT}, --ray (local, 2 CPUs)",
+             [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json", "--ray",
+              "--workers", "2"], []),
     ]
 
 
-STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "trace-torch-2000", "diff-clean", "check-clean",
-         "trace-torch-24-fault", "diff-fault", "check-fault")
+STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "speed-torch-24", "speed-llamacpp-24",
+         "trace-torch-2000", "diff-clean", "check-clean", "trace-torch-24-fault", "diff-fault", "check-fault",
+         "check-fault-workers2", "check-fault-ray")
+SERIAL_OF = {"check-fault-workers2": "check-fault", "check-fault-ray": "check-fault"}   # parallel -> serial step
 
 
 def _stdout_json(stdout: Path) -> dict[str, Any] | None:
@@ -174,6 +226,28 @@ def drift(stdout: Path) -> DiffFound | None:
     return DiffFound(doc.get("agree"), doc.get("first_drift"), worst, max(logits) if logits else None)
 
 
+def speed(stdout: Path) -> SpeedFound | None:
+    """engine_speed's record (its one JSON line); None when the step printed none (it failed)."""
+    doc = _stdout_json(stdout)
+    return None if doc is None else SpeedFound.from_dict(doc)
+
+
+def timeless(doc: dict[str, Any]) -> str:
+    """check's JSON document with its wall-clock fields (`seconds`, the envelope lookup's `seconds`) set to 0."""
+    doc = json.loads(json.dumps(doc))
+    doc["seconds"] = 0
+    if isinstance(doc.get("envelope"), dict) and "seconds" in doc["envelope"]:
+        doc["envelope"]["seconds"] = 0
+    return json.dumps(doc, indent=1)
+
+
+def same_report(stdout: Path, serial: Path) -> bool | None:
+    """Whether two check runs printed the same JSON report apart from their wall-clock seconds; None when either
+    printed no JSON document."""
+    a, b = _stdout_json(stdout), _stdout_json(serial)
+    return None if a is None or b is None else timeless(a) == timeless(b)
+
+
 def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: float,
         timeout_s: float | None = None) -> FullDepthResult:
     """Run the chosen steps, merge their rows into OUT/full_depth.json (re-read and checked before each write: two
@@ -202,9 +276,12 @@ def run(model: Path, out: Path, only: list[str], experts: int, anon_limit_gb: fl
         measured = run_measured(argv, out / f"{step.name}.log", int(anon_limit_gb * 2**30), timeout_s)
         stdout = Path(measured.log).with_suffix(".out")
         check, error = verdict(stdout) if step.name.startswith("check") else (None, None)
+        serial = SERIAL_OF.get(step.name)
         row = StepRow(**vars(measured), what=step.what,
                       sizes={p.name: p.stat().st_size for p in step.outputs if p.exists()}, check=check, error=error,
-                      diff=drift(stdout) if step.name.startswith("diff") else None)
+                      diff=drift(stdout) if step.name.startswith("diff") else None,
+                      speed=speed(stdout) if step.name.startswith("speed") else None, same_report_as=serial,
+                      same_report=same_report(stdout, out / f"{serial}.out") if serial else None)
         print(f"[full-depth] {step.name}: exit {row.exit}, {row.wall_s:.1f} s wall, {row.cpu_s:.1f} s CPU, "
               f"peak RSS {row.peak_rss / 2**30:.2f} GiB (anon {row.peak_anon / 2**30:.2f}), load "
               f"{row.load_before:.1f} -> {row.load_after:.1f}", file=sys.stderr, flush=True)
@@ -244,7 +321,62 @@ def render_markdown(result: FullDepthResult) -> str:
         lines.append(f"| {name}: {row.what} | {row.wall_s:.1f} s | {row.cpu_s:.1f} s | "
                      f"{row.peak_rss / gib:.2f} / {row.peak_anon / gib:.2f} GiB | "
                      f"{row.load_before:.1f} -> {row.load_after:.1f} | {files} | {outcome} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + speed_lines(result) + parallel_lines(result)) + "\n"
+
+
+def speed_lines(result: FullDepthResult) -> list[str]:
+    """The speed steps' table and the torch / llama.cpp ratio per token (nothing when neither ran)."""
+    found = [row.speed for name in ("speed-torch-24", "speed-llamacpp-24")
+             if (row := result.steps.get(name)) is not None and row.speed is not None]
+    if not found:
+        return []
+    lines = ["", "| engine (threads) | load | prefill (per token) | decode step | CPU prefill / decode step "
+             "| load avg |", "|---|---|---|---|---|---|"]
+    for s in found:
+        lines.append(f"| {s.engine} ({s.threads}) | {s.load_s:.1f} s | {s.prefill_s:.2f} s "
+                     f"({s.prefill_s / s.prompt:.3f} s) | {_opt_s(s.decode_s)} | {_opt_s(s.prefill_cpu_s)} / "
+                     f"{_opt_s(s.decode_cpu_s)} | {'-' if s.load is None else f'{s.load:.1f}'} |")
+    if len(found) == 2 and found[0].decode_s and found[1].decode_s:
+        t, lcp = found
+        per_token = t.prefill_s / t.prompt / (lcp.prefill_s / lcp.prompt)
+        lines += ["", f"torch / llama.cpp per token: prefill {per_token:.2f}x, decode {t.decode_s / lcp.decode_s:.2f}x "
+                      "(above 1: torch slower)"]
+    return lines
+
+
+def _opt_s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def amdahl(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Amdahl's law T(N) = a + b / N fitted to (workers, wall seconds) by least squares: (a, b), the serial and the
+    parallelisable seconds (exact through two points)."""
+    x = np.array([1 / n for n, _ in points])
+    y = np.array([t for _, t in points])
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def parallel_lines(result: FullDepthResult) -> list[str]:
+    """The parallel checks against the serial one (speed-up, same report) and Amdahl's law fitted to the process
+    points (serial, --workers 2) for 16 and 64 workers (nothing when no parallel check ran)."""
+    steps = result.steps
+    rows = [(name, steps[name]) for name in SERIAL_OF if name in steps]
+    if not rows:
+        return []
+    lines = [""]
+    for name, row in rows:
+        serial = steps.get(SERIAL_OF[name])
+        gain = f", speed-up {serial.wall_s / row.wall_s:.2f}x over {serial.wall_s:.1f} s serial" if serial else ""
+        same = {True: "the same as", False: "NOT the same as", None: "not comparable with"}[row.same_report]
+        lines.append(f"* {name}: {row.wall_s:.1f} s{gain} (load {row.load_before:.1f} -> {row.load_after:.1f}); "
+                     f"its report is {same} {row.same_report_as}'s (wall-clock seconds aside)")
+    serial, two = steps.get("check-fault"), steps.get("check-fault-workers2")
+    if serial and two:
+        a, b = amdahl([(1, serial.wall_s), (2, two.wall_s)])
+        lines.append(f"* Amdahl's law through serial and --workers 2: T(N) = {a:.0f} s + {b:.0f} s / N (parallel "
+                     f"share {b / (a + b):.2f}): 16 workers {a + b / 16:.0f} s, 64 workers {a + b / 64:.0f} s")
+    return lines
 
 
 def _judged(check: CheckFound | None) -> str | None:

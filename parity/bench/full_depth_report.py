@@ -47,6 +47,25 @@ class DiffFound(JsonRecord):
 
 
 @dataclass(frozen=True)
+class SpeedFound(JsonRecord):
+    """Whole-model speed of one engine as its users run it (`parity.bench.engine_speed`): engine, prompt tokens,
+    decode steps, repetitions, CPU threads, model load seconds, then medians over the repetitions: prefill seconds,
+    seconds per decode step, their CPU seconds, and the 1-minute load average."""
+
+    engine: str
+    prompt: int
+    decode_steps: int
+    reps: int
+    threads: int
+    load_s: float
+    prefill_s: float
+    decode_s: float | None
+    prefill_cpu_s: float | None
+    decode_cpu_s: float | None
+    load: float | None
+
+
+@dataclass(frozen=True)
 class Measured:
     """One child process as `parity.bench.full_depth.run_measured` measured it: argv, exit status, why it was killed
     (or None), wall / CPU / user / system seconds, peak RSS total and anonymous (bytes), 1-minute load before and
@@ -69,17 +88,22 @@ class Measured:
 @dataclass(frozen=True)
 class StepRow(JsonRecord, Measured):
     """One measured step: what `Measured` holds (argv, exit status, why it was killed, times, peak RSS, load, its
-    stderr log), then what it is, the sizes of the files it wrote; then what its output said (check / diff), or
-    check's error."""
+    stderr log), then what it is, the sizes of the files it wrote; then what its output said (check / diff /
+    an engine's speed), or check's error; for a parallel check, the serial step it repeats and whether the two
+    JSON reports are the same apart from their wall-clock seconds."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("error",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("error", "speed", "same_report_as", "same_report")
     SPLICED: ClassVar[dict[str, type[JsonRecord]]] = {"check": CheckFound, "diff": DiffFound}
+    NESTED: ClassVar[dict[str, Any]] = {"speed": SpeedFound.from_dict}
 
     what: str
     sizes: dict[str, int]
     check: CheckFound | None = None
     error: str | None = None
     diff: DiffFound | None = None
+    speed: SpeedFound | None = None
+    same_report_as: str | None = None
+    same_report: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ PLANS = {
     "quick": {"lengths": {8: 2, 16: 2}, "decode_steps": 2, "trace_reps": 2},
 }
 DEQUANT_REPS = 3
-REAL_LAYERS = 43             # V4-Flash: the one-layer run gets its 1/43 share of the default cache budget
+REAL_LAYERS = 43             # V4-Flash: the model decode estimate is this many times a layer's decode step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,15 +119,18 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int) -> TimedRun:
-    """Median wall time of an n-token prefill and of each following decode step, total and per layer.
+def time_prefill_decode(timed: TimedEngine, n_prompt: int, reps: int, decode_steps: int,
+                        prompt: Sequence[int] | None = None) -> TimedRun:
+    """Median wall time of an n-token prefill (of `prompt`, else `prompt_tokens`) and of each following greedy
+    decode step, total and per layer.
 
     The decode step at context c (= n_prompt + i) sees the window and every compressed row up to c.
     """
     from parity.tracing.runner import forward_chunk
 
     n_layers = timed.config.n_layers
-    prompt = prompt_tokens(n_prompt, timed.config.vocab_size)
+    prompt = (prompt_tokens(n_prompt, timed.config.vocab_size) if prompt is None else
+              np.asarray(prompt, dtype=np.int64))
     prefill, prefill_layers, decode, decode_layers, loads, cpu = [], [], [], [], [], {"prefill": [], "decode": []}
     for _ in range(reps):
         state = timed.new_state()
@@ -598,8 +601,8 @@ def run_bench(cache_dir: Path, device: str, quick: bool, engines: tuple[str, ...
 def engine_workers(models: dict[str, Path], device: str, quick: bool, engines: tuple[str, ...], torch_threads: int,
                    log: Note) -> dict[str, WorkerResult]:
     """The engines on the 2-layer file, one worker per (prompt length, engine), merged per engine; with the
-    reference, its memory on the 1-layer file with one layer's share of the cache and (not quick) its 1-thread
-    point."""
+    reference, its memory on the 1-layer file with the default cache budget (evicted by layer, so what one layer
+    of a full-depth run holds) and (not quick) its 1-thread point."""
     from parity.contract.engine import RunOptions
 
     timeout = 600 if quick else 1800
@@ -620,11 +623,14 @@ def engine_workers(models: dict[str, Path], device: str, quick: bool, engines: t
             parts[engine].append(spawn_worker(spec, 1 if engine == "reference" else torch_threads, timeout))
     workers = {e: merge_workers(ws) for e, ws in parts.items()}
     if "reference" in engines:
-        cache_gb = RunOptions.cache_gb / REAL_LAYERS
-        log(f"reference on the 1-layer file with one layer's share of the cache ({cache_gb:.3f} GiB): memory ...")
+        # the budget is evicted by layer (reference_cpu.weights_cache.LayerCache): one real layer's dense weights
+        # alone need more than a 1/43 share of it, and a full-depth run holds one layer at a time
+        log(f"reference on the 1-layer file with the default cache budget ({RunOptions.cache_gb:.0f} GiB, evicted "
+            "by layer): memory ...")
         n = min(PLANS["quick" if quick else "reference"]["lengths"])
         spec = {"engine": "reference", "model": str(models["1layer"]), "device": "cpu", "lengths": {n: 1},
-                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": cache_gb, "qat_sims": True}
+                "decode_steps": 2, "trace_prompt": n, "trace_reps": 0, "cache_gb": RunOptions.cache_gb,
+                "qat_sims": True}
         workers["reference_1layer_memory"] = spawn_worker(spec, 1, timeout)
         if not quick:
             log("reference on the 2-layer file with 1 worker thread (the thread-scaling point) ...")
@@ -703,8 +709,8 @@ def summary_rows(report: PerfReport) -> list[tuple[str, str, str, str]]:
 
 
 def _memory_rows(mem: WorkerResult | None, tor: WorkerResult | None) -> list[tuple[str, str, str, str]]:
-    """The main table's last rows: the reference's times and peak memory with one layer's share of the cache, the
-    torch engine's peak memory (each where it was run)."""
+    """The main table's last rows: the reference's times and peak memory on the 1-layer file with the default
+    cache budget, the torch engine's peak memory (each where it was run)."""
     rows = []
     if mem:
         run = mem.runs[0]
