@@ -139,7 +139,7 @@ def trace(engine: str | Engine, model: str | os.PathLike, tokens: Sequence[int],
             on_chunk(r)
 
     results = run_sequence(eng, list(plan.tokens), decode_steps=plan.decode, chunk=plan.chunk, forced=plan.forced,
-                           capture=subops, on_chunk=each)
+                           capture=subops, on_chunk=each, keep=False)
     all_tokens = np.concatenate([r.tokens for r in results]).tolist()
     if dh:
         carriers = {l: np.concatenate(rows) for l, rows in taps.items()}

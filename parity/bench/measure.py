@@ -182,7 +182,7 @@ def time_tracing(timed: TimedEngine, n_prompt: int, reps: int, top_k: int = 20) 
             spent[0] += time.perf_counter() - t
 
         t = time.perf_counter()
-        run_sequence(timed, prompt, on_chunk=add)
+        run_sequence(timed, prompt, on_chunk=add, keep=False)   # as `trace` runs it
         total = time.perf_counter() - t
         t = time.perf_counter()
         rec.tables()
