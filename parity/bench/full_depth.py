@@ -369,8 +369,9 @@ def parallel_lines(result: FullDepthResult) -> list[str]:
         serial = steps.get(SERIAL_OF[name])
         gain = f", speed-up {serial.wall_s / row.wall_s:.2f}x over {serial.wall_s:.1f} s serial" if serial else ""
         same = {True: "the same as", False: "NOT the same as", None: "not comparable with"}[row.same_report]
+        cpu = "; its CPU column counts the driver only (Ray's workers are not its children)" if "ray" in name else ""
         lines.append(f"* {name}: {row.wall_s:.1f} s{gain} (load {row.load_before:.1f} -> {row.load_after:.1f}); "
-                     f"its report is {same} {row.same_report_as}'s (wall-clock seconds aside)")
+                     f"its report is {same} {row.same_report_as}'s (wall-clock seconds aside){cpu}")
     serial, two = steps.get("check-fault"), steps.get("check-fault-workers2")
     if serial and two:
         a, b = amdahl([(1, serial.wall_s), (2, two.wall_s)])
