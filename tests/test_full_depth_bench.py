@@ -16,6 +16,7 @@ from requires import require
 
 from parity.bench.full_depth import amdahl, descendants, run_measured, same_report
 from parity.bench.full_depth_report import SpeedFound, StepRow
+from parity.gguf.weights import Weights
 
 # a child that holds 256 MiB of touched anonymous memory for 1.5 s, then exits 3
 HOLD = "import time; b = bytearray(256 << 20); time.sleep(1.5); raise SystemExit(3)"
@@ -78,7 +79,7 @@ def test_same_report_ignores_only_wall_clock_seconds(tmp_path):
     assert same_report(other, serial) is None
 
 
-@pytest.mark.parametrize("engine", ["torch", "llama.cpp"])
+@pytest.mark.parametrize("engine", ["torch", "reference", "llama.cpp"])
 def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
     if engine == "llama.cpp":
         require("llama_cpp")
@@ -90,3 +91,9 @@ def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
     speed = SpeedFound.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
     assert (speed.engine, speed.prompt, speed.decode_steps, speed.reps, speed.threads) == (engine, 8, 2, 2, 1)
     assert 0 < speed.decode_s < speed.prefill_s + speed.load_s and speed.prefill_cpu_s > 0
+    if engine == "llama.cpp":   # one graph for the whole model: no per-layer times
+        assert speed.prefill_layer_s is None and speed.decode_layer_s is None
+    else:                       # the tiny model's layers, each timed; together at most the whole forward
+        layers = Weights(str(tiny_f32)).config.n_layers
+        assert len(speed.prefill_layer_s) == len(speed.decode_layer_s) == layers
+        assert min(speed.prefill_layer_s) > 0 and sum(speed.prefill_layer_s) < speed.prefill_s

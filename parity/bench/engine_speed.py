@@ -4,8 +4,9 @@
     python -m parity.bench.engine_speed torch MODEL PROMPT_FILE --decode 4 --reps 2 --threads 2
     python -m parity.bench.engine_speed llama.cpp MODEL PROMPT_FILE --decode 4 --reps 2 --threads 2
 
-torch: loaded through `load_engine` and timed by the harness's own forward loop (`measure.time_prefill_decode`: no
-recording), QAT simulations off. llama.cpp: the library its users call (llama-cpp-python's `Llama`, the file
+torch and reference: loaded through `load_engine` (`threads=N`, the reference with its default cache budget) and
+timed by the harness's own forward loop (`measure.time_prefill_decode`: no recording; each layer's time too), QAT
+simulations off. llama.cpp: the library its users call (llama-cpp-python's `Llama`, the file
 memory-mapped, `n_threads`), not the harness's llamacpp engine, which captures every layer's tensors; it computes
 no QAT round trips either. Both prefill the prompt in one batch and then decode one token per step (torch its
 greedy tokens, llama.cpp the prompt's first tokens again: the cost of a step does not depend on the token). Prints
@@ -24,21 +25,21 @@ from pathlib import Path
 from parity.bench.full_depth_report import SpeedFound
 from parity.bench.measure import load_average
 
-ENGINES = ("torch", "llama.cpp")
+ENGINES = ("torch", "reference", "llama.cpp")
 
 
-def torch_speed(model: str, prompt: list[int], decode: int, reps: int, threads: int) -> SpeedFound:
-    """The torch engine's prefill of `prompt` and `decode` greedy steps, `reps` times, medians."""
+def harness_speed(name: str, model: str, prompt: list[int], decode: int, reps: int, threads: int) -> SpeedFound:
+    """Engine `name`'s prefill of `prompt` and `decode` greedy steps through the harness's loop, `reps` times,
+    medians (whole model and per layer)."""
     from parity.bench.measure import TimedEngine, time_prefill_decode
     from parity.contract.engine import RunOptions, load_engine
 
     t = time.perf_counter()
-    engine = load_engine("torch", model, RunOptions(fp8_kv=False, fp4_indexer=False,
-                                                    engine_args=(f"threads={threads}",)))
+    engine = load_engine(name, model, RunOptions(fp8_kv=False, fp4_indexer=False, engine_args=(f"threads={threads}",)))
     load_s = time.perf_counter() - t
     run = time_prefill_decode(TimedEngine(engine), len(prompt), reps, decode, prompt=prompt)
-    return SpeedFound("torch", len(prompt), decode, reps, threads, load_s, run.prefill_s, run.decode_s,
-                      run.prefill_cpu_s, run.decode_cpu_s, run.load)
+    return SpeedFound(name, len(prompt), decode, reps, threads, load_s, run.prefill_s, run.decode_s,
+                      run.prefill_cpu_s, run.decode_cpu_s, run.load, run.prefill_layer_s, run.decode_layer_s)
 
 
 def llamacpp_speed(model: str, prompt: list[int], decode: int, reps: int, threads: int) -> SpeedFound:
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, required=True, help="CPU threads of the engine")
     args = ap.parse_args(argv)
     prompt = [int(t) for t in args.prompt_file.read_text().split(",")]
-    speed = (torch_speed if args.engine == "torch" else llamacpp_speed)(
-        str(args.model), prompt, args.decode, args.reps, args.threads)
+    work = (str(args.model), prompt, args.decode, args.reps, args.threads)
+    speed = llamacpp_speed(*work) if args.engine == "llama.cpp" else harness_speed(args.engine, *work)
     print(json.dumps(speed.to_dict()))
     return 0
 

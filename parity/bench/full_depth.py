@@ -28,6 +28,7 @@ and, placed after trace-torch-24, the engines' speed as users run them (`parity.
 
   speed-torch-24     the torch engine: 24-token prefill + 4 decode steps, whole model, QAT simulations off
   speed-llamacpp-24  llama.cpp (llama-cpp-python's Llama) on the same file, the same prompt and steps
+  speed-reference-24 the reference, the same (one repetition: minutes); torch's and its times per layer too
 
 The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)). Memory is the whole process tree's: a check's
 worker processes and a local Ray instance (raylet, workers) are the step's descendants, and their anonymous RSS is
@@ -64,6 +65,7 @@ from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
 FAULT = "comb-not-transposed@30"
+SPEED_RUNS = (("torch", "torch", 2), ("llamacpp", "llama.cpp", 2), ("reference", "reference", 1))  # step, engine, reps
 CHUNK_2000 = 256   # prefill chunk of the 2000-token trace: 88 checkpoints x 256 rows x 4 x 4096 float32 = 1.4 GiB
 SAMPLE_S = 0.2
 
@@ -158,10 +160,10 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(24), "--decode", "4", "--full", "all",
               "-o", str(out / "torch24.npz")], npz("torch24")),
         *(Step(f"speed-{name}-24", f"{engine}: 24-token prefill + 4 decode steps, whole model, {threads} threads, "
-               "QAT simulations off (x 2, medians)",
+               f"QAT simulations off (x {reps}, medians)",
                [sys.executable, "-m", "parity.bench.engine_speed", engine, str(model), prompt_arg(24), "--decode", "4",
-                "--reps", "2", "--threads", str(threads)], [])
-          for name, engine in (("torch", "torch"), ("llamacpp", "llama.cpp"))),
+                "--reps", str(reps), "--threads", str(threads)], [])
+          for name, engine, reps in SPEED_RUNS),
         Step("trace-torch-2000", f"torch trace, 2000-token prompt in chunks of {CHUNK_2000}, --positions all, "
              "fingerprints only",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "--chunk", str(CHUNK_2000),
@@ -186,8 +188,8 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
 
 
 STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "speed-torch-24", "speed-llamacpp-24",
-         "trace-torch-2000", "diff-clean", "check-clean", "trace-torch-24-fault", "diff-fault", "check-fault",
-         "check-fault-workers2", "check-fault-ray")
+         "speed-reference-24", "trace-torch-2000", "diff-clean", "check-clean", "trace-torch-24-fault", "diff-fault",
+         "check-fault", "check-fault-workers2", "check-fault-ray")
 SERIAL_OF = {"check-fault-workers2": "check-fault", "check-fault-ray": "check-fault"}   # parallel -> serial step
 
 
@@ -326,7 +328,7 @@ def render_markdown(result: FullDepthResult) -> str:
 
 def speed_lines(result: FullDepthResult) -> list[str]:
     """The speed steps' table and the torch / llama.cpp ratio per token (nothing when neither ran)."""
-    found = [row.speed for name in ("speed-torch-24", "speed-llamacpp-24")
+    found = [row.speed for name in ("speed-torch-24", "speed-llamacpp-24", "speed-reference-24")
              if (row := result.steps.get(name)) is not None and row.speed is not None]
     if not found:
         return []
@@ -336,12 +338,23 @@ def speed_lines(result: FullDepthResult) -> list[str]:
         lines.append(f"| {s.engine} ({s.threads}) | {s.load_s:.1f} s | {s.prefill_s:.2f} s "
                      f"({s.prefill_s / s.prompt:.3f} s) | {_opt_s(s.decode_s)} | {_opt_s(s.prefill_cpu_s)} / "
                      f"{_opt_s(s.decode_cpu_s)} | {'-' if s.load is None else f'{s.load:.1f}'} |")
-    if len(found) == 2 and found[0].decode_s and found[1].decode_s:
-        t, lcp = found
-        per_token = t.prefill_s / t.prompt / (lcp.prefill_s / lcp.prompt)
-        lines += ["", f"torch / llama.cpp per token: prefill {per_token:.2f}x, decode {t.decode_s / lcp.decode_s:.2f}x "
-                      "(above 1: torch slower)"]
+    by = {s.engine: s for s in found}
+    for slow, fast in (("torch", "llama.cpp"), ("reference", "torch")):
+        a, b = by.get(slow), by.get(fast)
+        if a and b and a.decode_s and b.decode_s:
+            per_token = a.prefill_s / a.prompt / (b.prefill_s / b.prompt)
+            lines += ["", f"{slow} / {fast} per token: prefill {per_token:.2f}x, decode {a.decode_s / b.decode_s:.2f}x "
+                          f"(above 1: {slow} slower)"]
+    layered = [s for s in found if s.prefill_layer_s and s.decode_layer_s]
+    if layered:
+        lines += ["", "| engine | per layer: prefill median (min-max) | decode step median (min-max) |",
+                  "|---|---|---|"]
+        lines += [f"| {s.engine} | {_spread(s.prefill_layer_s)} | {_spread(s.decode_layer_s)} |" for s in layered]
     return lines
+
+
+def _spread(seconds: list[float]) -> str:
+    return f"{float(np.median(seconds)):.3f} s ({min(seconds):.3f}-{max(seconds):.3f} s)"
 
 
 def _opt_s(seconds: float | None) -> str:

@@ -50,7 +50,10 @@ class DiffFound(JsonRecord):
 class SpeedFound(JsonRecord):
     """Whole-model speed of one engine as its users run it (`parity.bench.engine_speed`): engine, prompt tokens,
     decode steps, repetitions, CPU threads, model load seconds, then medians over the repetitions: prefill seconds,
-    seconds per decode step, their CPU seconds, and the 1-minute load average."""
+    seconds per decode step, their CPU seconds, the 1-minute load average, and (engines run layer by layer
+    through the harness) each layer's prefill and decode-step seconds."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("prefill_layer_s", "decode_layer_s")
 
     engine: str
     prompt: int
@@ -63,6 +66,8 @@ class SpeedFound(JsonRecord):
     prefill_cpu_s: float | None
     decode_cpu_s: float | None
     load: float | None
+    prefill_layer_s: list[float] | None = None
+    decode_layer_s: list[float] | None = None
 
 
 @dataclass(frozen=True)
