@@ -3,14 +3,15 @@
 
     python -m parity.bench.engine_speed torch MODEL PROMPT_FILE --decode 4 --reps 2 --threads 2
     python -m parity.bench.engine_speed llama.cpp MODEL PROMPT_FILE --decode 4 --reps 2 --threads 2
+    python -m parity.bench.engine_speed reference MODEL PROMPT_FILE --decode 4 --reps 1 --threads 2
 
 torch and reference: loaded through `load_engine` (`threads=N`, the reference with its default cache budget) and
 timed by the harness's own forward loop (`measure.time_prefill_decode`: no recording; each layer's time too), QAT
 simulations off. llama.cpp: the library its users call (llama-cpp-python's `Llama`, the file
 memory-mapped, `n_threads`), not the harness's llamacpp engine, which captures every layer's tensors; it computes
-no QAT round trips either. Both prefill the prompt in one batch and then decode one token per step (torch its
-greedy tokens, llama.cpp the prompt's first tokens again: the cost of a step does not depend on the token). Prints
-one JSON line, the `SpeedFound` record (medians over the repetitions).
+no QAT round trips either. Each prefills the prompt in one batch and then decodes one token per step (torch and
+the reference their greedy tokens, llama.cpp the prompt's first tokens again: the cost of a step does not depend on
+the token). Prints one JSON line, the `SpeedFound` record (medians over the repetitions).
 """
 
 from __future__ import annotations

@@ -327,12 +327,13 @@ def render_markdown(result: FullDepthResult) -> str:
 
 
 def speed_lines(result: FullDepthResult) -> list[str]:
-    """The speed steps' table and the torch / llama.cpp ratio per token (nothing when neither ran)."""
+    """The speed steps' table, the torch / llama.cpp and reference / torch ratios per token, and the per-layer
+    times of the engines run layer by layer (nothing when no speed step ran)."""
     found = [row.speed for name in ("speed-torch-24", "speed-llamacpp-24", "speed-reference-24")
              if (row := result.steps.get(name)) is not None and row.speed is not None]
     if not found:
         return []
-    lines = ["", "| engine (threads) | load | prefill (per token) | decode step | CPU prefill / decode step "
+    lines = ["", "| engine (threads) | model load | prefill (per token) | decode step | CPU prefill / decode step "
              "| load avg |", "|---|---|---|---|---|---|"]
     for s in found:
         lines.append(f"| {s.engine} ({s.threads}) | {s.load_s:.1f} s | {s.prefill_s:.2f} s "
