@@ -21,6 +21,8 @@ rewritten from all of them):
   trace-torch-24-fault  torch with --inject comb-not-transposed@30, 24 + 4 forced onto the clean run's tokens
   diff-fault      v4parity diff of the reference and the faulty torch trace
   check-fault     v4parity check of that trace
+  capture-llamacpp-24  v4parity capture llamacpp: llama.cpp's tensors of the same 24 + 4 tokens
+  check-llamacpp  v4parity check of that capture (QAT simulations off, so an envelope of its own is measured once)
   check-fault-workers2  the same check with --workers 2 (its JSON compared with check-fault's)
   check-fault-ray       the same check with --ray --workers 2 (a local Ray instance of 2 CPUs; compared the same)
 
@@ -179,6 +181,11 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
              [exe, "diff", str(out / "ref24.npz"), str(out / "torch24-fault.npz"), "--json", "--no-fail"], []),
         Step("check-fault", f"check of the torch trace with {FAULT}",
              [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json"], []),
+        Step("capture-llamacpp-24", "llama.cpp capture (every mapped tensor), 24 + 4 decode, 2 threads",
+             [exe, "capture", "llamacpp", "-m", str(model), "--tokens-file", prompt_arg(24), "--decode", "4",
+              "--engine-arg", f"lcp_threads={threads}", "-o", str(out / "lcp24.npz")], [out / "lcp24.npz"]),
+        Step("check-llamacpp", "check of the llama.cpp capture (QAT simulations off: their own envelope)",
+             [exe, "check", "-m", str(model), "-c", str(out / "lcp24.npz"), "--json"], []),
         Step("check-fault-workers2", f"check of the torch trace with {FAULT}, --workers 2",
              [exe, "check", "-m", str(model), "-c", str(out / "torch24-fault.npz"), "--json", "--workers", "2"], []),
         Step("check-fault-ray", f"check of the torch trace with {FAULT}, --ray (local, 2 CPUs)",
@@ -189,7 +196,7 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
 
 STEPS = ("synth", "inspect", "trace-ref-24", "trace-torch-24", "speed-torch-24", "speed-llamacpp-24",
          "speed-reference-24", "trace-torch-2000", "diff-clean", "check-clean", "trace-torch-24-fault", "diff-fault",
-         "check-fault", "check-fault-workers2", "check-fault-ray")
+         "check-fault", "capture-llamacpp-24", "check-llamacpp", "check-fault-workers2", "check-fault-ray")
 SERIAL_OF = {"check-fault-workers2": "check-fault", "check-fault-ray": "check-fault"}   # parallel -> serial step
 
 
