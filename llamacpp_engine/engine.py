@@ -299,6 +299,13 @@ class LlamaCppEngine:
                 "chunks": np.array([*chunks, *([1] * decode)], np.int64), "n_prompt": np.array(len(prompt))}
         return out
 
+    # -- capability: PlainDecode (timing: llama.cpp as its users run it) --------------------------
+    def new_plain(self) -> Context:
+        return Context(self.model, observed=False)
+
+    def plain_decode(self, plain: Context, tokens: np.ndarray, start_pos: int) -> None:
+        plain.feed(self._tokens(tokens, "plain_decode"), start_pos)
+
     # -- internals ------------------------------------------------------------------------------
     def _tokens(self, tokens: np.ndarray, where: str) -> np.ndarray:
         return check_tokens(tokens, self.config.vocab_size, where)

@@ -87,8 +87,11 @@ class Model:
 class Context:
     """One llama.cpp context = one sequence's caches."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, observed: bool = True) -> None:
+        """`observed`: install the eval callback that copies out and overwrites tensors (`decode`); without it the
+        context only runs the graph (`feed`)."""
         self.model, lib, s = model, model.lib, model.settings
+        self.observed = observed
         self.lib = lib
         self._collect: dict[str, np.ndarray] = {}
         self._overrides: Mapping[str, np.ndarray] = {}
@@ -103,7 +106,8 @@ class Context:
         p.n_threads = p.n_threads_batch = s.threads
         p.type_k = p.type_v = KV_TYPES[s.kv]
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.cb_eval, p.cb_eval_user_data = self._cb, None
+        if observed:
+            p.cb_eval, p.cb_eval_user_data = self._cb, None
         if model.mtp:
             p.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
         self.ptr = lib.llama_init_from_model(model.ptr, p)
@@ -160,6 +164,9 @@ class Context:
         cache views as of the end. `stop_after`: end each graph once that tensor is computed (the context's
         caches are then unusable: only for a scratch context that is cleared before its next use). `hidden`
         [n, width]: a hidden-state row per token, fed in the batch's `embd` next to the token."""
+        if not self.observed:
+            raise ParityError("llamacpp: decode() copies tensors out; this context was made without the eval "
+                              "callback (feed() only)")
         tokens = np.asarray(tokens, np.int64)
         n, s = len(tokens), self.model.settings
         if hidden is not None and (hidden.ndim != 2 or len(hidden) != n):
@@ -181,8 +188,26 @@ class Context:
         self.next_pos, self.empty = start_pos + n, False
         return {k: v[-1] if base_name(k) in CACHE_ROWS else np.concatenate(v) for k, v in parts.items()}
 
+    def feed(self, tokens: np.ndarray, start_pos: int) -> None:
+        """Feed tokens at start_pos.. as llama.cpp's users do: in a context made with `observed=False` (no eval
+        callback), only the last row's logits computed (capability `PlainDecode`; the sequence rules are
+        `decode`'s)."""
+        if self.observed:
+            raise ParityError("llamacpp: feed() times the plain graph; this context has the eval callback")
+        tokens = np.asarray(tokens, np.int64)
+        n, s = len(tokens), self.model.settings
+        if not self.empty and start_pos != self.next_pos:
+            raise ParityError(f"llamacpp: chunk starts at position {start_pos}, the context expects {self.next_pos}")
+        if start_pos + n > s.n_ctx:
+            raise ParityError(f"llamacpp: positions up to {start_pos + n - 1} exceed the context of {s.n_ctx} "
+                              "(raise lcp_ctx)")
+        for i0 in range(0, n, s.n_ubatch):
+            self._ubatch(tokens[i0:i0 + s.n_ubatch], start_pos + i0, {}, False, None, None, last_logits_only=True)
+        self.next_pos, self.empty = start_pos + n, False
+
     def _ubatch(self, tokens: np.ndarray, pos0: int, overrides: Mapping[str, np.ndarray],
-                capture: bool, stop_after: str | None, hidden: np.ndarray | None) -> dict[str, np.ndarray]:
+                capture: bool, stop_after: str | None, hidden: np.ndarray | None,
+                last_logits_only: bool = False) -> dict[str, np.ndarray]:
         lib, n = self.lib, len(tokens)
         batch = lib.llama_batch_init(n, 0 if hidden is None else hidden.shape[1], 1)
         token_rows = None
@@ -194,7 +219,7 @@ class Context:
                 ctypes.memmove(batch.embd, rows_in.ctypes.data, rows_in.nbytes)
             for i, tok in enumerate(tokens):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), pos0 + i, 1
-                batch.seq_id[i][0], batch.logits[i] = 0, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, int(not last_logits_only or i == n - 1)
             batch.n_tokens = n
             self._collect, self._overrides, self._capture, self._count, self._error = {}, overrides, capture, {}, None
             self._stop = stop_after

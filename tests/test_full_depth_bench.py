@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import FrozenInstanceError, fields
 from pathlib import Path
 
@@ -42,20 +44,52 @@ def test_kills_over_the_memory_limit_or_the_time_limit(tmp_path):
     assert row.killed.startswith("killed: still running") and row.wall_s < 10
 
 
-# a child that starts a grandchild holding 256 MiB, then waits for it: the tree's memory, not the child's own
+# a child that starts a grandchild holding 256 MiB (it writes its pid to PIDFILE), then waits for it: the tree's
+# memory, not the child's own
 TREE = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
-        "'import time; b = bytearray(256 << 20); time.sleep(1.5)'])")
+        "'import os, time; open(\"PIDFILE\", \"w\").write(str(os.getpid())); b = bytearray(256 << 20); "
+        "time.sleep(SLEEP)'])")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_memory_is_the_process_trees(tmp_path):
-    row = run_measured([sys.executable, "-c", TREE], tmp_path / "t.log", anon_limit=4 << 30, timeout_s=60)
+    pidfile = tmp_path / "grandchild.pid"
+    tree = TREE.replace("PIDFILE", str(pidfile))
+    row = run_measured([sys.executable, "-c", tree.replace("SLEEP", "1.5")], tmp_path / "t.log",
+                       anon_limit=4 << 30, timeout_s=60)
     assert row.exit == 0 and row.peak_anon >= 256 << 20
-    # over the limit the whole tree is killed: the step ends long before the grandchild's sleep would
-    slow = TREE.replace("time.sleep(1.5)", "time.sleep(30)")
-    row = run_measured([sys.executable, "-c", slow], tmp_path / "u.log", anon_limit=128 << 20, timeout_s=60)
+    # over the limit the whole tree is killed, the grandchild too, long before its sleep would end
+    row = run_measured([sys.executable, "-c", tree.replace("SLEEP", "60")], tmp_path / "u.log",
+                       anon_limit=128 << 20, timeout_s=60)
     assert row.killed.startswith("killed: anonymous RSS") and row.wall_s < 20
-    assert not [p for p in descendants(os.getpid()) if p != os.getpid()
-                if "time.sleep(30)" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):   # SIGKILL is delivered asynchronously
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+
+
+def test_descendants_are_the_tree_below_a_process():
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, "
+                              "'-c', 'import time; time.sleep(30)'])"], start_new_session=True)
+    try:
+        for _ in range(50):
+            tree = descendants(child.pid)
+            if len(tree) == 2:
+                break
+            time.sleep(0.1)
+        assert tree[0] == child.pid and len(tree) == 2 and os.getpid() not in tree
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 def test_amdahl_recovers_the_law_it_fits():
@@ -79,9 +113,9 @@ def test_same_report_ignores_only_wall_clock_seconds(tmp_path):
     assert same_report(other, serial) is None
 
 
-@pytest.mark.parametrize("engine", ["torch", "reference", "llama.cpp"])
+@pytest.mark.parametrize("engine", ["torch", "reference", "llamacpp"])
 def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
-    if engine == "llama.cpp":
+    if engine == "llamacpp":
         require("llama_cpp")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("5,9,13,17,21,25,29,33")
@@ -91,9 +125,29 @@ def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
     speed = SpeedFound.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
     assert (speed.engine, speed.prompt, speed.decode_steps, speed.reps, speed.threads) == (engine, 8, 2, 2, 1)
     assert 0 < speed.decode_s < speed.prefill_s + speed.load_s and speed.prefill_cpu_s > 0
-    if engine == "llama.cpp":   # one graph for the whole model: no per-layer times
+    if engine == "llamacpp":   # one graph for the whole model: no per-layer times
         assert speed.prefill_layer_s is None and speed.decode_layer_s is None
     else:                       # the tiny model's layers, each timed; together at most the whole forward
         layers = Weights(str(tiny_f32)).config.n_layers
         assert len(speed.prefill_layer_s) == len(speed.decode_layer_s) == layers
         assert min(speed.prefill_layer_s) > 0 and sum(speed.prefill_layer_s) < speed.prefill_s
+
+
+def test_only_llamacpp_runs_plain_and_a_plain_context_only_feeds(tiny_f32):
+    require("llama_cpp")
+    import numpy as np
+
+    from parity.contract.engine import PlainDecode, RunOptions, load_engine
+    from parity.contract.errors import ParityError
+
+    off = RunOptions(fp8_kv=False, fp4_indexer=False)
+    assert not isinstance(load_engine("torch", str(tiny_f32), off), PlainDecode)
+    engine = load_engine("llamacpp", str(tiny_f32), off)
+    assert isinstance(engine, PlainDecode)
+    plain = engine.new_plain()
+    engine.plain_decode(plain, np.array([5, 9, 13]), 0)
+    engine.plain_decode(plain, np.array([17]), 3)
+    with pytest.raises(ParityError, match="starts at position 9, the context expects 4"):
+        engine.plain_decode(plain, np.array([21]), 9)
+    with pytest.raises(ParityError, match=r"without the eval callback \(feed\(\) only\)"):
+        plain.decode(np.array([21]), 4)

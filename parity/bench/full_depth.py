@@ -29,7 +29,7 @@ rewritten from all of them):
 and, placed after trace-torch-24, the engines' speed as users run them (`parity.bench.engine_speed`):
 
   speed-torch-24     the torch engine: 24-token prefill + 4 decode steps, whole model, QAT simulations off
-  speed-llamacpp-24  llama.cpp (llama-cpp-python's Llama) on the same file, the same prompt and steps
+  speed-llamacpp-24  llama.cpp on the same file, the same prompt and steps, as its users run it (`PlainDecode`)
   speed-reference-24 the reference, the same (one repetition: minutes); torch's and its times per layer too
 
 The prompts are `measure.prompt_tokens` (seeded ids in [2, vocab)). Memory is the whole process tree's: a check's
@@ -62,12 +62,12 @@ from parity.bench.full_depth_report import (
     SpeedFound,
     StepRow,
 )
-from parity.bench.measure import load_average, prompt_tokens
+from parity.bench.measure import load_average, prompt_tokens, seconds_cell
 from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
 FAULT = "comb-not-transposed@30"
-SPEED_RUNS = (("torch", "torch", 2), ("llamacpp", "llama.cpp", 2), ("reference", "reference", 1))  # step, engine, reps
+SPEED_RUNS = (("torch", 2), ("llamacpp", 2), ("reference", 1))   # the speed steps' engines and repetitions
 CHUNK_2000 = 256   # prefill chunk of the 2000-token trace: 88 checkpoints x 256 rows x 4 x 4096 float32 = 1.4 GiB
 SAMPLE_S = 0.2
 
@@ -161,11 +161,11 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
         Step("trace-torch-24", "torch trace, 24 + 4 decode, --positions all --full all",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(24), "--decode", "4", "--full", "all",
               "-o", str(out / "torch24.npz")], npz("torch24")),
-        *(Step(f"speed-{name}-24", f"{engine}: 24-token prefill + 4 decode steps, whole model, {threads} threads, "
+        *(Step(f"speed-{engine}-24", f"{engine}: 24-token prefill + 4 decode steps, whole model, {threads} threads, "
                f"QAT simulations off (x {reps}, medians)",
                [sys.executable, "-m", "parity.bench.engine_speed", engine, str(model), prompt_arg(24), "--decode", "4",
                 "--reps", str(reps), "--threads", str(threads)], [])
-          for name, engine, reps in SPEED_RUNS),
+          for engine, reps in SPEED_RUNS),
         Step("trace-torch-2000", f"torch trace, 2000-token prompt in chunks of {CHUNK_2000}, --positions all, "
              "fingerprints only",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "--chunk", str(CHUNK_2000),
@@ -344,10 +344,11 @@ def speed_lines(result: FullDepthResult) -> list[str]:
              "| load avg |", "|---|---|---|---|---|---|"]
     for s in found:
         lines.append(f"| {s.engine} ({s.threads}) | {s.load_s:.1f} s | {s.prefill_s:.2f} s "
-                     f"({s.prefill_s / s.prompt:.3f} s) | {_opt_s(s.decode_s)} | {_opt_s(s.prefill_cpu_s)} / "
-                     f"{_opt_s(s.decode_cpu_s)} | {'-' if s.load is None else f'{s.load:.1f}'} |")
+                     f"({s.prefill_s / s.prompt:.3f} s) | {seconds_cell(s.decode_s)} | "
+                     f"{seconds_cell(s.prefill_cpu_s)} / {seconds_cell(s.decode_cpu_s)} | "
+                     f"{'-' if s.load is None else f'{s.load:.1f}'} |")
     by = {s.engine: s for s in found}
-    for slow, fast in (("torch", "llama.cpp"), ("reference", "torch")):
+    for slow, fast in (("torch", "llamacpp"), ("reference", "torch")):
         a, b = by.get(slow), by.get(fast)
         if a and b and a.decode_s and b.decode_s:
             per_token = a.prefill_s / a.prompt / (b.prefill_s / b.prompt)
@@ -363,10 +364,6 @@ def speed_lines(result: FullDepthResult) -> list[str]:
 
 def _spread(seconds: list[float]) -> str:
     return f"{float(np.median(seconds)):.3f} s ({min(seconds):.3f}-{max(seconds):.3f} s)"
-
-
-def _opt_s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.3f} s"
 
 
 def amdahl(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -657,7 +657,7 @@ def _per_layer(worker: WorkerResult | None, n: int, key: str) -> list[float] | N
     return getattr(run, key) if run and getattr(run, key) else None
 
 
-def _seconds(seconds: float | None) -> str:
+def seconds_cell(seconds: float | None) -> str:
     """A table cell of seconds ('-' where not measured)."""
     return "-" if seconds is None else f"{seconds:.3f} s"
 
@@ -680,12 +680,12 @@ def summary_rows(report: PerfReport) -> list[tuple[str, str, str, str]]:
             kind = {4: "CSA", 128: "HCA"}.get(ratio, f"ratio {ratio}")
             for what, key in ((f"prefill {n} tok", "prefill_layer_s"), (f"decode @ctx {n}", "decode_layer_s")):
                 r, t = (times[l] if times else None for times in (_per_layer(ref, n, key), _per_layer(tor, n, key)))
-                rows.append((f"{what}, layer {l} ({kind})", _seconds(r), _seconds(t),
+                rows.append((f"{what}, layer {l} ({kind})", seconds_cell(r), seconds_cell(t),
                              f"{r / t:.1f}x{at}" if r and t else "-"))
         for what in ("prefill", "decode"):
             r, t = (_cpu_s(_run(w, n), what) for w in (ref, tor))
             if r and t:
-                rows.append((f"CPU time, {what} {n} tok (all layers, all threads)", _seconds(r), _seconds(t),
+                rows.append((f"CPU time, {what} {n} tok (all layers, all threads)", seconds_cell(r), seconds_cell(t),
                              f"{r / t:.1f}x{at}"))
     est = []
     for w in (ref, tor):
@@ -715,8 +715,8 @@ def _memory_rows(mem: WorkerResult | None, tor: WorkerResult | None) -> list[tup
     if mem:
         run = mem.runs[0]
         share = f"1 layer, {mem.cache['budget'] / 2**30:.2f} GiB cache"  # type: ignore[index]
-        rows.append((f"reference {share}: prefill {run.prompt} / decode", _seconds(run.prefill_s),
-                     _seconds(run.decode_s), _load_note(run).strip()))
+        rows.append((f"reference {share}: prefill {run.prompt} / decode", seconds_cell(run.prefill_s),
+                     seconds_cell(run.decode_s), _load_note(run).strip()))
         rows.append((f"reference peak RSS, {share} (anon / total)",
                      f"{mem.peak_rss_anon_gb:.2f} / {mem.peak_rss_gb:.2f} GiB", "", ""))
     if tor:

@@ -276,6 +276,19 @@ class CacheStats(Protocol):
 
 
 @runtime_checkable
+class PlainDecode(Protocol):
+    """Capability: the engine's whole-model forward as its users run it, recording nothing (a whole-graph engine
+    whose `forward_layer` copies out every layer's tensors is slower than that): for timing only
+    (`parity.bench.engine_speed`)."""
+
+    def new_plain(self) -> Any:
+        """A fresh sequence for `plain_decode`."""
+
+    def plain_decode(self, plain: Any, tokens: np.ndarray, start_pos: int) -> None:
+        """Feed `tokens` at start_pos.. through the whole model (logits of the last row only, nothing copied)."""
+
+
+@runtime_checkable
 class Dequantizer(Protocol):
     @staticmethod
     def dequantizer(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], device: str) -> Any:
