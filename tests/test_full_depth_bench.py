@@ -113,14 +113,15 @@ def test_same_report_ignores_only_wall_clock_seconds(tmp_path):
     assert same_report(other, serial) is None
 
 
-@pytest.mark.parametrize("engine", ["torch", "reference", "llamacpp"])
-def test_engine_speed_times_the_whole_model(engine, tiny_f32, tmp_path):
+@pytest.mark.parametrize(("engine", "thread_arg"),
+                         [("torch", "threads"), ("reference", "threads"), ("llamacpp", "lcp_threads")])
+def test_engine_speed_times_the_whole_model(engine, thread_arg, tiny_f32, tmp_path):
     if engine == "llamacpp":
         require("llama_cpp")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("5,9,13,17,21,25,29,33")
     out = subprocess.run([sys.executable, "-m", "parity.bench.engine_speed", engine, str(tiny_f32), str(prompt),
-                          "--decode", "2", "--reps", "2", "--threads", "1"],
+                          "--decode", "2", "--reps", "2", "--threads", "1", "--thread-arg", thread_arg],
                          capture_output=True, text=True, check=True, timeout=300)
     speed = SpeedFound.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
     assert (speed.engine, speed.prompt, speed.decode_steps, speed.reps, speed.threads) == (engine, 8, 2, 2, 1)

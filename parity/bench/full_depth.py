@@ -67,7 +67,8 @@ from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
 FAULT = "comb-not-transposed@30"
-SPEED_RUNS = (("torch", 2), ("llamacpp", 2), ("reference", 1))   # the speed steps' engines and repetitions
+SPEED_RUNS = (("torch", "threads", 2), ("llamacpp", "lcp_threads", 2), ("reference", "threads", 1))
+# the speed steps: engine, its thread-count argument, repetitions
 CHUNK_2000 = 256   # prefill chunk of the 2000-token trace: 88 checkpoints x 256 rows x 4 x 4096 float32 = 1.4 GiB
 SAMPLE_S = 0.2
 
@@ -164,8 +165,8 @@ def steps(model: Path, out: Path, experts: int) -> list[Step]:
         *(Step(f"speed-{engine}-24", f"{engine}: 24-token prefill + 4 decode steps, whole model, {threads} threads, "
                f"QAT simulations off (x {reps}, medians)",
                [sys.executable, "-m", "parity.bench.engine_speed", engine, str(model), prompt_arg(24), "--decode", "4",
-                "--reps", str(reps), "--threads", str(threads)], [])
-          for engine, reps in SPEED_RUNS),
+                "--reps", str(reps), "--threads", str(threads), "--thread-arg", thread_arg], [])
+          for engine, thread_arg, reps in SPEED_RUNS),
         Step("trace-torch-2000", f"torch trace, 2000-token prompt in chunks of {CHUNK_2000}, --positions all, "
              "fingerprints only",
              [*trace, "--engine", "torch", "--tokens-file", prompt_arg(2000), "--chunk", str(CHUNK_2000),
