@@ -22,6 +22,7 @@ from requires import require
 
 from parity import api
 from parity.check.check import check
+from parity.check.check_report import timeless
 from parity.check.envelope import load_envelope
 from parity.check.parallel import EngineLoader
 from parity.cli import cli
@@ -35,12 +36,6 @@ DECODE = 2
 PROMPT = 20   # tokens of the built-in prompt: past the tiny model's window and compressed blocks, yet quick
 TWINS = 5
 LIBRARY = ("sink-dropped", "comb-not-transposed", "rope-split-halves")
-
-
-def _bytes(doc: dict) -> bytes:
-    doc = json.loads(json.dumps(doc))
-    doc["seconds"] = 0
-    return json.dumps(doc, indent=1).encode()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,7 @@ def _judge(model, trace, pool: WorkPool) -> bytes:
                        load_envelope(ENV_F32, "float32"), config=Weights(model).config,
                        fault_engines=[("torch", EngineLoader("torch", str(model)), LIBRARY)], n_twins=TWINS,
                        pool=pool)
-    return _bytes(report.to_dict())
+    return timeless(report.to_dict()).encode()
 
 
 @pytest.fixture(scope="module")

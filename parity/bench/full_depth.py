@@ -63,6 +63,7 @@ from parity.bench.full_depth_report import (
     StepRow,
 )
 from parity.bench.measure import load_average, prompt_tokens, seconds_cell
+from parity.check.check_report import timeless
 from parity.compare.verdict import Judged, Verdict
 from parity.contract.errors import ParityError
 
@@ -240,15 +241,6 @@ def speed(stdout: Path) -> SpeedFound | None:
     """engine_speed's record (its one JSON line); None when the step printed none (it failed)."""
     doc = _stdout_json(stdout)
     return None if doc is None else SpeedFound.from_dict(doc)
-
-
-def timeless(doc: dict[str, Any]) -> str:
-    """check's JSON document with its wall-clock fields (`seconds`, the envelope lookup's `seconds`) set to 0."""
-    doc = json.loads(json.dumps(doc))
-    doc["seconds"] = 0
-    if isinstance(doc.get("envelope"), dict) and "seconds" in doc["envelope"]:
-        doc["envelope"]["seconds"] = 0
-    return json.dumps(doc, indent=1)
 
 
 def same_report(stdout: Path, serial: Path) -> bool | None:

@@ -4,6 +4,7 @@ about them is made here."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
@@ -229,6 +230,16 @@ def json_document(report: CheckReport) -> dict[str, Any]:
                    "causes": [{"kind": c.kind, "name": c.name, "layer": c.layer, "subop": c.subop,
                                "evidence": cause_words(c)} for c in report.causes],
                    "table": [asdict(r) for r in report.table]})
+
+
+def timeless(doc: dict[str, Any]) -> str:
+    """A `json_document` as indented JSON text with its wall-clock fields (`seconds`, the envelope's `seconds`) set
+    to 0: what two runs of the same check must print alike."""
+    doc = json.loads(json.dumps(doc))
+    doc["seconds"] = 0
+    if isinstance(doc.get("envelope"), dict) and "seconds" in doc["envelope"]:
+        doc["envelope"]["seconds"] = 0
+    return json.dumps(doc, indent=1)
 
 
 def plot(report: CheckReport, path: str) -> None:
