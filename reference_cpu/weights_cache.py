@@ -8,7 +8,8 @@ A layer whose dense arrays alone need more than the budget is a TensorError nami
 expert slices are the exception, announced: a prefill may select more experts of a layer than the budget holds
 (256 real experts: 24 GiB as float32), and each selected expert is used once per chunk, so one that does not fit
 beside its layer is streamed (dequantized for that use, not cached; `streamed` in the stats; one line on stderr the
-first time). Embedding rows are dequantized per token and not cached.
+first time). Embedding rows are dequantized per token and not cached. The raw bytes of whatever was dequantized
+are released from the process's resident set (`Weights.release`): the store holds floats, not the file's pages too.
 """
 
 from __future__ import annotations
@@ -206,7 +207,13 @@ class WeightStore:
         if not has_min_term(self.act_quant, ggml_type):
             return None
         expert = isinstance(key, tuple) and len(key) == 3  # ("mins", name, e): an expert's, streamable like it
-        mins = self.cache.get(key, lambda: block_mins(*raw()).astype(self.dtype), streamable=expert)
+
+        def make() -> np.ndarray:
+            mins = block_mins(*raw()).astype(self.dtype)
+            self.weights.release(name, key[2] if expert else None)
+            return mins
+
+        mins = self.cache.get(key, make, streamable=expert)
         jit = self.input_jitter
         return q8_1_min_term(mins, None if jit is None else lambda x: jit(x, name, x.shape[-1]))
 
@@ -235,7 +242,9 @@ class WeightStore:
         """A whole float tensor, numpy shape reversed(ne)."""
         def make() -> np.ndarray:
             info = self.weights.info(name)
-            return self._convert(dequantize(self.weights.raw(name), info.ggml_type, info.shape), name)
+            arr = dequantize(self.weights.raw(name), info.ggml_type, info.shape)
+            self.weights.release(name)
+            return self._convert(arr, name)
 
         return self.cache.get(name, make, math.prod(self.weights.info(name).shape) * self.dtype.itemsize)
 
@@ -244,6 +253,7 @@ class WeightStore:
         def make() -> np.ndarray:
             info = self.weights.info(name)
             arr = dequantize(self.weights.raw(name), info.ggml_type, info.shape)
+            self.weights.release(name)
             if arr.dtype.kind != "i":
                 raise TensorError(f"tensor {name}: expected an integer (I32) tensor, found {info.type_name}")
             return arr.astype(np.int64)
@@ -257,12 +267,15 @@ class WeightStore:
         per = info.nbytes // n_rows
         raw = self.weights.raw(name)
         picked = np.concatenate([raw[int(r) * per : (int(r) + 1) * per] for r in ids])
+        self.weights.release(name)
         return self._convert(dequantize(picked, info.ggml_type, (len(ids), width)), f"{name} rows {list(ids)}")
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's (out, in) slice of a 3-D expert tensor (E, out, in), cached as (name, e)."""
         def make() -> np.ndarray:
-            return self._convert(dequantize(*self.weights.expert_raw(name, e)), f"{name}[expert {e}]")
+            arr = dequantize(*self.weights.expert_raw(name, e))
+            self.weights.release(name, e)
+            return self._convert(arr, f"{name}[expert {e}]")
 
         return self.cache.get((name, e), make, math.prod(self.weights.info(name).shape[1:]) * self.dtype.itemsize,
                               streamable=True)

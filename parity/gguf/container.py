@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from parity.contract.errors import GGUFError, quote
 from parity.contract.files import atomic_write
+from parity.gguf.mapping import file_map
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -237,7 +238,8 @@ class GGUFFile:
         size = Path(self.path).stat().st_size
         if size < 24:
             raise GGUFError(f"{self.path}: truncated: {size} bytes is smaller than a GGUF header")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._file_map = file_map(self.path)
+        self._map = self._file_map.array
         cur = _Cursor(memoryview(self._map), self.path)
         magic = bytes(self._map[:4])
         if magic != MAGIC:
@@ -321,6 +323,13 @@ class GGUFFile:
         """The tensor's raw bytes (uint8 view into the mapping, no copy)."""
         info = self.tensors[name]
         return self._map[info.offset : info.offset + info.nbytes]
+
+    def release(self, name: str, part: slice = slice(None)) -> None:
+        """Drop the pages of tensor `name`'s raw bytes (`part` of them) from the process's resident set
+        (`FileMap.release`: read back from the page cache when next used)."""
+        info = self.tensors[name]
+        start, stop, _ = part.indices(info.nbytes)
+        self._file_map.release(info.offset + start, info.offset + stop)
 
     def header_bytes(self) -> memoryview:
         """Header, metadata and tensor table (everything before the data section)."""
