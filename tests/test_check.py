@@ -10,6 +10,7 @@ meaning (the table of tests/test_bisect_engines.py).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -384,6 +385,8 @@ def test_llamacpp_capture_file_end_to_end(llama_cpp, tiny_mxfp4, setup, envelope
     names = {c["name"] for c in doc["causes"]}
     assert doc["verdict"] == "NOISE" and names & {"act-quant-q8_0", "act-quant-llamacpp"}, doc["causes"]
     assert names <= {"act-quant-q8_0", "act-quant-llamacpp", "rope-angle-recurrence"}, doc["causes"]
+    # the op-level stage counts its layers (a full-depth capture spends most of its check there)
+    assert re.search(r"^op-level layers 6/6 \d+:\d\d$", res.stderr, re.M), res.stderr
 
 
 def test_capture_subops_drill_down_to_the_dumped_op(llama_cpp, tiny_f32, setup, envelopes_qat_off, tmp_path):

@@ -398,7 +398,10 @@ def _local_stage(trace: Trace, ref_engine: Engine, cand: list[ChunkResult] | Non
     if subops is not None and cand is not None:
         say(f"op-level: every sub-op of {len(layers)} layers on the candidate's own dumped inputs, and "
             f"{n_twins} round-off twins of each ({(1 + n_twins) * len(layers)} layer-runs)")
-        local = [LayerLocal(l, op_verdict(ref_engine, cand, subops, l, n_twins).fit) for l in layers]
+        local = []
+        for k, l in enumerate(layers, 1):
+            local.append(LayerLocal(l, op_verdict(ref_engine, cand, subops, l, n_twins).fit))
+            count("op-level layers", k, len(layers))
         st.runs["op_level"] = (1 + n_twins) * len(layers)
     else:
         say(f"round-off null: {n_twins} twins of the reference on the candidate's inputs "
