@@ -70,7 +70,7 @@ from parity.contract.errors import ParityError
 FAULT = "comb-not-transposed@30"
 SPEED_RUNS = (("torch", "threads", 2), ("llamacpp", "lcp_threads", 2), ("reference", "threads", 1))
 # the speed steps: engine, its thread-count argument, repetitions
-CHUNK_2000 = 256   # prefill chunk of the 2000-token trace: 88 checkpoints x 256 rows x 4 x 4096 float32 = 1.4 GiB
+CHUNK_2000 = 128   # prefill chunk of the 2000-token trace: 88 checkpoints x 128 rows x 4 x 4096 float32 = 0.7 GiB
 SAMPLE_S = 0.2
 
 
