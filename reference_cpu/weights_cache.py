@@ -238,13 +238,19 @@ class WeightStore:
                               f"flat index {bad}")
         return arr.astype(self.dtype, copy=False)  # float32 dequantizer output is used as is (no second copy)
 
+    def _decode(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], name: str,
+                e: int | None = None) -> np.ndarray:
+        """`dequantize(raw)` (always a new array), then tensor `name`'s raw pages (expert e's) released from the
+        resident set (`Weights.release`)."""
+        arr = dequantize(raw, ggml_type, shape)
+        self.weights.release(name, e)
+        return arr
+
     def dense(self, name: str) -> np.ndarray:
         """A whole float tensor, numpy shape reversed(ne)."""
         def make() -> np.ndarray:
             info = self.weights.info(name)
-            arr = dequantize(self.weights.raw(name), info.ggml_type, info.shape)
-            self.weights.release(name)
-            return self._convert(arr, name)
+            return self._convert(self._decode(self.weights.raw(name), info.ggml_type, info.shape, name), name)
 
         return self.cache.get(name, make, math.prod(self.weights.info(name).shape) * self.dtype.itemsize)
 
@@ -252,8 +258,7 @@ class WeightStore:
         """An I32 tensor (e.g. ffn_gate_tid2eid) as int64."""
         def make() -> np.ndarray:
             info = self.weights.info(name)
-            arr = dequantize(self.weights.raw(name), info.ggml_type, info.shape)
-            self.weights.release(name)
+            arr = self._decode(self.weights.raw(name), info.ggml_type, info.shape, name)
             if arr.dtype.kind != "i":
                 raise TensorError(f"tensor {name}: expected an integer (I32) tensor, found {info.type_name}")
             return arr.astype(np.int64)
@@ -273,9 +278,7 @@ class WeightStore:
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's (out, in) slice of a 3-D expert tensor (E, out, in), cached as (name, e)."""
         def make() -> np.ndarray:
-            arr = dequantize(*self.weights.expert_raw(name, e))
-            self.weights.release(name, e)
-            return self._convert(arr, f"{name}[expert {e}]")
+            return self._convert(self._decode(*self.weights.expert_raw(name, e), name, e), f"{name}[expert {e}]")
 
         return self.cache.get((name, e), make, math.prod(self.weights.info(name).shape[1:]) * self.dtype.itemsize,
                               streamable=True)
