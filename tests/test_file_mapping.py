@@ -98,4 +98,3 @@ def test_the_reference_store_releases_the_raw_bytes_it_decoded(tiny_realmix):
     gone = before - present_pages(path)
     e3 = (experts.offset + 3 * per, experts.offset + 4 * per)
     assert gone == pages(*e3) | pages(d.offset, d.offset + d.nbytes)
-
