@@ -324,12 +324,13 @@ class GGUFFile:
         info = self.tensors[name]
         return self._map[info.offset : info.offset + info.nbytes]
 
-    def release(self, name: str, part: slice = slice(None)) -> None:
-        """Drop the pages of tensor `name`'s raw bytes (`part` of them) from the process's resident set
-        (`FileMap.release`: read back from the page cache when next used)."""
-        info = self.tensors[name]
-        start, stop, _ = part.indices(info.nbytes)
-        self._file_map.release(info.offset + start, info.offset + stop)
+    def release(self, raw: np.ndarray) -> None:
+        """Drop the pages under `raw`, a view of this file's bytes (`data`, or a slice of it), from the process's
+        resident set (`FileMap.release`: read back from the page cache when next used); an array that is not a
+        view of this file (a copy) is left alone."""
+        start = raw.__array_interface__["data"][0] - self._map.__array_interface__["data"][0]
+        if 0 <= start <= self._map.nbytes - raw.nbytes:
+            self._file_map.release(start, start + raw.nbytes)
 
     def header_bytes(self) -> memoryview:
         """Header, metadata and tensor table (everything before the data section)."""

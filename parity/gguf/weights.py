@@ -97,28 +97,24 @@ class Weights:
         _check_finite(out, f"{self.paths[0]}: {name}")
         return out
 
-    def _expert_bytes(self, name: str, e: int) -> slice:
-        """Where expert e's bytes lie in a 3-D expert tensor's (numpy (E, out, in))."""
-        info = self.info(name)
-        if len(info.shape) != 3:
-            raise TensorError(f"{self.paths[0]}: tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
-        n_exp = info.shape[0]
-        if not 0 <= e < n_exp:
-            raise TensorError(f"{self.paths[0]}: tensor {name!r}: expert {e} out of range [0, {n_exp})")
-        per = info.nbytes // n_exp
-        return slice(e * per, (e + 1) * per)
-
     def expert_raw(self, name: str, e: int) -> tuple[np.ndarray, int, tuple[int, int]]:
         """Expert e's bytes of a 3-D expert tensor (numpy (E, out, in)): (raw, ggml_type, (out, in))."""
         info = self.info(name)
-        return self.raw(name)[self._expert_bytes(name, e)], info.ggml_type, (info.shape[1], info.shape[2])
+        if len(info.shape) != 3:
+            raise TensorError(f"{self.paths[0]}: tensor {name!r} is not a 3-D expert tensor (shape {info.shape})")
+        n_exp, rows, cols = info.shape
+        if not 0 <= e < n_exp:
+            raise TensorError(f"{self.paths[0]}: tensor {name!r}: expert {e} out of range [0, {n_exp})")
+        per = info.nbytes // n_exp
+        return self.raw(name)[e * per : (e + 1) * per], info.ggml_type, (rows, cols)
 
     def release(self, name: str, e: int | None = None) -> None:
         """Drop tensor `name`'s raw pages (expert e's, when given) from the process's resident set, for a reader
-        that keeps its own decoded copy (`parity.gguf.mapping`: read back from the page cache when next used)."""
-        self.info(name)
-        f, _ = self._where[name]
-        f.release(name, slice(None) if e is None else self._expert_bytes(name, e))
+        that keeps its own decoded copy (`parity.gguf.mapping`: read back from the page cache when next used).
+        Bytes this object serves from a copy (a drafter's split tensor) have no pages to drop."""
+        raw = self.raw(name) if e is None else self.expert_raw(name, e)[0]
+        for f in self.files:
+            f.release(raw)
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e of a 3-D expert tensor (numpy (E, out, in)) as a float32 (out, in) matrix."""
